@@ -1,0 +1,11 @@
+"""Collective algorithms, each written once as functions over the ``Link`` protocol.
+
+``centralized``, ``tree`` and ``ring`` hold the schedules; ``strategies`` holds the strategy
+values and the one table that dispatches to them.
+"""
+
+from algorithms.link import Link
+from algorithms.ops import ReduceOp
+from algorithms.strategies import Centralized, Ring, Strategy, Tree, parse_strategy
+
+__all__ = ["Centralized", "Link", "ReduceOp", "Ring", "Strategy", "Tree", "parse_strategy"]

@@ -1,0 +1,61 @@
+"""The Link protocol: how an algorithm moves arrays between the peers of a group.
+
+Every algorithm in this package is a function of (link, array, ...) that calls only these
+methods, so the same code runs over in-process threads (transport.inproc), over ZeroMQ
+between nodes, and over the recording link of the tests.
+
+Buffer ownership
+----------------
+``send`` never waits for the receiver: the buffer is *lent* to the link. The sender must not
+write to it until either
+
+* ``flush()`` has returned, or
+* it has received a message from the destination that the destination sent after receiving
+  this one (the destination consumes a message completely before its ``recv_*`` returns).
+
+Algorithms rely on the second rule (a tree node reuses the buffer it sent up once the result
+comes down); the tests check every algorithm against it with a link that verifies, when a
+message is consumed, that its buffer still holds what was sent.
+
+Messages between one ordered pair of peers arrive in the order they were sent. Every wait is
+bounded by the collective's deadline; an implementation raises CollectiveTimeout,
+PeerLostError or the error another peer aborted the collective with.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from algorithms.ops import Array, ReduceOp
+
+__all__ = ["Link"]
+
+
+class Link(Protocol):
+    """One peer's end of a group of ``size`` peers; this peer has index ``rank``."""
+
+    @property
+    def rank(self) -> int:
+        """This peer's index in the group, 0 .. size-1."""
+        ...
+
+    @property
+    def size(self) -> int:
+        """Number of peers in the group."""
+        ...
+
+    def send(self, dst: int, data: Array) -> None:
+        """Queue the flat array ``data`` for peer ``dst`` and return at once (the buffer is lent)."""
+        ...
+
+    def recv_into(self, src: int, out: Array) -> None:
+        """Wait for the next message from ``src`` and copy it into ``out`` (same length and dtype)."""
+        ...
+
+    def recv_reduce(self, src: int, operand: Array, out: Array, op: ReduceOp) -> None:
+        """Wait for the next message from ``src``; ``out = op(message, operand)`` (``operand`` may be ``out``)."""
+        ...
+
+    def flush(self) -> None:
+        """Wait until no buffer lent by ``send`` is still needed by a receiver."""
+        ...

@@ -1,0 +1,93 @@
+"""Reduce operations and the array helpers every algorithm shares.
+
+Algorithms see flat (1-D, C-contiguous) arrays of numpy or CuPy. ``combine`` applies a
+reduce op elementwise with ``out=`` so no temporary is allocated; it dispatches on the
+array module of its inputs, which is how CuPy arrays take the same code path as numpy ones.
+"""
+
+from __future__ import annotations
+
+import enum
+import types
+from typing import Any
+
+import numpy as np
+
+from collective.errors import InvalidArgumentError
+
+Array = Any  # numpy.ndarray or cupy.ndarray: both expose the array API used here
+
+__all__ = ["Array", "ReduceOp", "array_module", "chunk_bounds", "combine", "copy_into"]
+
+
+class ReduceOp(enum.Enum):
+    """How the arrays of the peers are combined. MEAN is SUM divided by the job's peer count."""
+
+    SUM = "sum"
+    MEAN = "mean"
+    MAX = "max"
+    MIN = "min"
+    PROD = "prod"
+
+    @classmethod
+    def parse(cls, value: ReduceOp | str) -> ReduceOp:
+        """``ReduceOp.SUM`` or ``"sum"`` (any case) -> ``ReduceOp.SUM``; raises InvalidArgumentError."""
+        if isinstance(value, ReduceOp):
+            return value
+        if isinstance(value, str):
+            try:
+                return cls(value.strip().lower())
+            except ValueError:
+                pass
+        allowed = ", ".join(op.value for op in cls)
+        raise InvalidArgumentError(f"unknown reduce op {value!r}: expected one of {allowed}")
+
+    @property
+    def ufunc_name(self) -> str:
+        """The name of the elementwise ufunc (numpy and CuPy share them) that combines two arrays."""
+        return _UFUNC_NAMES[self]
+
+
+_UFUNC_NAMES = {
+    ReduceOp.SUM: "add",
+    ReduceOp.MEAN: "add",
+    ReduceOp.MAX: "maximum",
+    ReduceOp.MIN: "minimum",
+    ReduceOp.PROD: "multiply",
+}
+
+
+def array_module(array: Array) -> types.ModuleType:
+    """numpy for numpy arrays, cupy for CuPy arrays (without importing CuPy for numpy input)."""
+    if isinstance(array, np.ndarray):
+        return np
+    module_name = type(array).__module__.split(".")[0]
+    if module_name == "cupy":
+        import cupy
+
+        return cupy  # type: ignore[no-any-return]
+    raise InvalidArgumentError(f"expected a numpy or CuPy array, got {type(array).__name__}")
+
+
+def combine(op: ReduceOp, a: Array, b: Array, out: Array) -> None:
+    """out = op(a, b) elementwise; ``out`` may be ``a`` or ``b``. Commutative, so bit-identical either way."""
+    ufunc = getattr(array_module(out), op.ufunc_name)
+    ufunc(a, b, out=out)
+
+
+def chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``range(length)`` into ``parts`` contiguous chunks whose sizes differ by at most one.
+
+    >>> chunk_bounds(5, 4)
+    [(0, 1), (1, 2), (2, 3), (3, 5)]
+    """
+    if parts < 1:
+        raise ValueError(f"parts must be >= 1, got {parts}")
+    return [(j * length // parts, (j + 1) * length // parts) for j in range(parts)]
+
+
+def copy_into(out: Array, src: Array) -> None:
+    """out[...] = src, skipped when they are the same buffer (an in-place collective)."""
+    if out is src:
+        return
+    array_module(out).copyto(out, src)

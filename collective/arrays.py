@@ -1,0 +1,121 @@
+"""Checking a peer's arrays and turning them into the flat buffers the algorithms work on.
+
+A peer is registered on a device: ``"cpu"`` (numpy arrays) or ``"cuda:N"`` (CuPy arrays on GPU N).
+Supported dtypes: float16/32/64, int8..int64, uint8..uint64, complex64/128 (sum, mean, prod
+only) and bfloat16 (from ml_dtypes). The input is never written; a non-contiguous input is
+copied once into a contiguous buffer, a contiguous one is used as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from algorithms.ops import Array, ReduceOp, array_module
+from collective.errors import InvalidArgumentError, RegistrationError
+
+__all__ = ["Device", "check_array", "check_out", "flat", "new_result", "scale_for_mean"]
+
+_ORDERED_KINDS = "iuf"
+
+
+@dataclass(frozen=True)
+class Device:
+    """Where a peer's arrays live: kind "cpu" or "cuda", and the CUDA device index."""
+
+    kind: str
+    index: int = 0
+
+    @classmethod
+    def parse(cls, value: Device | str | int) -> Device:
+        """"cpu", "cuda", "cuda:N" or an int N (CUDA device N); raises RegistrationError."""
+        if isinstance(value, Device):
+            return value
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return cls("cuda", value)
+        if isinstance(value, str):
+            text = value.strip().lower()
+            if text == "cpu":
+                return cls("cpu")
+            kind, _, index = text.partition(":")
+            if kind in ("cuda", "gpu") and (index == "" or index.isdigit()):
+                return cls("cuda", int(index or 0))
+        raise RegistrationError(f"unknown device {value!r}: use 'cpu' or 'cuda:N'")
+
+    def __str__(self) -> str:
+        return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Array:
+        """An uninitialised array on this device."""
+        if self.kind == "cpu":
+            return np.empty(shape, dtype)
+        import cupy
+
+        with cupy.cuda.Device(self.index):
+            return cupy.empty(shape, dtype)
+
+
+def _device_of(array: Array) -> Device:
+    if isinstance(array, np.ndarray):
+        return Device("cpu")
+    return Device("cuda", int(array.device.id))
+
+
+def _dtype_problem(dtype: np.dtype[Any], op: ReduceOp | None) -> str | None:
+    if dtype.name == "bfloat16" or dtype.kind in _ORDERED_KINDS:
+        return None
+    if dtype.kind == "c":
+        if op in (ReduceOp.MAX, ReduceOp.MIN):
+            return f"op {op.value} is not defined for {dtype.name}"
+        return None
+    return f"unsupported dtype {dtype.name}: use a float, int, uint, complex or bfloat16 dtype"
+
+
+def check_array(array: Any, device: Device, op: ReduceOp | None, name: str = "x") -> str | None:
+    """Why ``array`` cannot be used by a peer on ``device`` with ``op``, or None if it can."""
+    try:
+        array_module(array)
+    except InvalidArgumentError:
+        return f"{name} must be a numpy or CuPy array, got {type(array).__name__}"
+    if _device_of(array) != device:
+        return f"{name} is on {_device_of(array)} but the peer was registered on {device}"
+    return _dtype_problem(array.dtype, op)
+
+
+def check_out(out: Any, device: Device, shape: tuple[int, ...], dtype: Any, source: Array | None) -> str | None:
+    """Why ``out`` cannot receive a result of ``shape``/``dtype``, or None if it can.
+
+    ``out`` may be ``source`` itself (an in-place collective) but may not partly overlap it.
+    """
+    problem = check_array(out, device, None, name="out")
+    if problem:
+        return problem
+    if out.shape != shape or out.dtype != dtype:
+        return f"out has shape {out.shape} and dtype {out.dtype}; the result has {shape} and {np.dtype(dtype)}"
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        return "out must be a writeable C-contiguous array"
+    if source is not None and source is not out and array_module(out).may_share_memory(out, source):
+        return "out overlaps x without being x: pass out=x for an in-place collective, or a separate array"
+    return None
+
+
+def flat(array: Array) -> Array:
+    """A flat C-contiguous view of ``array`` (a copy only when it is not contiguous)."""
+    xp = array_module(array)
+    return xp.ascontiguousarray(array).reshape(-1)
+
+
+def new_result(device: Device, shape: tuple[int, ...], dtype: Any, out: Array | None) -> Array:
+    """The array the result goes to: ``out`` if given, else a new one on ``device``."""
+    return out if out is not None else device.empty(shape, dtype)
+
+
+def scale_for_mean(result: Array, world: int) -> None:
+    """Turn a sum into a mean in place: true division for inexact dtypes, floor division for integers."""
+    xp = array_module(result)
+    if result.dtype.kind in "iu":
+        xp.floor_divide(result, world, out=result)
+    else:
+        xp.true_divide(result, result.dtype.type(world), out=result)

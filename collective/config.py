@@ -1,0 +1,111 @@
+"""CollectiveConfig: what a job looks like and which algorithm each collective uses.
+
+Frozen and validated on construction: an invalid value raises ConfigError naming the field and
+what is allowed. Strategies are given as values (``Tree(3)``) or strings (``"tree:3"``) and are
+stored as values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from algorithms.strategies import Ring, Strategy, Tree, parse_strategy
+from collective.errors import ConfigError
+
+__all__ = ["DEFAULT_TIMEOUT", "CollectiveConfig"]
+
+DEFAULT_TIMEOUT = 300.0
+
+_GLOBAL_FIELDS = ("num_nodes", "global_address", "node_address", "data_service_port")
+_STRATEGY_FIELDS = (
+    "local_all_reduce_strategy",
+    "local_reduce_strategy",
+    "local_broadcast_strategy",
+    "global_all_reduce_strategy",
+    "global_reduce_strategy",
+    "global_broadcast_strategy",
+)
+
+
+@dataclass(frozen=True)
+class CollectiveConfig:
+    """The configuration every peer of a job registers with (all peers of a process pass equal ones).
+
+    num_devices: local peers (threads) in this process, >= 1.
+    local_*_strategy: algorithm among the local peers (default Tree(2)).
+    num_nodes, global_address, node_address, data_service_port: multi-node fields, all set or
+        all unset. global_address is the orchestrator's "host:port", node_address is
+        "host:port" where this node's data service is reachable.
+    global_*_strategy: algorithm among node leaders (all_reduce default Ring(), others Tree(2)).
+    timeout: seconds one collective (and registration) may take before CollectiveTimeout.
+    """
+
+    num_devices: int = 1
+    local_all_reduce_strategy: Strategy = field(default_factory=Tree)
+    local_reduce_strategy: Strategy = field(default_factory=Tree)
+    local_broadcast_strategy: Strategy = field(default_factory=Tree)
+    num_nodes: int | None = None
+    global_address: str | None = None
+    node_address: str | None = None
+    data_service_port: int | None = None
+    global_all_reduce_strategy: Strategy = field(default_factory=Ring)
+    global_reduce_strategy: Strategy = field(default_factory=Tree)
+    global_broadcast_strategy: Strategy = field(default_factory=Tree)
+    timeout: float = DEFAULT_TIMEOUT
+
+    def __post_init__(self) -> None:
+        _require_int("num_devices", self.num_devices, minimum=1)
+        for name in _STRATEGY_FIELDS:
+            object.__setattr__(self, name, _strategy(name, getattr(self, name)))
+        given = [name for name in _GLOBAL_FIELDS if getattr(self, name) is not None]
+        if given and len(given) != len(_GLOBAL_FIELDS):
+            missing = [name for name in _GLOBAL_FIELDS if name not in given]
+            raise ConfigError(
+                f"multi-node fields must be all set or all unset: {', '.join(given)} set but "
+                f"{', '.join(missing)} not"
+            )
+        if given:
+            _require_int("num_nodes", self.num_nodes, minimum=1)
+            _require_int("data_service_port", self.data_service_port, minimum=0, maximum=65535)
+            for name in ("global_address", "node_address"):
+                _require_address(name, getattr(self, name))
+        if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float):
+            raise ConfigError(f"timeout must be a number of seconds, got {self.timeout!r}")
+        if not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise ConfigError(f"timeout must be a finite number of seconds > 0, got {self.timeout!r}")
+
+    @property
+    def is_multi_node(self) -> bool:
+        """True when the multi-node fields are set."""
+        return self.num_nodes is not None
+
+    def differences(self, other: CollectiveConfig) -> list[str]:
+        """'field: mine vs other' for every field that differs (for registration errors)."""
+        return [
+            f"{f.name}={getattr(self, f.name)} vs {getattr(other, f.name)}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+def _strategy(name: str, value: Any) -> Strategy:
+    try:
+        return parse_strategy(value)
+    except ConfigError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+
+
+def _require_int(name: str, value: Any, minimum: int, maximum: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an integer, got {value!r}")
+    if value < minimum or (maximum is not None and value > maximum):
+        allowed = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise ConfigError(f"{name} must be {allowed}, got {value}")
+
+
+def _require_address(name: str, value: Any) -> None:
+    host, sep, port = str(value).rpartition(":")
+    if not isinstance(value, str) or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{name} must be 'host:port' with a port in 1..65535, got {value!r}")

@@ -1,0 +1,240 @@
+"""Runtime: one process's side of the collective API, over the in-process server.
+
+A Runtime owns at most one job at a time (the peers of this process) and everything that job
+started; ``reset()``/``close()`` fail every waiting peer and drop it. The module-level
+functions of ``collective`` use one default Runtime; tests and embedders may create their own.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from algorithms import strategies
+from algorithms.ops import Array, ReduceOp
+from collective.arrays import Device, check_array, check_out, flat, new_result, scale_for_mean
+from collective.calls import CallSpec
+from collective.config import CollectiveConfig
+from collective.errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    ConfigError,
+    InvalidArgumentError,
+    PeerLostError,
+    RegistrationError,
+)
+from collective.server import LocalJob, Plan
+from transport.inproc import InProcessLink
+
+__all__ = ["Runtime"]
+
+
+def _parse_op(op: Any) -> tuple[ReduceOp | None, str | None]:
+    try:
+        return ReduceOp.parse(op), None
+    except InvalidArgumentError as exc:
+        return None, str(exc)
+
+
+def _shape_dtype(array: Any, problem: str | None) -> tuple[tuple[int, ...] | None, Any]:
+    if problem is not None or array is None:
+        return None, None
+    return tuple(array.shape), array.dtype
+
+
+class Runtime:
+    """The collective API for the peers (threads) of this process. Usable as a context manager."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._job: LocalJob | None = None
+        self._devices: dict[int, Device] = {}
+        self._finished: set[int] = set()
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def register(self, peer_id: int, device: Device | str | int, config: CollectiveConfig) -> None:
+        """Join ``peer_id`` to the job described by ``config``; blocks until every peer has joined.
+
+        Raises ConfigError (not a CollectiveConfig), RegistrationError (peer outside the job,
+        registered twice, a config that differs from the running job's) and CollectiveTimeout
+        (some peers did not register within ``config.timeout``; names them).
+        """
+        if not isinstance(config, CollectiveConfig):
+            raise ConfigError(f"config must be a CollectiveConfig, got {type(config).__name__}")
+        if config.is_multi_node:
+            raise ConfigError("multi-node jobs (num_nodes and addresses set) are not available in this version")
+        parsed = Device.parse(device)
+        peers = tuple(range(config.num_devices))
+        if isinstance(peer_id, bool) or not isinstance(peer_id, int) or peer_id not in peers:
+            raise RegistrationError(
+                f"peer id {peer_id!r} is outside the job: with num_devices={config.num_devices} "
+                f"the peers are 0..{config.num_devices - 1}"
+            )
+        with self._lock:
+            job = self._job
+            if job is None:
+                job = self._job = LocalJob(config, peers)
+            elif job.config != config:
+                raise RegistrationError(
+                    f"peer {peer_id} passed a config that differs from the running job's "
+                    f"({'; '.join(config.differences(job.config))}): every peer of a job passes an equal "
+                    f"CollectiveConfig, and a new job starts only after every peer of the old one finished"
+                )
+            self._devices[peer_id] = parsed
+            self._finished.discard(peer_id)
+        try:
+            job.join(peer_id, time.monotonic() + config.timeout)
+        except CollectiveTimeout:
+            with self._lock:
+                if self._job is job and job.is_empty():
+                    self._job = None
+            raise
+
+    def finish(self, peer_id: int) -> None:
+        """Leave the job; the last peer to leave ends it. Raises RegistrationError if not registered."""
+        job = self._member(peer_id)
+        empty = job.leave(peer_id)
+        with self._lock:
+            self._finished.add(peer_id)
+            if empty and self._job is job:
+                self._job = None
+
+    def reset(self) -> None:
+        """Drop the job: every peer blocked in it wakes with JobClosedError (for tests)."""
+        with self._lock:
+            job, self._job = self._job, None
+            self._devices.clear()
+            self._finished.clear()
+        if job is not None:
+            job.close("the job was reset")
+
+    close = reset
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.reset()
+
+    # -- collectives --------------------------------------------------------------------------
+
+    def all_reduce(self, peer_id: int, x: Array, op: ReduceOp | str = "sum", *, out: Array | None = None) -> Array:
+        """Combine ``x`` of every peer with ``op``; every peer gets the same bits.
+
+        Returns a new array of ``x``'s shape and dtype, or ``out`` (which may be ``x``) filled.
+        Raises RegistrationError, InvalidArgumentError, MismatchError, CollectiveTimeout,
+        PeerLostError, JobClosedError (see docs/api.md).
+        """
+        job, device = self._member_device(peer_id)
+        deadline = time.monotonic() + job.config.timeout
+        reduce_op, problem = _parse_op(op)
+        problem = problem or check_array(x, device, reduce_op)
+        if problem is None and out is not None:
+            problem = check_out(out, device, tuple(x.shape), x.dtype, x)
+        spec = CallSpec("all_reduce", reduce_op, None, *_shape_dtype(x, problem), error=problem)
+        plan = job.rendezvous(peer_id, spec, deadline)
+        assert reduce_op is not None  # the rendezvous raised for every peer otherwise
+        with self._running(job, peer_id, plan, deadline) as link:
+            result = new_result(device, tuple(x.shape), x.dtype, out)
+            strategies.all_reduce(job.config.local_all_reduce_strategy, link, flat(x), flat(result), reduce_op)
+            link.flush()
+        if reduce_op is ReduceOp.MEAN:
+            scale_for_mean(result, len(job.peer_ids))
+        return result
+
+    def reduce(
+        self, peer_id: int, x: Array, op: ReduceOp | str = "sum", root: int = 0, *, out: Array | None = None
+    ) -> Array | None:
+        """Combine ``x`` of every peer with ``op`` onto ``root``: the result there, None elsewhere.
+
+        ``out`` (used on the root only) receives the result instead of a new array.
+        Raises as all_reduce does.
+        """
+        job, device = self._member_device(peer_id)
+        deadline = time.monotonic() + job.config.timeout
+        reduce_op, problem = _parse_op(op)
+        problem = problem or check_array(x, device, reduce_op)
+        if problem is None and (isinstance(root, bool) or root not in job.index):
+            problem = f"root {root!r} is not a peer of this job (peers {min(job.index)}..{max(job.index)})"
+        if problem is None and out is not None and peer_id == root:
+            problem = check_out(out, device, tuple(x.shape), x.dtype, x)
+        spec = CallSpec("reduce", reduce_op, root, *_shape_dtype(x, problem), error=problem)
+        plan = job.rendezvous(peer_id, spec, deadline)
+        assert reduce_op is not None
+        with self._running(job, peer_id, plan, deadline) as link:
+            result = new_result(device, tuple(x.shape), x.dtype, out) if peer_id == root else None
+            strategies.reduce(
+                job.config.local_reduce_strategy,
+                link,
+                job.index[root],
+                flat(x),
+                None if result is None else flat(result),
+                reduce_op,
+            )
+            link.flush()
+        if result is not None and reduce_op is ReduceOp.MEAN:
+            scale_for_mean(result, len(job.peer_ids))
+        return result
+
+    def broadcast(self, peer_id: int, x: Array | None, *, out: Array | None = None) -> Array:
+        """Copy the array of the one peer that passes one (the root) to every peer.
+
+        Other peers pass None (and optionally ``out`` to receive into). Every peer, the root
+        included, gets a new array (or ``out``). No array or several -> MismatchError everywhere.
+        """
+        job, device = self._member_device(peer_id)
+        deadline = time.monotonic() + job.config.timeout
+        problem = None if x is None else check_array(x, device, None)
+        described = x
+        if problem is None and out is not None:
+            if x is not None:
+                problem = check_out(out, device, tuple(x.shape), x.dtype, x)
+            else:
+                problem = check_out(out, device, tuple(out.shape), out.dtype, None)
+                described = out
+        spec = CallSpec("broadcast", None, None, *_shape_dtype(described, problem), x is not None, problem)
+        plan = job.rendezvous(peer_id, spec, deadline)
+        call = plan.call
+        assert call.root is not None and call.shape is not None
+        with self._running(job, peer_id, plan, deadline) as link:
+            result = new_result(device, call.shape, call.dtype, out)
+            source = flat(x) if x is not None else flat(result)
+            strategies.broadcast(job.config.local_broadcast_strategy, link, job.index[call.root], source)
+            if x is not None and out is not x:
+                flat(result)[...] = source
+            link.flush()
+        return result
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _member(self, peer_id: int) -> LocalJob:
+        with self._lock:
+            job = self._job
+            finished = peer_id in self._finished
+        if job is None:
+            if finished:
+                raise RegistrationError(f"peer {peer_id!r} has finished: call register() to start a new job")
+            raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
+        job.check_member(peer_id)
+        return job
+
+    def _member_device(self, peer_id: int) -> tuple[LocalJob, Device]:
+        job = self._member(peer_id)
+        return job, self._devices[peer_id]
+
+    @contextmanager
+    def _running(self, job: LocalJob, peer_id: int, plan: Plan, deadline: float) -> Iterator[InProcessLink]:
+        """A link for this peer's part of ``plan``; a failure here fails the collective for all peers."""
+        try:
+            yield InProcessLink(plan.exchange, job.index[peer_id], deadline)
+        except CollectiveError:
+            raise
+        except BaseException as exc:
+            plan.exchange.abort(PeerLostError(f"{plan.label}: peer {peer_id} failed: {exc!r}", [peer_id]))
+            raise
+        finally:
+            job.done(peer_id)

@@ -1,0 +1,165 @@
+"""The in-process Link: peers are threads of one process and messages are array references.
+
+One ``Exchange`` holds the mailboxes of one collective: ``inbox[dst][src]`` is a FIFO of
+messages. Sending appends a reference (no copy) and wakes the receiver; the receiver reads the
+sender's memory directly, reducing or copying straight into its own buffer, so a message
+costs one pass over the data. Small messages (up to ``COPY_BELOW`` bytes) are copied at send
+time instead, so the sender never has to wait for them in ``flush``.
+
+A lent buffer is counted until its receiver has consumed it; ``flush`` waits for that count to
+drop to zero. Any failure (a timeout, an error in one peer, ``reset``) aborts the exchange:
+every peer blocked in it wakes and raises the same error.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+from algorithms.ops import Array, ReduceOp, combine, copy_into
+from collective.errors import CollectiveError, CollectiveTimeout
+
+__all__ = ["COPY_BELOW", "Exchange", "InProcessLink", "clone_error"]
+
+COPY_BELOW = 64 * 1024
+
+
+def clone_error(error: CollectiveError) -> CollectiveError:
+    """A fresh instance of ``error`` for one more thread to raise (tracebacks are per instance)."""
+    twin = error.__class__.__new__(error.__class__)
+    twin.__dict__.update(error.__dict__)
+    twin.args = error.args
+    return twin
+
+
+class Exchange:
+    """The mailboxes of one collective among ``len(peer_ids)`` threads; index i is peer ``peer_ids[i]``."""
+
+    def __init__(self, peer_ids: tuple[int, ...], label: str) -> None:
+        self.peer_ids = peer_ids
+        self.label = label
+        size = len(peer_ids)
+        self._lock = threading.Lock()
+        self._wakeup = [threading.Condition(self._lock) for _ in range(size)]
+        self._inbox: list[list[deque[tuple[Array, bool]]]] = [[deque() for _ in range(size)] for _ in range(size)]
+        self._lent = [0] * size
+        self._flushing = [False] * size
+        self._error: CollectiveError | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.peer_ids)
+
+    def abort(self, error: CollectiveError) -> None:
+        """Fail the collective for every peer; the first error wins."""
+        with self._lock:
+            self._abort_locked(error)
+
+    def _abort_locked(self, error: CollectiveError) -> None:
+        if self._error is None:
+            self._error = error
+            for condition in self._wakeup:
+                condition.notify_all()
+
+    def _wait(self, index: int, deadline: float, waiting_for: str, missing: tuple[int, ...]) -> None:
+        """Sleep until poked; raise the abort error or a timeout. Call with the lock held."""
+        if self._error is not None:
+            raise clone_error(self._error)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            me = self.peer_ids[index]
+            self._abort_locked(CollectiveTimeout(f"{self.label}: peer {me} timed out waiting for {waiting_for}", missing))
+            raise clone_error(self._error)  # type: ignore[arg-type]
+        self._wakeup[index].wait(remaining)
+
+    def post(self, src: int, dst: int, data: Array) -> None:
+        lent = data.nbytes > COPY_BELOW
+        message = data if lent else data.copy()
+        with self._lock:
+            if self._error is not None:
+                raise clone_error(self._error)
+            if lent:
+                self._lent[src] += 1
+            self._inbox[dst][src].append((message, lent))
+            self._wakeup[dst].notify()
+
+    def take(self, src: int, dst: int, deadline: float) -> tuple[Array, bool]:
+        with self._lock:
+            box = self._inbox[dst][src]
+            while not box:
+                self._wait(dst, deadline, f"a message from peer {self.peer_ids[src]}", (self.peer_ids[src],))
+            return box.popleft()
+
+    def consumed(self, src: int) -> None:
+        """The receiver is done with a lent buffer of ``src``."""
+        with self._lock:
+            self._lent[src] -= 1
+            if self._lent[src] == 0 and self._flushing[src]:
+                self._wakeup[src].notify()
+
+    def flush(self, index: int, deadline: float) -> None:
+        with self._lock:
+            try:
+                while self._lent[index] > 0:
+                    self._flushing[index] = True
+                    self._wait(index, deadline, "its receivers to read its data", ())
+            finally:
+                self._flushing[index] = False
+
+
+class InProcessLink:
+    """Peer ``rank``'s end of an Exchange; every wait ends by ``deadline`` (time.monotonic())."""
+
+    def __init__(self, exchange: Exchange, rank: int, deadline: float) -> None:
+        self._exchange = exchange
+        self._rank = rank
+        self._deadline = deadline
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self._exchange.size
+
+    def send(self, dst: int, data: Array) -> None:
+        self._exchange.post(self._rank, dst, data)
+
+    def recv_into(self, src: int, out: Array) -> None:
+        message, lent = self._exchange.take(src, self._rank, self._deadline)
+        try:
+            copy_into(out, on_device_of(out, message))
+        finally:
+            if lent:
+                self._exchange.consumed(src)
+
+    def recv_reduce(self, src: int, operand: Array, out: Array, op: ReduceOp) -> None:
+        message, lent = self._exchange.take(src, self._rank, self._deadline)
+        try:
+            combine(op, on_device_of(out, message), operand, out)
+        finally:
+            if lent:
+                self._exchange.consumed(src)
+
+    def flush(self) -> None:
+        self._exchange.flush(self._rank, self._deadline)
+
+
+def on_device_of(target: Array, array: Array) -> Any:
+    """``array`` itself where ``target``'s kernels can read it, else a copy on ``target``'s device.
+
+    Peers of one process may sit on different devices (CPU, or CUDA devices through CuPy).
+    """
+    if isinstance(target, np.ndarray):
+        return array if isinstance(array, np.ndarray) else array.get()
+    import cupy
+
+    with target.device:
+        if isinstance(array, np.ndarray) or array.device != target.device:
+            return cupy.asarray(array if isinstance(array, np.ndarray) else array.get())
+        return array
