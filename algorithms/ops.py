@@ -35,10 +35,9 @@ class ReduceOp(enum.Enum):
         if isinstance(value, ReduceOp):
             return value
         if isinstance(value, str):
-            try:
-                return cls(value.strip().lower())
-            except ValueError:
-                pass
+            op = _BY_NAME.get(value.strip().lower())
+            if op is not None:
+                return op
         allowed = ", ".join(op.value for op in cls)
         raise InvalidArgumentError(f"unknown reduce op {value!r}: expected one of {allowed}")
 
@@ -47,6 +46,8 @@ class ReduceOp(enum.Enum):
         """The name of the elementwise ufunc (numpy and CuPy share them) that combines two arrays."""
         return _UFUNC_NAMES[self]
 
+
+_BY_NAME = {op.value: op for op in ReduceOp}
 
 _UFUNC_NAMES = {
     ReduceOp.SUM: "add",

@@ -18,7 +18,7 @@ from collective.errors import InvalidArgumentError, RegistrationError
 
 __all__ = ["Device", "check_array", "check_out", "flat", "new_result", "scale_for_mean"]
 
-_ORDERED_KINDS = "iuf"
+_ORDERED_KINDS = frozenset("iuf")
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ def _device_of(array: Array) -> Device:
 
 
 def _dtype_problem(dtype: np.dtype[Any], op: ReduceOp | None) -> str | None:
-    if dtype.name == "bfloat16" or dtype.kind in _ORDERED_KINDS:
+    if dtype.kind in _ORDERED_KINDS or (dtype.kind == "V" and dtype.name == "bfloat16"):
         return None
     if dtype.kind == "c":
         if op in (ReduceOp.MAX, ReduceOp.MIN):

@@ -9,8 +9,7 @@ mismatched or bad call fails on every peer at once instead of hanging some of th
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from algorithms.ops import ReduceOp
 from collective.errors import InvalidArgumentError, MismatchError
@@ -18,15 +17,17 @@ from collective.errors import InvalidArgumentError, MismatchError
 __all__ = ["CallSpec", "agree", "describe_peers"]
 
 
-@dataclass(frozen=True)
-class CallSpec:
-    """One peer's call. ``shape``/``dtype`` are None for a broadcast receiver that gave no ``out``."""
+class CallSpec(NamedTuple):
+    """One peer's call. ``shape``/``dtype`` are None for a broadcast receiver that gave no ``out``.
+
+    A NamedTuple: made on every call by every peer, so it must be cheap to build and compare.
+    """
 
     kind: str
     op: ReduceOp | None = None
     root: int | None = None
     shape: tuple[int, ...] | None = None
-    dtype: str | None = None
+    dtype: Any = None  # numpy dtype
     has_data: bool = True
     error: str | None = None
 
@@ -67,13 +68,15 @@ def agree(specs: Mapping[int, CallSpec], label: str) -> CallSpec:
     ``label`` names the step in messages, e.g. "collective #12". Raises InvalidArgumentError
     when a peer's own arguments were unusable, MismatchError when peers disagree.
     """
+    first = specs[min(specs)]
+    if first.kind != "broadcast" and first.error is None and all(spec == first for spec in specs.values()):
+        return first  # the common case, checked cheaply
     invalid = [f"peer {peer}: {spec.error}" for peer, spec in sorted(specs.items()) if spec.error]
     if invalid:
         raise InvalidArgumentError(f"{label}: invalid arguments, so no peer ran it: " + "; ".join(invalid))
     kinds = _disagreement(specs, "kind", str)
     if kinds:
         raise MismatchError(f"{label}: peers called different collectives: {kinds.removeprefix('kind: ')}")
-    first = specs[min(specs)]
     label = f"{first.kind} {label}"
     checks: list[tuple[str, Callable[[Any], str]]] = [("shape", str), ("dtype", str)]
     if first.kind != "broadcast":
@@ -87,7 +90,7 @@ def agree(specs: Mapping[int, CallSpec], label: str) -> CallSpec:
             raise MismatchError(f"{label}: exactly one peer (the root) must pass an array; {who}")
         # Receivers without an ``out`` buffer state no shape or dtype: compare the others only.
         specs = {peer: spec for peer, spec in specs.items() if spec.shape is not None}
-        first = replace(specs[sources[0]], root=sources[0])
+        first = specs[sources[0]]._replace(root=sources[0])
     problems = [text for name, show in checks if (text := _disagreement(specs, name, show))]
     if problems:
         raise MismatchError(f"{label}: peers disagree on " + "; ".join(problems))

@@ -26,7 +26,7 @@ from collective.errors import (
     PeerLostError,
     RegistrationError,
 )
-from collective.server import LocalJob, Plan
+from collective.server import DEFAULT_FUSE_BELOW, LocalJob, Plan
 from transport.inproc import InProcessLink
 
 __all__ = ["Runtime"]
@@ -48,7 +48,9 @@ def _shape_dtype(array: Any, problem: str | None) -> tuple[tuple[int, ...] | Non
 class Runtime:
     """The collective API for the peers (threads) of this process. Usable as a context manager."""
 
-    def __init__(self) -> None:
+    def __init__(self, fuse_below: int = DEFAULT_FUSE_BELOW) -> None:
+        """``fuse_below``: arrays of at most this many bytes complete at the rendezvous (0: never)."""
+        self._fuse_below = fuse_below
         self._lock = threading.Lock()
         self._job: LocalJob | None = None
         self._devices: dict[int, Device] = {}
@@ -77,7 +79,7 @@ class Runtime:
         with self._lock:
             job = self._job
             if job is None:
-                job = self._job = LocalJob(config, peers)
+                job = self._job = LocalJob(config, peers, self._fuse_below)
             elif job.config != config:
                 raise RegistrationError(
                     f"peer {peer_id} passed a config that differs from the running job's "
@@ -97,7 +99,7 @@ class Runtime:
     def finish(self, peer_id: int) -> None:
         """Leave the job; the last peer to leave ends it. Raises RegistrationError if not registered."""
         job = self._member(peer_id)
-        empty = job.leave(peer_id)
+        empty = job.leave(peer_id)  # checks membership under the job's lock
         with self._lock:
             self._finished.add(peer_id)
             if empty and self._job is job:
@@ -136,12 +138,16 @@ class Runtime:
         if problem is None and out is not None:
             problem = check_out(out, device, tuple(x.shape), x.dtype, x)
         spec = CallSpec("all_reduce", reduce_op, None, *_shape_dtype(x, problem), error=problem)
-        plan = job.rendezvous(peer_id, spec, deadline)
+        src = None if problem else flat(x)
+        plan = job.rendezvous(peer_id, spec, src, deadline)
         assert reduce_op is not None  # the rendezvous raised for every peer otherwise
         with self._running(job, peer_id, plan, deadline) as link:
             result = new_result(device, tuple(x.shape), x.dtype, out)
-            strategies.all_reduce(job.config.local_all_reduce_strategy, link, flat(x), flat(result), reduce_op)
-            link.flush()
+            if plan.result is not None:
+                flat(result)[...] = plan.result
+            else:
+                strategies.all_reduce(job.config.local_all_reduce_strategy, link, src, flat(result), reduce_op)
+                link.flush()
         if reduce_op is ReduceOp.MEAN:
             scale_for_mean(result, len(job.peer_ids))
         return result
@@ -163,19 +169,18 @@ class Runtime:
         if problem is None and out is not None and peer_id == root:
             problem = check_out(out, device, tuple(x.shape), x.dtype, x)
         spec = CallSpec("reduce", reduce_op, root, *_shape_dtype(x, problem), error=problem)
-        plan = job.rendezvous(peer_id, spec, deadline)
+        src = None if problem else flat(x)
+        plan = job.rendezvous(peer_id, spec, src, deadline)
         assert reduce_op is not None
         with self._running(job, peer_id, plan, deadline) as link:
             result = new_result(device, tuple(x.shape), x.dtype, out) if peer_id == root else None
-            strategies.reduce(
-                job.config.local_reduce_strategy,
-                link,
-                job.index[root],
-                flat(x),
-                None if result is None else flat(result),
-                reduce_op,
-            )
-            link.flush()
+            if plan.result is not None:
+                if result is not None:
+                    flat(result)[...] = plan.result
+            else:
+                target = None if result is None else flat(result)
+                strategies.reduce(job.config.local_reduce_strategy, link, job.index[root], src, target, reduce_op)
+                link.flush()
         if result is not None and reduce_op is ReduceOp.MEAN:
             scale_for_mean(result, len(job.peer_ids))
         return result
@@ -197,44 +202,57 @@ class Runtime:
                 problem = check_out(out, device, tuple(out.shape), out.dtype, None)
                 described = out
         spec = CallSpec("broadcast", None, None, *_shape_dtype(described, problem), x is not None, problem)
-        plan = job.rendezvous(peer_id, spec, deadline)
+        src = None if problem or x is None else flat(x)
+        plan = job.rendezvous(peer_id, spec, src, deadline)
         call = plan.call
         assert call.root is not None and call.shape is not None
         with self._running(job, peer_id, plan, deadline) as link:
             result = new_result(device, call.shape, call.dtype, out)
-            source = flat(x) if x is not None else flat(result)
-            strategies.broadcast(job.config.local_broadcast_strategy, link, job.index[call.root], source)
-            if x is not None and out is not x:
-                flat(result)[...] = source
-            link.flush()
+            if plan.result is not None:
+                if result is not x:
+                    flat(result)[...] = plan.result
+            else:
+                source = src if src is not None else flat(result)
+                strategies.broadcast(job.config.local_broadcast_strategy, link, job.index[call.root], source)
+                if src is not None and result is not x:
+                    flat(result)[...] = src
+                link.flush()
         return result
 
     # -- helpers ------------------------------------------------------------------------------
 
     def _member(self, peer_id: int) -> LocalJob:
-        with self._lock:
-            job = self._job
-            finished = peer_id in self._finished
+        job = self._job  # read without the lock: the job's own checks are authoritative
         if job is None:
+            with self._lock:
+                finished = peer_id in self._finished
             if finished:
                 raise RegistrationError(f"peer {peer_id!r} has finished: call register() to start a new job")
             raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
-        job.check_member(peer_id)
         return job
 
     def _member_device(self, peer_id: int) -> tuple[LocalJob, Device]:
         job = self._member(peer_id)
-        return job, self._devices[peer_id]
+        device = self._devices.get(peer_id)
+        if device is None:
+            job.check_member(peer_id)  # raises the precise RegistrationError
+            raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
+        return job, device
 
     @contextmanager
     def _running(self, job: LocalJob, peer_id: int, plan: Plan, deadline: float) -> Iterator[InProcessLink]:
-        """A link for this peer's part of ``plan``; a failure here fails the collective for all peers."""
+        """A link for this peer's part of ``plan``; a failure here fails the collective for all peers.
+
+        A plan the rendezvous already computed (``plan.result``) has no exchange: its link is unusable.
+        """
+        exchange = plan.exchange
         try:
-            yield InProcessLink(plan.exchange, job.index[peer_id], deadline)
+            yield InProcessLink(exchange, job.index[peer_id], deadline)  # type: ignore[arg-type]
         except CollectiveError:
             raise
         except BaseException as exc:
-            plan.exchange.abort(PeerLostError(f"{plan.label}: peer {peer_id} failed: {exc!r}", [peer_id]))
+            if exchange is not None:
+                exchange.abort(PeerLostError(f"{plan.label}: peer {peer_id} failed: {exc!r}", [peer_id]))
             raise
         finally:
             job.done(peer_id)

@@ -6,6 +6,12 @@ and opens an Exchange (the mailboxes the algorithm runs over), or records the er
 peer will raise. Peers count their collectives, so step k of every peer meets at slot k: a
 peer that arrives after the others timed out at slot k gets the same timeout and moves on to
 k+1 with them, which is why the job stays usable after a timeout or a mismatch.
+
+Small arrays skip the algorithms: when every array of an all_reduce / reduce / broadcast
+holds at most ``fuse_below`` bytes (and all are numpy), the last peer to arrive computes the
+result at the rendezvous itself, combining the inputs in peer order (the Centralized rule),
+and every peer copies it. In process the peers share memory, so for small arrays the whole
+cost is waking threads; this path wakes each peer once instead of once per algorithm step.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import time
 import weakref
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from algorithms.ops import Array, ReduceOp, combine
 from collective.calls import CallSpec, agree, describe_peers
 from collective.config import CollectiveConfig
 from collective.errors import (
@@ -25,42 +34,53 @@ from collective.errors import (
     PeerLostError,
     RegistrationError,
 )
-from transport.inproc import Exchange, clone_error
+from transport.inproc import Doorbell, Exchange, clone_error
 
-__all__ = ["LocalJob", "Plan"]
+__all__ = ["DEFAULT_FUSE_BELOW", "LocalJob", "Plan"]
+
+DEFAULT_FUSE_BELOW = 64 * 1024
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Plan:
-    """What the rendezvous decided: the agreed call and where its messages go."""
+    """What the rendezvous decided: the agreed call and where its messages go.
+
+    ``result`` is set when the rendezvous already computed the collective (small arrays): a
+    flat array every peer (the root, for reduce) copies; no algorithm runs then.
+    """
 
     call: CallSpec
-    exchange: Exchange
+    exchange: Exchange | None
     label: str
+    result: Array | None = None
 
 
 @dataclass
 class _Slot:
+    step: int
     arrivals: dict[int, CallSpec] = field(default_factory=dict)
+    data: dict[int, Array | None] = field(default_factory=dict)
     outcome: Plan | CollectiveError | None = None
-    seen: set[int] = field(default_factory=set)
 
 
 class LocalJob:
     """The peers ``peer_ids`` of one job that live in this process."""
 
-    def __init__(self, config: CollectiveConfig, peer_ids: tuple[int, ...]) -> None:
+    def __init__(
+        self, config: CollectiveConfig, peer_ids: tuple[int, ...], fuse_below: int = DEFAULT_FUSE_BELOW
+    ) -> None:
         self.config = config
         self.peer_ids = peer_ids
         self.index = {peer: i for i, peer in enumerate(peer_ids)}
+        self.fuse_below = fuse_below
         self._lock = threading.Lock()
-        self._wakeup = {peer: threading.Condition(self._lock) for peer in peer_ids}
+        self._bells = {peer: Doorbell() for peer in peer_ids}
         self._registered: set[int] = set()
         self._active = False
         self._left: set[int] = set()
-        self._busy: set[int] = set()
+        self._busy = {peer: threading.Lock() for peer in peer_ids}  # held while the peer is in a collective
         self._closed: JobClosedError | None = None
         self._next_step = dict.fromkeys(peer_ids, 0)
         self._slots: dict[int, _Slot] = {}
@@ -81,8 +101,11 @@ class LocalJob:
             self._registered.add(peer)
             if len(self._registered) == len(self.peer_ids):
                 self._active = True
-                self._notify_all()
-            while not self._active:
+                self._ring_all()
+        while True:
+            with self._lock:
+                if self._active:
+                    return
                 self._raise_if_closed()
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -93,7 +116,8 @@ class LocalJob:
                         f"{describe_peers(missing)} to register; start every peer of the job",
                         missing,
                     )
-                self._wakeup[peer].wait(remaining)
+                self._bells[peer].arm()
+            self._bells[peer].wait(remaining, self._lock)
 
     def leave(self, peer: int) -> bool:
         """Unregister ``peer``; peers waiting for it fail with PeerLostError. True if the job is now empty."""
@@ -108,7 +132,7 @@ class LocalJob:
                         f"collective #{step}: peer {peer} called finish() while {waiting} waited for it",
                         [peer],
                     )
-            self._notify_all()
+            self._ring_all()
             return not self._registered
 
     def close(self, reason: str) -> None:
@@ -118,7 +142,7 @@ class LocalJob:
             for slot in self._slots.values():
                 if slot.outcome is None:
                     slot.outcome = self._closed
-            self._notify_all()
+            self._ring_all()
             exchanges = list(self._exchanges)
         for exchange in exchanges:
             exchange.abort(JobClosedError(reason))
@@ -134,18 +158,43 @@ class LocalJob:
 
     # -- collectives --------------------------------------------------------------------------
 
-    def rendezvous(self, peer: int, spec: CallSpec, deadline: float) -> Plan:
-        """Post this peer's call for its next step and wait for the verdict of all peers.
+    def rendezvous(self, peer: int, spec: CallSpec, data: Array | None, deadline: float) -> Plan:
+        """Post this peer's call (and its flat input ``data``) for its next step; wait for the verdict.
 
         Raises the shared verdict: MismatchError, InvalidArgumentError, CollectiveTimeout
         (naming the peers that never arrived), PeerLostError, JobClosedError.
         """
+        busy = self._busy.get(peer)
+        if busy is None:
+            raise RegistrationError(f"peer {peer} is not a peer of this job ({describe_peers(list(self.peer_ids))})")
+        if not busy.acquire(blocking=False):
+            raise RegistrationError(
+                f"peer {peer} is already inside a collective: each peer must be driven by one thread"
+            )
+        try:
+            slot = self._arrive(peer, spec, data)
+            while slot.outcome is None:
+                with self._lock:
+                    if slot.outcome is not None:
+                        break
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        self._time_out(slot, spec)
+                        break
+                    self._bells[peer].arm()
+                self._bells[peer].wait(remaining, self._lock)
+            outcome = slot.outcome
+            if isinstance(outcome, CollectiveError):
+                raise clone_error(outcome)
+        except BaseException:
+            busy.release()
+            raise
+        return outcome
+
+    def _arrive(self, peer: int, spec: CallSpec, data: Array | None) -> _Slot:
+        """Post the call at this peer's next step; the last peer to arrive decides the outcome."""
         with self._lock:
             self._check_member(peer)
-            if peer in self._busy:
-                raise RegistrationError(
-                    f"peer {peer} is already inside a collective: each peer must be driven by one thread"
-                )
             if self._left:
                 gone = sorted(self._left)
                 raise PeerLostError(
@@ -155,38 +204,30 @@ class LocalJob:
                 )
             step = self._next_step[peer]
             self._next_step[peer] = step + 1
-            slot = self._slots.setdefault(step, _Slot())
+            slot = self._slots.setdefault(step, _Slot(step))
             slot.arrivals[peer] = spec
-            if slot.outcome is None and len(slot.arrivals) == len(self.peer_ids):
-                slot.outcome = self._decide(step, slot)
-                self._notify_all()
-            while slot.outcome is None:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    missing = sorted(set(self.peer_ids) - set(slot.arrivals))
-                    slot.outcome = CollectiveTimeout(
-                        f"{spec.kind} #{step}: peers waited {self.config.timeout:g}s for "
-                        f"{describe_peers(missing)} to call it",
-                        missing,
-                    )
-                    log.warning("%s", slot.outcome)
-                    self._notify_all()
-                    break
-                self._wakeup[peer].wait(remaining)
-            slot.seen.add(peer)
-            if len(slot.seen) == len(self.peer_ids):
-                del self._slots[step]
-            outcome = slot.outcome
-            if isinstance(outcome, Plan):
-                self._busy.add(peer)
-        if isinstance(outcome, CollectiveError):
-            raise clone_error(outcome)
-        return outcome
+            slot.data[peer] = data
+            if len(slot.arrivals) == len(self.peer_ids):
+                del self._slots[step]  # nobody else will look for it
+                if slot.outcome is None:
+                    slot.outcome = self._decide(step, slot)
+                    self._ring_all()
+            return slot
+
+    def _time_out(self, slot: _Slot, spec: CallSpec) -> None:
+        """Fail ``slot`` for the peers that came; late peers find the same error there (lock held)."""
+        missing = sorted(set(self.peer_ids) - set(slot.arrivals))
+        slot.outcome = CollectiveTimeout(
+            f"{spec.kind} #{slot.step}: peers waited {self.config.timeout:g}s for "
+            f"{describe_peers(missing)} to call it",
+            missing,
+        )
+        log.warning("%s", slot.outcome)
+        self._ring_all()
 
     def done(self, peer: int) -> None:
         """The peer finished running a collective that rendezvous() opened."""
-        with self._lock:
-            self._busy.discard(peer)
+        self._busy[peer].release()
 
     def _decide(self, step: int, slot: _Slot) -> Plan | CollectiveError:
         try:
@@ -194,15 +235,36 @@ class LocalJob:
         except CollectiveError as exc:
             log.warning("%s", exc)
             return exc
-        exchange = Exchange(self.peer_ids, f"{call.kind} #{step}")
+        label = f"{call.kind} #{step}"
+        if self._fusable(slot.data):
+            if call.kind == "broadcast":
+                result = slot.data[call.root].copy()  # type: ignore[index, union-attr]  # root may reuse x at once
+            else:
+                result = self._reduce_all(call, slot.data)
+            return Plan(call, None, label, result)
+        exchange = Exchange(self.peer_ids, label)
         self._exchanges.add(exchange)
-        return Plan(call, exchange, exchange.label)
+        return Plan(call, exchange, label)
+
+    def _fusable(self, data: dict[int, Array | None]) -> bool:
+        arrays = [array for array in data.values() if array is not None]
+        return all(isinstance(a, np.ndarray) and a.nbytes <= self.fuse_below for a in arrays)
+
+    def _reduce_all(self, call: CallSpec, data: dict[int, Array | None]) -> Array:
+        """The reduction of every peer's input, in peer order."""
+        assert call.op is not None
+        op: ReduceOp = call.op
+        inputs = [data[peer] for peer in self.peer_ids]
+        result = inputs[0].copy()  # type: ignore[union-attr]
+        for other in inputs[1:]:
+            combine(op, result, other, result)
+        return result
 
     # -- helpers (lock held) ------------------------------------------------------------------
 
-    def _notify_all(self) -> None:
-        for condition in self._wakeup.values():
-            condition.notify_all()
+    def _ring_all(self) -> None:
+        for bell in self._bells.values():
+            bell.ring()
 
     def _raise_if_closed(self) -> None:
         if self._closed is not None:

@@ -23,7 +23,7 @@ import numpy as np
 from algorithms.ops import Array, ReduceOp, combine, copy_into
 from collective.errors import CollectiveError, CollectiveTimeout
 
-__all__ = ["COPY_BELOW", "Exchange", "InProcessLink", "clone_error"]
+__all__ = ["COPY_BELOW", "Doorbell", "Exchange", "InProcessLink", "clone_error"]
 
 COPY_BELOW = 64 * 1024
 
@@ -36,6 +36,38 @@ def clone_error(error: CollectiveError) -> CollectiveError:
     return twin
 
 
+class Doorbell:
+    """Wakes one waiting thread without making it queue for a shared lock on the way out.
+
+    ``arm`` and ``ring`` are called with the owner's shared lock held; ``wait`` without it.
+    (A Condition would make every woken thread re-acquire the shared lock while the waker
+    still holds it: with several peers per collective that convoy doubled the latency.)
+    """
+
+    def __init__(self) -> None:
+        self._bell = threading.Lock()
+        self._bell.acquire()
+        self._armed = False
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def ring(self) -> None:
+        if self._armed:
+            self._armed = False
+            self._bell.release()
+
+    def wait(self, timeout: float, shared_lock: threading.Lock) -> None:
+        """Sleep until rung or ``timeout`` seconds passed; leaves the bell ready for the next arm."""
+        if self._bell.acquire(timeout=max(0.0, timeout)):
+            return
+        with shared_lock:
+            if self._armed:
+                self._armed = False
+            else:  # rung between the timeout and now: take that ring back
+                self._bell.acquire()
+
+
 class Exchange:
     """The mailboxes of one collective among ``len(peer_ids)`` threads; index i is peer ``peer_ids[i]``."""
 
@@ -44,10 +76,9 @@ class Exchange:
         self.label = label
         size = len(peer_ids)
         self._lock = threading.Lock()
-        self._wakeup = [threading.Condition(self._lock) for _ in range(size)]
+        self._bells = [Doorbell() for _ in range(size)]
         self._inbox: list[list[deque[tuple[Array, bool]]]] = [[deque() for _ in range(size)] for _ in range(size)]
         self._lent = [0] * size
-        self._flushing = [False] * size
         self._error: CollectiveError | None = None
 
     @property
@@ -62,11 +93,14 @@ class Exchange:
     def _abort_locked(self, error: CollectiveError) -> None:
         if self._error is None:
             self._error = error
-            for condition in self._wakeup:
-                condition.notify_all()
+            for bell in self._bells:
+                bell.ring()
 
-    def _wait(self, index: int, deadline: float, waiting_for: str, missing: tuple[int, ...]) -> None:
-        """Sleep until poked; raise the abort error or a timeout. Call with the lock held."""
+    def _arm(self, index: int, deadline: float, waiting_for: str, missing: tuple[int, ...]) -> float:
+        """Prepare to sleep; raise the abort error or a timeout. Call with the lock held.
+
+        Returns the seconds left, for ``self._bells[index].wait`` once the lock is released.
+        """
         if self._error is not None:
             raise clone_error(self._error)
         remaining = deadline - time.monotonic()
@@ -74,7 +108,8 @@ class Exchange:
             me = self.peer_ids[index]
             self._abort_locked(CollectiveTimeout(f"{self.label}: peer {me} timed out waiting for {waiting_for}", missing))
             raise clone_error(self._error)  # type: ignore[arg-type]
-        self._wakeup[index].wait(remaining)
+        self._bells[index].arm()
+        return remaining
 
     def post(self, src: int, dst: int, data: Array) -> None:
         lent = data.nbytes > COPY_BELOW
@@ -85,30 +120,31 @@ class Exchange:
             if lent:
                 self._lent[src] += 1
             self._inbox[dst][src].append((message, lent))
-            self._wakeup[dst].notify()
+            self._bells[dst].ring()
 
     def take(self, src: int, dst: int, deadline: float) -> tuple[Array, bool]:
-        with self._lock:
-            box = self._inbox[dst][src]
-            while not box:
-                self._wait(dst, deadline, f"a message from peer {self.peer_ids[src]}", (self.peer_ids[src],))
-            return box.popleft()
+        box = self._inbox[dst][src]
+        while True:
+            with self._lock:
+                if box:
+                    return box.popleft()
+                remaining = self._arm(dst, deadline, f"a message from peer {self.peer_ids[src]}", (self.peer_ids[src],))
+            self._bells[dst].wait(remaining, self._lock)
 
     def consumed(self, src: int) -> None:
         """The receiver is done with a lent buffer of ``src``."""
         with self._lock:
             self._lent[src] -= 1
-            if self._lent[src] == 0 and self._flushing[src]:
-                self._wakeup[src].notify()
+            if self._lent[src] == 0:
+                self._bells[src].ring()
 
     def flush(self, index: int, deadline: float) -> None:
-        with self._lock:
-            try:
-                while self._lent[index] > 0:
-                    self._flushing[index] = True
-                    self._wait(index, deadline, "its receivers to read its data", ())
-            finally:
-                self._flushing[index] = False
+        while True:
+            with self._lock:
+                if self._lent[index] == 0:
+                    return
+                remaining = self._arm(index, deadline, "its receivers to read its data", ())
+            self._bells[index].wait(remaining, self._lock)
 
 
 class InProcessLink:
