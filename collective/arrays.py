@@ -16,7 +16,7 @@ import numpy as np
 from algorithms.ops import Array, ReduceOp, array_module
 from collective.errors import InvalidArgumentError, RegistrationError
 
-__all__ = ["Device", "check_array", "check_out", "flat", "new_result", "scale_for_mean"]
+__all__ = ["Device", "as_array", "check_array", "check_out", "flat", "new_result", "scale_for_mean"]
 
 _ORDERED_KINDS = frozenset("iuf")
 
@@ -71,6 +71,11 @@ def _dtype_problem(dtype: np.dtype[Any], op: ReduceOp | None) -> str | None:
             return f"op {op.value} is not defined for {dtype.name}"
         return None
     return f"unsupported dtype {dtype.name}: use a float, int, uint, complex or bfloat16 dtype"
+
+
+def as_array(value: Any) -> Any:
+    """numpy scalars (``np.float32(1)``) become 0-d arrays; anything else is returned as it is."""
+    return np.asarray(value) if isinstance(value, np.generic) else value
 
 
 def check_array(array: Any, device: Device, op: ReduceOp | None, name: str = "x") -> str | None:

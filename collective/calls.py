@@ -71,13 +71,14 @@ def agree(specs: Mapping[int, CallSpec], label: str) -> CallSpec:
     first = specs[min(specs)]
     if first.kind != "broadcast" and first.error is None and all(spec == first for spec in specs.values()):
         return first  # the common case, checked cheaply
+    if len({spec.kind for spec in specs.values()}) == 1:
+        label = f"{first.kind} {label}"
     invalid = [f"peer {peer}: {spec.error}" for peer, spec in sorted(specs.items()) if spec.error]
     if invalid:
         raise InvalidArgumentError(f"{label}: invalid arguments, so no peer ran it: " + "; ".join(invalid))
     kinds = _disagreement(specs, "kind", str)
     if kinds:
         raise MismatchError(f"{label}: peers called different collectives: {kinds.removeprefix('kind: ')}")
-    label = f"{first.kind} {label}"
     checks: list[tuple[str, Callable[[Any], str]]] = [("shape", str), ("dtype", str)]
     if first.kind != "broadcast":
         checks = [("op", _show_op), *checks]

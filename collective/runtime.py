@@ -15,7 +15,7 @@ from typing import Any
 
 from algorithms import strategies
 from algorithms.ops import Array, ReduceOp
-from collective.arrays import Device, check_array, check_out, flat, new_result, scale_for_mean
+from collective.arrays import Device, as_array, check_array, check_out, flat, new_result, scale_for_mean
 from collective.calls import CallSpec
 from collective.config import CollectiveConfig
 from collective.errors import (
@@ -133,6 +133,7 @@ class Runtime:
         """
         job, device = self._member_device(peer_id)
         deadline = time.monotonic() + job.config.timeout
+        x = as_array(x)
         reduce_op, problem = _parse_op(op)
         problem = problem or check_array(x, device, reduce_op)
         if problem is None and out is not None:
@@ -162,6 +163,7 @@ class Runtime:
         """
         job, device = self._member_device(peer_id)
         deadline = time.monotonic() + job.config.timeout
+        x = as_array(x)
         reduce_op, problem = _parse_op(op)
         problem = problem or check_array(x, device, reduce_op)
         if problem is None and (isinstance(root, bool) or root not in job.index):
@@ -193,6 +195,7 @@ class Runtime:
         """
         job, device = self._member_device(peer_id)
         deadline = time.monotonic() + job.config.timeout
+        x = as_array(x)
         problem = None if x is None else check_array(x, device, None)
         described = x
         if problem is None and out is not None:

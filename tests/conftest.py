@@ -1,0 +1,125 @@
+"""Fixtures and helpers: every peer thread is joined under a timeout, every runtime is closed."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import collective as col
+
+JOIN_TIMEOUT = 30.0
+
+
+@pytest.fixture
+def runtime() -> Iterator[col.Runtime]:
+    """A private Runtime (default fast path for small arrays), closed after the test."""
+    with col.Runtime() as rt:
+        yield rt
+
+
+@pytest.fixture
+def link_runtime() -> Iterator[col.Runtime]:
+    """A Runtime that runs the strategies' algorithms for every size (no rendezvous fast path)."""
+    with col.Runtime(fuse_below=0) as rt:
+        yield rt
+
+
+@pytest.fixture(autouse=True)
+def _reset_default_runtime() -> Iterator[None]:
+    yield
+    col.reset()
+
+
+class PeerFailed(AssertionError):
+    pass
+
+
+def run_peers(
+    n: int, body: Callable[[int], Any], runtime: col.Runtime | None = None, timeout: float = JOIN_TIMEOUT
+) -> list[Any]:
+    """Run ``body(peer)`` in ``n`` threads; return results by peer, re-raising the first failure tagged.
+
+    A thread still running after ``timeout`` fails the test (and the runtime is reset to free it).
+    """
+    outcomes = outcomes_of_peers(n, body, runtime, timeout)
+    for peer, outcome in enumerate(outcomes):
+        if isinstance(outcome, BaseException):
+            raise PeerFailed(f"peer {peer} raised {outcome!r}") from outcome
+    return outcomes
+
+
+def outcomes_of_peers(
+    n: int, body: Callable[[int], Any], runtime: col.Runtime | None = None, timeout: float = JOIN_TIMEOUT
+) -> list[Any]:
+    """Like run_peers, but returns each peer's result or the exception it raised."""
+    outcomes: list[Any] = [None] * n
+
+    def target(peer: int) -> None:
+        try:
+            outcomes[peer] = body(peer)
+        except BaseException as exc:
+            outcomes[peer] = exc
+
+    threads = [threading.Thread(target=target, args=(peer,), name=f"peer-{peer}", daemon=True) for peer in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    stuck = [peer for peer, thread in enumerate(threads) if thread.is_alive()]
+    if stuck:
+        (runtime or col.default_runtime()).reset()
+        for thread in threads:
+            thread.join(5)
+        raise PeerFailed(f"peers {stuck} still running after {timeout}s: a hang")
+    return outcomes
+
+
+def peer_input(peer: int, shape: tuple[int, ...], dtype: Any, seed: int = 0, small: bool = False) -> np.ndarray:
+    """Deterministic per-peer data; ``small`` keeps values in -3..3 so products stay exact."""
+    rng = np.random.default_rng(seed * 1009 + peer)
+    dt = np.dtype(dtype)
+    if dt.kind in "iu" or small:
+        low, high = (-3, 4) if small else (-100, 101)
+        if dt.kind == "u":
+            low = 0
+        return np.asarray(rng.integers(low, high, size=shape)).astype(dt)
+    values = np.asarray(rng.standard_normal(size=shape) * 10)
+    if dt.kind == "c":
+        values = np.asarray(values + 1j * rng.standard_normal(size=shape))
+    return values.astype(dt)
+
+
+def reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
+    """op over the inputs in the inputs' dtype (integers wrap as numpy does; mean floors for ints)."""
+    ufunc = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}[op]
+    result = inputs[0].copy()
+    for other in inputs[1:]:
+        ufunc(result, other, out=result)
+    if op == "mean":
+        if result.dtype.kind in "iu":
+            np.floor_divide(result, len(inputs), out=result)
+        else:
+            np.true_divide(result, result.dtype.type(len(inputs)), out=result)
+    return result
+
+
+def tolerance(dtype: Any, peers: int) -> float:
+    """Relative tolerance for a reduction of ``peers`` floating arrays in ``dtype``."""
+    name = np.dtype(dtype).name
+    eps = {"float16": 2**-10, "bfloat16": 2**-7, "float32": 2**-23, "complex64": 2**-23}.get(name, 2**-52)
+    return 4 * peers * eps
+
+
+def assert_matches(actual: np.ndarray, expected: np.ndarray, peers: int) -> None:
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    if expected.dtype.kind in "iu":
+        np.testing.assert_array_equal(actual, expected)
+    else:
+        rtol = tolerance(expected.dtype, peers)
+        a, e = actual.astype(np.complex128), expected.astype(np.complex128)
+        scale = np.max(np.abs(e)) if e.size else 0.0
+        np.testing.assert_allclose(a, e, rtol=rtol, atol=rtol * scale)
