@@ -90,9 +90,9 @@ class Runtime:
             self._finished.discard(peer_id)
         try:
             job.join(peer_id, time.monotonic() + config.timeout)
-        except CollectiveTimeout:
+        except CollectiveTimeout:  # registration failed for every waiting peer: the job is dead
             with self._lock:
-                if self._job is job and job.is_empty():
+                if self._job is job:
                     self._job = None
             raise
 

@@ -82,6 +82,7 @@ class LocalJob:
         self._left: set[int] = set()
         self._busy = {peer: threading.Lock() for peer in peer_ids}  # held while the peer is in a collective
         self._closed: JobClosedError | None = None
+        self._registration_failed: CollectiveTimeout | None = None
         self._next_step = dict.fromkeys(peer_ids, 0)
         self._slots: dict[int, _Slot] = {}
         self._exchanges: weakref.WeakSet[Exchange] = weakref.WeakSet()
@@ -107,17 +108,18 @@ class LocalJob:
                 if self._active:
                     return
                 self._raise_if_closed()
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    self._registered.discard(peer)
-                    missing = sorted(set(self.peer_ids) - self._registered - {peer})
-                    raise CollectiveTimeout(
-                        f"register: peer {peer} waited {self.config.timeout:g}s for "
-                        f"{describe_peers(missing)} to register; start every peer of the job",
+                if self._registration_failed is None and time.monotonic() >= deadline:
+                    missing = sorted(set(self.peer_ids) - self._registered)
+                    self._registration_failed = CollectiveTimeout(
+                        f"register: peers waited {self.config.timeout:g}s for {describe_peers(missing)} "
+                        f"to register; start every peer of the job",
                         missing,
                     )
+                    self._ring_all()
+                if self._registration_failed is not None:
+                    raise clone_error(self._registration_failed)
                 self._bells[peer].arm()
-            self._bells[peer].wait(remaining, self._lock)
+            self._bells[peer].wait(deadline - time.monotonic(), self._lock)
 
     def leave(self, peer: int) -> bool:
         """Unregister ``peer``; peers waiting for it fail with PeerLostError. True if the job is now empty."""
@@ -152,9 +154,6 @@ class LocalJob:
         with self._lock:
             self._check_member(peer)
 
-    def is_empty(self) -> bool:
-        with self._lock:
-            return not self._registered
 
     # -- collectives --------------------------------------------------------------------------
 

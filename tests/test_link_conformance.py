@@ -1,0 +1,181 @@
+"""One conformance suite for the Link protocol, run against every Link implementation.
+
+Later transports (ZeroMQ) join the ``LINKS`` table; the recording link of the algorithm tests
+runs it too, so the simulation behaves like the real thing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from algorithms.ops import ReduceOp
+from collective.errors import CollectiveTimeout, PeerLostError
+from tests.recording import Network
+from transport.inproc import COPY_BELOW, Exchange, InProcessLink
+
+
+def inproc_links(n: int, timeout: float = 10.0) -> list[Any]:
+    exchange = Exchange(tuple(range(n)), "test #0")
+    deadline = time.monotonic() + timeout
+    return [InProcessLink(exchange, rank, deadline) for rank in range(n)]
+
+
+LINKS: dict[str, Callable[[int], list[Any]]] = {
+    "inproc": inproc_links,
+    "recording": lambda n: Network(n).links(),
+}
+
+
+def run(links: list[Any], body: Callable[[Any], Any]) -> list[Any]:
+    results: list[Any] = [None] * len(links)
+
+    def target(link: Any) -> None:
+        try:
+            results[link.rank] = body(link)
+            link.flush()
+        except BaseException as exc:
+            results[link.rank] = exc
+        finally:
+            network = getattr(link, "network", None)
+            if network is not None:  # the recording network counts a finished peer as blocked
+                with network.cv:
+                    network.running[link.rank] = False
+                    network.cv.notify_all()
+
+    threads = [threading.Thread(target=target, args=(link,), daemon=True) for link in links]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(20)
+    assert not any(t.is_alive() for t in threads), "a link operation hung"
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+@pytest.fixture(params=list(LINKS))
+def make_links(request: pytest.FixtureRequest) -> Callable[[int], list[Any]]:
+    return LINKS[request.param]
+
+
+@pytest.mark.parametrize("length", [0, 1, 5, COPY_BELOW // 8 + 1])  # empty, small (copied), large (lent)
+def test_messages_between_a_pair_arrive_in_order(make_links: Any, length: int) -> None:
+    sent = [np.arange(length, dtype=np.float64) + 1000 * k for k in range(3)]
+
+    def body(link: Any) -> list[np.ndarray]:
+        if link.rank == 0:
+            for array in sent:
+                link.send(1, array)
+            return []
+        received = []
+        for _ in sent:
+            out = np.empty(length)
+            link.recv_into(0, out)
+            received.append(out)
+        return received
+
+    received = run(make_links(2), body)[1]
+    for got, want in zip(received, sent, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("op", list(ReduceOp))
+def test_recv_reduce_combines_message_and_operand(make_links: Any, op: ReduceOp) -> None:
+    a, b = np.array([1.0, -2.0, 3.0]), np.array([4.0, 5.0, -6.0])
+    ufunc = getattr(np, op.ufunc_name)
+
+    def body(link: Any) -> Any:
+        if link.rank == 0:
+            link.send(1, a)
+            return None
+        out = np.empty(3)
+        link.recv_reduce(0, b, out, op)
+        in_place = b.copy()
+        link.recv_reduce(0, in_place, in_place, op)
+        return out, in_place
+
+    def twice(link: Any) -> Any:
+        if link.rank == 0:
+            link.send(1, a)
+        return body(link)
+
+    out, in_place = run(make_links(2), twice)[1]
+    np.testing.assert_array_equal(out, ufunc(a, b))
+    np.testing.assert_array_equal(in_place, ufunc(a, b))
+
+
+def test_every_peer_sends_and_receives_in_the_same_step(make_links: Any) -> None:
+    """The ring pattern: send right, receive left, with large (lent) buffers, without deadlock."""
+    n, length = 5, COPY_BELOW // 4
+
+    def body(link: Any) -> np.ndarray:
+        mine = np.full(length, link.rank, np.float32)
+        out = np.empty(length, np.float32)
+        link.send((link.rank + 1) % n, mine)
+        link.recv_into((link.rank - 1) % n, out)
+        return out
+
+    for rank, out in enumerate(run(make_links(n), body)):
+        assert (out == (rank - 1) % n).all()
+
+
+def test_flush_returns_only_after_the_receiver_consumed(make_links: Any) -> None:
+    started_receiving: list[float] = []
+
+    def body(link: Any) -> float | None:
+        if link.rank == 0:
+            link.send(1, np.ones(COPY_BELOW))  # lent, not copied
+            link.flush()
+            return time.monotonic()
+        time.sleep(0.2)
+        started_receiving.append(time.monotonic())
+        link.recv_into(0, np.empty(COPY_BELOW))
+        return None
+
+    flushed = run(make_links(2), body)[0]
+    assert flushed >= started_receiving[0]
+
+
+# -- the real transports only ------------------------------------------------------------------
+
+
+def test_a_receive_that_never_completes_times_out_and_aborts_every_peer() -> None:
+    links = inproc_links(3, timeout=0.3)
+    outcomes: list[Any] = [None] * 3
+
+    def target(link: Any) -> None:
+        try:
+            link.recv_into((link.rank + 1) % 3 if link.rank == 0 else 0, np.empty(1))
+        except Exception as exc:
+            outcomes[link.rank] = exc
+
+    threads = [threading.Thread(target=target, args=(link,)) for link in links]
+    started = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(5)
+    assert time.monotonic() - started < 2
+    assert all(isinstance(o, CollectiveTimeout) for o in outcomes), outcomes
+    assert "test #0: peer" in str(outcomes[0]) and "timed out waiting for a message from peer" in str(outcomes[0])
+
+
+def test_abort_wakes_blocked_peers_with_the_error() -> None:
+    links = inproc_links(2)
+    exchange = links[0]._exchange
+    caught: list[BaseException] = []
+    waiter = threading.Thread(target=lambda: caught.append(pytest.raises(PeerLostError, links[0].recv_into, 1, np.empty(1)).value))
+    waiter.start()
+    time.sleep(0.05)
+    exchange.abort(PeerLostError("peer 1 failed", [1]))
+    waiter.join(5)
+    assert not waiter.is_alive() and caught and caught[0].peers == (1,)
+    with pytest.raises(PeerLostError):
+        links[1].send(0, np.ones(1))  # and nothing new enters an aborted exchange

@@ -1,0 +1,36 @@
+"""The public surface is exactly the documented API."""
+
+from __future__ import annotations
+
+import pathlib
+
+import collective
+
+DOCUMENTED = {
+    "register", "all_reduce", "reduce", "broadcast", "finish", "reset", "default_runtime", "Runtime",
+    "CollectiveConfig", "Centralized", "Tree", "Ring", "ReduceOp",
+    "CollectiveError", "ConfigError", "InvalidArgumentError", "RegistrationError", "MismatchError",
+    "PeerLostError", "JobClosedError", "CollectiveTimeout",
+}  # fmt: skip
+
+
+def test_all_is_exactly_the_documented_api() -> None:
+    assert set(collective.__all__) == DOCUMENTED
+    assert len(collective.__all__) == len(DOCUMENTED)
+    for name in collective.__all__:
+        assert hasattr(collective, name)
+
+
+def test_the_api_reference_covers_every_public_name() -> None:
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "api.md").read_text()
+    missing = [name for name in collective.__all__ if f"`{name}" not in text]
+    assert not missing, f"docs/api.md does not document {missing}"
+
+
+def test_error_hierarchy_keeps_builtin_bases() -> None:
+    assert issubclass(collective.ConfigError, ValueError)
+    assert issubclass(collective.InvalidArgumentError, ValueError)
+    assert issubclass(collective.CollectiveTimeout, TimeoutError)
+    for name in ("ConfigError", "InvalidArgumentError", "RegistrationError", "MismatchError",
+                 "PeerLostError", "JobClosedError", "CollectiveTimeout"):  # fmt: skip
+        assert issubclass(getattr(collective, name), collective.CollectiveError)

@@ -1,0 +1,45 @@
+"""Many consecutive collectives: no growth in threads, memory or server state."""
+
+from __future__ import annotations
+
+import threading
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import collective as col
+from tests.conftest import run_peers
+
+
+@pytest.mark.parametrize(("fuse_below", "iterations"), [(64 * 1024, 10_000), (0, 2_000)], ids=["fused", "link"])
+def test_consecutive_small_all_reduces_do_not_grow(fuse_below: int, iterations: int) -> None:
+    n = 4
+    threads_before = threading.active_count()
+    config = col.CollectiveConfig(num_devices=n, local_all_reduce_strategy="ring", timeout=30)
+    traced: dict[str, int] = {}
+    tracemalloc.start()
+    try:
+        with col.Runtime(fuse_below=fuse_below) as rt:
+
+            def body(peer: int) -> np.ndarray:
+                rt.register(peer, "cpu", config)
+                x = np.full(2, peer, np.float32)
+                y = x
+                for i in range(iterations):
+                    y = rt.all_reduce(peer, x)
+                    if peer == 0 and i in (iterations // 10, iterations - 1):
+                        traced[f"at {i}"] = tracemalloc.get_traced_memory()[0]
+                job = rt._job
+                assert job is not None and len(job._slots) <= 1  # finished steps are dropped
+                rt.finish(peer)
+                return y
+
+            results = run_peers(n, body, rt, timeout=120)
+    finally:
+        tracemalloc.stop()
+    for y in results:
+        np.testing.assert_array_equal(y, np.full(2, 6, np.float32))
+    early, late = traced.values()
+    assert late - early < 256 * 1024, f"traced memory grew by {late - early} bytes over the run"
+    assert threading.active_count() == threads_before
