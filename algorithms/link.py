@@ -53,7 +53,10 @@ class Link(Protocol):
         ...
 
     def recv_reduce(self, src: int, operand: Array, out: Array, op: ReduceOp) -> None:
-        """Wait for the next message from ``src``; ``out = op(message, operand)`` (``operand`` may be ``out``)."""
+        """Wait for the next message from ``src``; ``out = op(message, operand)``.
+
+        ``operand`` may be ``out`` itself (accumulate in place).
+        """
         ...
 
     def flush(self) -> None:

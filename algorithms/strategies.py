@@ -71,7 +71,9 @@ def parse_strategy(value: Strategy | str) -> Strategy:
         try:
             arity = int(text.removeprefix("tree:"))
         except ValueError:
-            raise ConfigError(f"strategy {value!r}: the tree arity must be an integer, as in 'tree:2'") from None
+            raise ConfigError(
+                f"strategy {value!r}: the tree arity must be an integer, as in 'tree:2'"
+            ) from None
         return Tree(arity)
     raise ConfigError(f"unknown strategy {value!r}: expected 'centralized', 'tree:K' (K >= 1) or 'ring'")
 

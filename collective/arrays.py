@@ -30,7 +30,7 @@ class Device:
 
     @classmethod
     def parse(cls, value: Device | str | int) -> Device:
-        """"cpu", "cuda", "cuda:N" or an int N (CUDA device N); raises RegistrationError."""
+        """ "cpu", "cuda", "cuda:N" or an int N (CUDA device N); raises RegistrationError."""
         if isinstance(value, Device):
             return value
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
@@ -89,7 +89,9 @@ def check_array(array: Any, device: Device, op: ReduceOp | None, name: str = "x"
     return _dtype_problem(array.dtype, op)
 
 
-def check_out(out: Any, device: Device, shape: tuple[int, ...], dtype: Any, source: Array | None) -> str | None:
+def check_out(
+    out: Any, device: Device, shape: tuple[int, ...], dtype: Any, source: Array | None
+) -> str | None:
     """Why ``out`` cannot receive a result of ``shape``/``dtype``, or None if it can.
 
     ``out`` may be ``source`` itself (an in-place collective) but may not partly overlap it.
@@ -98,7 +100,9 @@ def check_out(out: Any, device: Device, shape: tuple[int, ...], dtype: Any, sour
     if problem:
         return problem
     if out.shape != shape or out.dtype != dtype:
-        return f"out has shape {out.shape} and dtype {out.dtype}; the result has {shape} and {np.dtype(dtype)}"
+        return (
+            f"out has shape {out.shape} and dtype {out.dtype}; the result has {shape} and {np.dtype(dtype)}"
+        )
     if not out.flags.c_contiguous or not out.flags.writeable:
         return "out must be a writeable C-contiguous array"
     if source is not None and source is not out and array_module(out).may_share_memory(out, source):

@@ -68,7 +68,9 @@ class Runtime:
         if not isinstance(config, CollectiveConfig):
             raise ConfigError(f"config must be a CollectiveConfig, got {type(config).__name__}")
         if config.is_multi_node:
-            raise ConfigError("multi-node jobs (num_nodes and addresses set) are not available in this version")
+            raise ConfigError(
+                "multi-node jobs (num_nodes and addresses set) are not available in this version"
+            )
         parsed = Device.parse(device)
         peers = tuple(range(config.num_devices))
         if isinstance(peer_id, bool) or not isinstance(peer_id, int) or peer_id not in peers:
@@ -124,7 +126,9 @@ class Runtime:
 
     # -- collectives --------------------------------------------------------------------------
 
-    def all_reduce(self, peer_id: int, x: Array, op: ReduceOp | str = "sum", *, out: Array | None = None) -> Array:
+    def all_reduce(
+        self, peer_id: int, x: Array, op: ReduceOp | str = "sum", *, out: Array | None = None
+    ) -> Array:
         """Combine ``x`` of every peer with ``op``; every peer gets the same bits.
 
         Returns a new array of ``x``'s shape and dtype, or ``out`` (which may be ``x``) filled.
@@ -147,7 +151,9 @@ class Runtime:
             if plan.result is not None:
                 flat(result)[...] = plan.result
             else:
-                strategies.all_reduce(job.config.local_all_reduce_strategy, link, src, flat(result), reduce_op)
+                strategies.all_reduce(
+                    job.config.local_all_reduce_strategy, link, src, flat(result), reduce_op
+                )
                 link.flush()
         if reduce_op is ReduceOp.MEAN:
             scale_for_mean(result, len(job.peer_ids))
@@ -181,7 +187,9 @@ class Runtime:
                     flat(result)[...] = plan.result
             else:
                 target = None if result is None else flat(result)
-                strategies.reduce(job.config.local_reduce_strategy, link, job.index[root], src, target, reduce_op)
+                strategies.reduce(
+                    job.config.local_reduce_strategy, link, job.index[root], src, target, reduce_op
+                )
                 link.flush()
         if result is not None and reduce_op is ReduceOp.MEAN:
             scale_for_mean(result, len(job.peer_ids))

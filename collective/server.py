@@ -154,7 +154,6 @@ class LocalJob:
         with self._lock:
             self._check_member(peer)
 
-
     # -- collectives --------------------------------------------------------------------------
 
     def rendezvous(self, peer: int, spec: CallSpec, data: Array | None, deadline: float) -> Plan:
@@ -165,24 +164,26 @@ class LocalJob:
         """
         busy = self._busy.get(peer)
         if busy is None:
-            raise RegistrationError(f"peer {peer} is not a peer of this job ({describe_peers(list(self.peer_ids))})")
+            raise RegistrationError(
+                f"peer {peer} is not a peer of this job ({describe_peers(list(self.peer_ids))})"
+            )
         if not busy.acquire(blocking=False):
             raise RegistrationError(
                 f"peer {peer} is already inside a collective: each peer must be driven by one thread"
             )
         try:
             slot = self._arrive(peer, spec, data)
-            while slot.outcome is None:
-                with self._lock:
-                    if slot.outcome is not None:
-                        break
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        self._time_out(slot, spec)
-                        break
-                    self._bells[peer].arm()
-                self._bells[peer].wait(remaining, self._lock)
             outcome = slot.outcome
+            while outcome is None:
+                with self._lock:
+                    outcome = slot.outcome
+                    remaining = deadline - time.monotonic()
+                    if outcome is None and remaining <= 0:
+                        outcome = self._time_out(slot, spec)
+                    elif outcome is None:
+                        self._bells[peer].arm()
+                if outcome is None:
+                    self._bells[peer].wait(remaining, self._lock)
             if isinstance(outcome, CollectiveError):
                 raise clone_error(outcome)
         except BaseException:
@@ -213,16 +214,18 @@ class LocalJob:
                     self._ring_all()
             return slot
 
-    def _time_out(self, slot: _Slot, spec: CallSpec) -> None:
+    def _time_out(self, slot: _Slot, spec: CallSpec) -> CollectiveTimeout:
         """Fail ``slot`` for the peers that came; late peers find the same error there (lock held)."""
         missing = sorted(set(self.peer_ids) - set(slot.arrivals))
-        slot.outcome = CollectiveTimeout(
+        error = CollectiveTimeout(
             f"{spec.kind} #{slot.step}: peers waited {self.config.timeout:g}s for "
             f"{describe_peers(missing)} to call it",
             missing,
         )
-        log.warning("%s", slot.outcome)
+        slot.outcome = error
+        log.warning("%s", error)
         self._ring_all()
+        return error
 
     def done(self, peer: int) -> None:
         """The peer finished running a collective that rendezvous() opened."""

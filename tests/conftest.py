@@ -64,7 +64,9 @@ def outcomes_of_peers(
         except BaseException as exc:
             outcomes[peer] = exc
 
-    threads = [threading.Thread(target=target, args=(peer,), name=f"peer-{peer}", daemon=True) for peer in range(n)]
+    threads = [
+        threading.Thread(target=target, args=(peer,), name=f"peer-{peer}", daemon=True) for peer in range(n)
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -78,7 +80,9 @@ def outcomes_of_peers(
     return outcomes
 
 
-def peer_input(peer: int, shape: tuple[int, ...], dtype: Any, seed: int = 0, small: bool = False) -> np.ndarray:
+def peer_input(
+    peer: int, shape: tuple[int, ...], dtype: Any, seed: int = 0, small: bool = False
+) -> np.ndarray:
     """Deterministic per-peer data; ``small`` keeps values in -3..3 so products stay exact."""
     rng = np.random.default_rng(seed * 1009 + peer)
     dt = np.dtype(dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -28,7 +29,9 @@ def _inputs(n: int, length: int, dtype: str = "int64") -> list[np.ndarray]:
     return [peer_input(peer, (length,), dtype) for peer in range(n)]
 
 
-def _expected_all_reduce_traffic(strategy: Strategy, n: int, length: int, itemsize: int) -> list[tuple[int, int]]:
+def _expected_all_reduce_traffic(
+    strategy: Strategy, n: int, length: int, itemsize: int
+) -> list[tuple[int, int]]:
     """(messages sent, bytes sent) per peer from the textbook schedule."""
     nbytes = length * itemsize
     match resolve_all_reduce(strategy, length, n):
@@ -57,7 +60,11 @@ def test_all_reduce_result_traffic_and_ownership(strategy: Strategy, n: int, len
     originals = [x.copy() for x in inputs]
     outputs = [np.full(length, -1, np.int64) for _ in range(n)]
     network = Network(n)
-    network.run(lambda link: strategies.all_reduce(strategy, link, inputs[link.rank], outputs[link.rank], ReduceOp.SUM))
+    network.run(
+        lambda link: strategies.all_reduce(
+            strategy, link, inputs[link.rank], outputs[link.rank], ReduceOp.SUM
+        )
+    )
     expected = reference(inputs, "sum")
     for peer in range(n):
         np.testing.assert_array_equal(outputs[peer], expected)
@@ -75,7 +82,9 @@ def test_ring_all_reduce_sends_2_n_minus_1_over_n_of_the_array(n: int) -> None:
     inputs = _inputs(n, length)
     outputs = [np.empty(length, np.int64) for _ in range(n)]
     network = Network(n)
-    network.run(lambda link: strategies.all_reduce(Ring(), link, inputs[link.rank], outputs[link.rank], ReduceOp.SUM))
+    network.run(
+        lambda link: strategies.all_reduce(Ring(), link, inputs[link.rank], outputs[link.rank], ReduceOp.SUM)
+    )
     for traffic in network.traffic:
         assert traffic.sent_messages == traffic.received_messages == 2 * (n - 1)
         assert traffic.sent_bytes == 2 * (n - 1) * length * 8 // n
@@ -88,7 +97,11 @@ def test_all_reduce_in_place(strategy: Strategy, n: int) -> None:
     buffers = _inputs(n, 17)
     expected = reference(buffers, "sum")
     network = Network(n)
-    network.run(lambda link: strategies.all_reduce(strategy, link, buffers[link.rank], buffers[link.rank], ReduceOp.SUM))
+    network.run(
+        lambda link: strategies.all_reduce(
+            strategy, link, buffers[link.rank], buffers[link.rank], ReduceOp.SUM
+        )
+    )
     for buffer in buffers:
         np.testing.assert_array_equal(buffer, expected)
     assert network.violations == []
@@ -137,7 +150,11 @@ def test_broadcast_every_root(strategy: Strategy, n: int) -> None:
     for root in range(n):
         buffers = [data.copy() if rank == root else np.zeros(length, np.float32) for rank in range(n)]
         network = Network(n)
-        network.run(lambda link, root=root, buffers=buffers: strategies.broadcast(strategy, link, root, buffers[link.rank]))
+        network.run(
+            lambda link, root=root, buffers=buffers: strategies.broadcast(
+                strategy, link, root, buffers[link.rank]
+            )
+        )
         for buffer in buffers:
             assert buffer.tobytes() == data.tobytes()
         assert network.violations == []
@@ -154,7 +171,11 @@ def test_ring_reduce_and_broadcast_pipeline_in_segments() -> None:
     inputs = _inputs(n, length, "float64")
     out = np.empty(length)
     network = Network(n)
-    network.run(lambda link: strategies.reduce(Ring(), link, 2, inputs[link.rank], out if link.rank == 2 else None, ReduceOp.SUM))
+    network.run(
+        lambda link: strategies.reduce(
+            Ring(), link, 2, inputs[link.rank], out if link.rank == 2 else None, ReduceOp.SUM
+        )
+    )
     np.testing.assert_allclose(out, reference(inputs, "sum"))
     # chain 3 -> 0 -> 1 -> 2: the head only sends, the root only receives, each once per segment
     assert [t.sent_messages for t in network.traffic] == [segments, segments, 0, segments]
@@ -179,7 +200,7 @@ def test_ring_falls_back_to_tree_below_one_element_per_peer(caplog: pytest.LogCa
 def test_chunk_bounds_cover_the_array_with_sizes_within_one(length: int, parts: int) -> None:
     bounds = chunk_bounds(length, parts)
     assert len(bounds) == parts and bounds[0][0] == 0 and bounds[-1][1] == length
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:], strict=False))
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(bounds))
     sizes = [hi - lo for lo, hi in bounds]
     assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 0
 

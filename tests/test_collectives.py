@@ -37,7 +37,11 @@ def test_every_op_and_root(link_runtime: col.Runtime, strategy: Any, n: int) -> 
     rt = link_runtime
     cfg = config(n, strategy)
     lengths = [17, 3]
-    inputs = {(length, p): peer_input(p, (length,), "float64", seed=length, small=True) for length in lengths for p in range(n)}
+    inputs = {
+        (length, p): peer_input(p, (length,), "float64", seed=length, small=True)
+        for length in lengths
+        for p in range(n)
+    }
 
     def body(peer: int) -> list[Any]:
         rt.register(peer, "cpu", cfg)
@@ -49,7 +53,9 @@ def test_every_op_and_root(link_runtime: col.Runtime, strategy: Any, n: int) -> 
                 for root in range(n):
                     results.append(("reduce", length, op, root, rt.reduce(peer, x, op, root=root)))
             for root in range(n):
-                results.append(("broadcast", length, None, root, rt.broadcast(peer, x if peer == root else None)))
+                results.append(
+                    ("broadcast", length, None, root, rt.broadcast(peer, x if peer == root else None))
+                )
         rt.finish(peer)
         return results
 
@@ -64,7 +70,9 @@ def test_every_op_and_root(link_runtime: col.Runtime, strategy: Any, n: int) -> 
             assert_matches(got[root], reference(xs, op), n)
         else:
             assert_matches(got[0], reference(xs, op), n)
-            assert all(g.tobytes() == got[0].tobytes() for g in got), "all_reduce results differ between peers"
+            assert all(g.tobytes() == got[0].tobytes() for g in got), (
+                "all_reduce results differ between peers"
+            )
 
 
 DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64",
@@ -92,7 +100,10 @@ def _inputs(shape_name: str, dtype: Any, n: int, small: bool) -> list[np.ndarray
     shape = SHAPES[shape_name]
     if shape_name == "over-4MiB" and np.dtype(dtype).itemsize != 4:
         shape = ((4 << 20) // np.dtype(dtype).itemsize + 3,)
-    xs = [peer_input(p, shape, dtype if np.dtype(dtype).name != "bfloat16" else "float32", small=small) for p in range(n)]
+    xs = [
+        peer_input(p, shape, dtype if np.dtype(dtype).name != "bfloat16" else "float32", small=small)
+        for p in range(n)
+    ]
     xs = [x.astype(dtype) for x in xs]
     if shape_name == "2d-view":
         xs = [x[::2, 1::3] for x in xs]
@@ -228,7 +239,10 @@ def test_string_strategies_and_enum_ops(link_runtime: col.Runtime) -> None:
     def body(peer: int) -> tuple[Any, ...]:
         link_runtime.register(peer, "cpu", cfg)
         x = np.arange(6, dtype=np.int64) + peer
-        out = (link_runtime.all_reduce(peer, x, col.ReduceOp.MAX), link_runtime.reduce(peer, x, "MIN", root=1))
+        out = (
+            link_runtime.all_reduce(peer, x, col.ReduceOp.MAX),
+            link_runtime.reduce(peer, x, "MIN", root=1),
+        )
         link_runtime.finish(peer)
         return out
 

@@ -42,7 +42,7 @@ def test_cupy_collectives(strategy: str, fuse_below: int) -> None:
 
     with col.Runtime(fuse_below=fuse_below) as rt:
         results = run_peers(n, body, rt)
-    for y, r, b in results:
+    for y, _, b in results:
         np.testing.assert_allclose(y, sum(inputs))
         np.testing.assert_array_equal(b, inputs[2])
     np.testing.assert_array_equal(results[1][1], inputs[2])
@@ -51,5 +51,7 @@ def test_cupy_collectives(strategy: str, fuse_below: int) -> None:
 def test_array_on_the_wrong_device_is_an_invalid_argument() -> None:
     with col.Runtime() as rt:
         rt.register(0, "cpu", col.CollectiveConfig(num_devices=1))
-        with pytest.raises(col.InvalidArgumentError, match="x is on cuda:0 but the peer was registered on cpu"):
+        with pytest.raises(
+            col.InvalidArgumentError, match="x is on cuda:0 but the peer was registered on cpu"
+        ):
             rt.all_reduce(0, cupy.ones(3))

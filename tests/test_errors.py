@@ -75,24 +75,42 @@ def test_shape_mismatch_names_the_peers_everywhere(rt: col.Runtime) -> None:
 @pytest.mark.parametrize(
     ("call", "expected"),
     [
-        (lambda rt, p: rt.all_reduce(p, np.zeros(4, np.float32 if p else np.float64)),
-         "dtype: peer 0 passed float64, peers 1-2 passed float32"),
-        (lambda rt, p: rt.all_reduce(p, np.zeros(4), "max" if p == 1 else "sum"),
-         "op: peers 0, 2 passed sum, peer 1 passed max"),
-        (lambda rt, p: rt.reduce(p, np.zeros(4), root=2 if p == 0 else 1),
-         "root: peer 0 passed 2, peers 1-2 passed 1"),
-        (lambda rt, p: rt.reduce(p, np.zeros(4)) if p == 2 else rt.all_reduce(p, np.zeros(4)),
-         "peers called different collectives: peers 0-1 passed all_reduce, peer 2 passed reduce"),
-        (lambda rt, p: rt.broadcast(p, None),
-         "exactly one peer (the root) must pass an array; no peer passed one"),
-        (lambda rt, p: rt.broadcast(p, np.zeros(3) if p != 1 else None),
-         "exactly one peer (the root) must pass an array; peers 0, 2 passed one"),
-        (lambda rt, p: rt.broadcast(p, np.zeros(3) if p == 0 else None, out=np.zeros(4) if p == 2 else None),
-         "shape: peer 0 passed (3,), peer 2 passed (4,)"),
+        (
+            lambda rt, p: rt.all_reduce(p, np.zeros(4, np.float32 if p else np.float64)),
+            "dtype: peer 0 passed float64, peers 1-2 passed float32",
+        ),
+        (
+            lambda rt, p: rt.all_reduce(p, np.zeros(4), "max" if p == 1 else "sum"),
+            "op: peers 0, 2 passed sum, peer 1 passed max",
+        ),
+        (
+            lambda rt, p: rt.reduce(p, np.zeros(4), root=2 if p == 0 else 1),
+            "root: peer 0 passed 2, peers 1-2 passed 1",
+        ),
+        (
+            lambda rt, p: rt.reduce(p, np.zeros(4)) if p == 2 else rt.all_reduce(p, np.zeros(4)),
+            "peers called different collectives: peers 0-1 passed all_reduce, peer 2 passed reduce",
+        ),
+        (
+            lambda rt, p: rt.broadcast(p, None),
+            "exactly one peer (the root) must pass an array; no peer passed one",
+        ),
+        (
+            lambda rt, p: rt.broadcast(p, np.zeros(3) if p != 1 else None),
+            "exactly one peer (the root) must pass an array; peers 0, 2 passed one",
+        ),
+        (
+            lambda rt, p: rt.broadcast(
+                p, np.zeros(3) if p == 0 else None, out=np.zeros(4) if p == 2 else None
+            ),
+            "shape: peer 0 passed (3,), peer 2 passed (4,)",
+        ),
     ],
     ids=["dtype", "op", "root", "collective", "broadcast-none", "broadcast-two", "broadcast-out"],
 )
-def test_mismatches_fail_every_peer_and_leave_the_job_usable(rt: col.Runtime, call: Any, expected: str) -> None:
+def test_mismatches_fail_every_peer_and_leave_the_job_usable(
+    rt: col.Runtime, call: Any, expected: str
+) -> None:
     errors = run_failing_step(rt, 3, lambda p: call(rt, p))
     for error in errors:
         assert isinstance(error, col.MismatchError), error
@@ -113,26 +131,51 @@ def test_mismatch_with_large_arrays_fails_before_any_data_moves(rt: col.Runtime)
 @pytest.mark.parametrize(
     ("call", "expected"),
     [
-        (lambda rt, p: rt.all_reduce(p, np.zeros(3), "avg" if p == 1 else "sum"),
-         "peer 1: unknown reduce op 'avg': expected one of sum, mean, max, min, prod"),
-        (lambda rt, p: rt.all_reduce(p, np.zeros(3, bool if p == 0 else float)),
-         "peer 0: unsupported dtype bool"),
-        (lambda rt, p: rt.all_reduce(p, np.zeros(3, np.complex64), "max"),
-         "op max is not defined for complex64"),
-        (lambda rt, p: rt.all_reduce(p, [1.0, 2.0] if p == 2 else np.zeros(2)),
-         "peer 2: x must be a numpy or CuPy array, got list"),
-        (lambda rt, p: rt.reduce(p, np.zeros(3), root=7),
-         "root 7 is not a peer of this job (peers 0..2)"),
-        (lambda rt, p: rt.all_reduce(p, np.zeros(3), out=np.zeros(4) if p == 1 else None),
-         "peer 1: out has shape (4,)"),
-        (lambda rt, p: rt.all_reduce(p, (x := np.zeros(6)), out=x[1:4] if p == 0 else None),
-         "peer 0: out has shape (3,)"),
-        (lambda rt, p: rt.all_reduce(p, (x := np.zeros(6))[:3], out=x[1:4] if p == 0 else None),
-         "peer 0: out overlaps x without being x"),
-        (lambda rt, p: rt.all_reduce(p, np.zeros(3), out=np.zeros((3, 2))[:, 0] if p == 0 else None),
-         "peer 0: out must be a writeable C-contiguous array"),
+        (
+            lambda rt, p: rt.all_reduce(p, np.zeros(3), "avg" if p == 1 else "sum"),
+            "peer 1: unknown reduce op 'avg': expected one of sum, mean, max, min, prod",
+        ),
+        (
+            lambda rt, p: rt.all_reduce(p, np.zeros(3, bool if p == 0 else float)),
+            "peer 0: unsupported dtype bool",
+        ),
+        (
+            lambda rt, p: rt.all_reduce(p, np.zeros(3, np.complex64), "max"),
+            "op max is not defined for complex64",
+        ),
+        (
+            lambda rt, p: rt.all_reduce(p, [1.0, 2.0] if p == 2 else np.zeros(2)),
+            "peer 2: x must be a numpy or CuPy array, got list",
+        ),
+        (lambda rt, p: rt.reduce(p, np.zeros(3), root=7), "root 7 is not a peer of this job (peers 0..2)"),
+        (
+            lambda rt, p: rt.all_reduce(p, np.zeros(3), out=np.zeros(4) if p == 1 else None),
+            "peer 1: out has shape (4,)",
+        ),
+        (
+            lambda rt, p: rt.all_reduce(p, (x := np.zeros(6)), out=x[1:4] if p == 0 else None),
+            "peer 0: out has shape (3,)",
+        ),
+        (
+            lambda rt, p: rt.all_reduce(p, (x := np.zeros(6))[:3], out=x[1:4] if p == 0 else None),
+            "peer 0: out overlaps x without being x",
+        ),
+        (
+            lambda rt, p: rt.all_reduce(p, np.zeros(3), out=np.zeros((3, 2))[:, 0] if p == 0 else None),
+            "peer 0: out must be a writeable C-contiguous array",
+        ),
     ],
-    ids=["op", "dtype", "complex-max", "not-an-array", "root", "out-shape", "out-view", "out-overlap", "out-strided"],
+    ids=[
+        "op",
+        "dtype",
+        "complex-max",
+        "not-an-array",
+        "root",
+        "out-shape",
+        "out-view",
+        "out-overlap",
+        "out-strided",
+    ],
 )
 def test_invalid_arguments_fail_every_peer(rt: col.Runtime, call: Any, expected: str) -> None:
     errors = run_failing_step(rt, 3, lambda p: call(rt, p))
@@ -149,7 +192,9 @@ def test_use_before_register_and_after_finish(runtime: col.Runtime) -> None:
         runtime.all_reduce(0, np.zeros(2))
     runtime.register(0, "cpu", cfg(1))
     runtime.finish(0)
-    with pytest.raises(col.RegistrationError, match=r"peer 0 has finished: call register\(\) to start a new job"):
+    with pytest.raises(
+        col.RegistrationError, match=r"peer 0 has finished: call register\(\) to start a new job"
+    ):
         runtime.all_reduce(0, np.zeros(2))
     with pytest.raises(col.RegistrationError, match="has finished"):
         runtime.finish(0)
@@ -159,7 +204,9 @@ def test_use_before_register_and_after_finish(runtime: col.Runtime) -> None:
 
 @pytest.mark.parametrize("peer", [4, -1, 1.5, True, "0"])
 def test_peer_id_outside_the_job(runtime: col.Runtime, peer: Any) -> None:
-    with pytest.raises(col.RegistrationError, match=r"is outside the job: with num_devices=4 the peers are 0\.\.3"):
+    with pytest.raises(
+        col.RegistrationError, match=r"is outside the job: with num_devices=4 the peers are 0\.\.3"
+    ):
         runtime.register(peer, "cpu", cfg(4))
 
 
@@ -212,15 +259,22 @@ def test_registration_timeout_names_the_missing_peers(runtime: col.Runtime) -> N
     [
         ({"num_devices": 0}, "num_devices must be >= 1, got 0"),
         ({"num_devices": 2.0}, "num_devices must be an integer"),
-        ({"local_all_reduce_strategy": "tree:0"}, "local_all_reduce_strategy: Tree arity must be an integer >= 1"),
+        (
+            {"local_all_reduce_strategy": "tree:0"},
+            "local_all_reduce_strategy: Tree arity must be an integer >= 1",
+        ),
         ({"local_reduce_strategy": "tree:x"}, "the tree arity must be an integer"),
         ({"local_broadcast_strategy": "butterfly"}, "unknown strategy 'butterfly'"),
         ({"global_all_reduce_strategy": 3}, "a strategy must be Centralized(), Tree(k), Ring() or a string"),
         ({"num_nodes": 2}, "must be all set or all unset: num_nodes set but global_address, node_address"),
-        ({"num_nodes": 2, "global_address": "h:1", "node_address": "h:2", "data_service_port": 70000},
-         "data_service_port must be in 0..65535"),
-        ({"num_nodes": 2, "global_address": "nohost", "node_address": "h:2", "data_service_port": 0},
-         "global_address must be 'host:port'"),
+        (
+            {"num_nodes": 2, "global_address": "h:1", "node_address": "h:2", "data_service_port": 70000},
+            "data_service_port must be in 0..65535",
+        ),
+        (
+            {"num_nodes": 2, "global_address": "nohost", "node_address": "h:2", "data_service_port": 0},
+            "global_address must be 'host:port'",
+        ),
         ({"timeout": 0}, "timeout must be a finite number of seconds > 0"),
         ({"timeout": math.nan}, "timeout must be a finite number of seconds > 0"),
         ({"timeout": "5"}, "timeout must be a number of seconds"),
@@ -238,7 +292,9 @@ def test_tree_zero_is_a_config_error() -> None:
 
 
 def test_config_is_frozen_and_parses_strategies() -> None:
-    config = col.CollectiveConfig(num_devices=2, local_reduce_strategy=" Tree:3 ", local_broadcast_strategy="tree")
+    config = col.CollectiveConfig(
+        num_devices=2, local_reduce_strategy=" Tree:3 ", local_broadcast_strategy="tree"
+    )
     assert config.local_reduce_strategy == Tree(3) and config.local_broadcast_strategy == Tree(2)
     assert config.global_all_reduce_strategy == Ring()
     with pytest.raises(AttributeError):
@@ -247,7 +303,11 @@ def test_config_is_frozen_and_parses_strategies() -> None:
 
 def test_multi_node_config_is_refused_by_this_runtime(runtime: col.Runtime) -> None:
     config = col.CollectiveConfig(
-        num_devices=1, num_nodes=2, global_address="127.0.0.1:1", node_address="127.0.0.1:2", data_service_port=0
+        num_devices=1,
+        num_nodes=2,
+        global_address="127.0.0.1:1",
+        node_address="127.0.0.1:2",
+        data_service_port=0,
     )
     with pytest.raises(col.ConfigError, match="multi-node"):
         runtime.register(0, "cpu", config)
@@ -309,7 +369,9 @@ def test_reset_wakes_blocked_peers_with_job_closed(rt: col.Runtime) -> None:
     assert isinstance(outcomes[0], col.JobClosedError) and "reset" in str(outcomes[0])
 
     run_peers(2, lambda p: rt.register(p, "cpu", cfg(2)), rt)
-    blocked = outcomes_of_peers(2, lambda p: rt.all_reduce(p, np.ones(3)) if p == 0 else (time.sleep(0.2), rt.reset()), rt)
+    blocked = outcomes_of_peers(
+        2, lambda p: rt.all_reduce(p, np.ones(3)) if p == 0 else (time.sleep(0.2), rt.reset()), rt
+    )
     assert isinstance(blocked[0], col.JobClosedError)
     with pytest.raises(col.RegistrationError, match="not registered"):
         rt.all_reduce(0, np.ones(3))
@@ -341,7 +403,9 @@ def test_a_failure_inside_one_peer_fails_the_collective_for_all(monkeypatch: pyt
 
     monkeypatch.setattr(transport.inproc, "combine", flaky)
     with col.Runtime(fuse_below=0) as rt:
-        outcomes = outcomes_of_peers(4, lambda p: (rt.register(p, "cpu", cfg(4)), rt.all_reduce(p, np.ones(8))), rt)
+        outcomes = outcomes_of_peers(
+            4, lambda p: (rt.register(p, "cpu", cfg(4)), rt.all_reduce(p, np.ones(8))), rt
+        )
     assert isinstance(outcomes[1], MemoryError)
     for peer in (0, 2, 3):
         assert isinstance(outcomes[peer], col.PeerLostError), outcomes[peer]

@@ -12,7 +12,9 @@ import collective as col
 from tests.conftest import run_peers
 
 
-@pytest.mark.parametrize(("fuse_below", "iterations"), [(64 * 1024, 10_000), (0, 2_000)], ids=["fused", "link"])
+@pytest.mark.parametrize(
+    ("fuse_below", "iterations"), [(64 * 1024, 10_000), (0, 2_000)], ids=["fused", "link"]
+)
 def test_consecutive_small_all_reduces_do_not_grow(fuse_below: int, iterations: int) -> None:
     n = 4
     threads_before = threading.active_count()

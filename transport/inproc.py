@@ -77,7 +77,9 @@ class Exchange:
         size = len(peer_ids)
         self._lock = threading.Lock()
         self._bells = [Doorbell() for _ in range(size)]
-        self._inbox: list[list[deque[tuple[Array, bool]]]] = [[deque() for _ in range(size)] for _ in range(size)]
+        self._inbox: list[list[deque[tuple[Array, bool]]]] = [
+            [deque() for _ in range(size)] for _ in range(size)
+        ]
         self._lent = [0] * size
         self._error: CollectiveError | None = None
 
@@ -106,7 +108,9 @@ class Exchange:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             me = self.peer_ids[index]
-            self._abort_locked(CollectiveTimeout(f"{self.label}: peer {me} timed out waiting for {waiting_for}", missing))
+            self._abort_locked(
+                CollectiveTimeout(f"{self.label}: peer {me} timed out waiting for {waiting_for}", missing)
+            )
             raise clone_error(self._error)  # type: ignore[arg-type]
         self._bells[index].arm()
         return remaining
@@ -128,7 +132,9 @@ class Exchange:
             with self._lock:
                 if box:
                     return box.popleft()
-                remaining = self._arm(dst, deadline, f"a message from peer {self.peer_ids[src]}", (self.peer_ids[src],))
+                remaining = self._arm(
+                    dst, deadline, f"a message from peer {self.peer_ids[src]}", (self.peer_ids[src],)
+                )
             self._bells[dst].wait(remaining, self._lock)
 
     def consumed(self, src: int) -> None:
