@@ -80,6 +80,8 @@ def as_array(value: Any) -> Any:
 
 def check_array(array: Any, device: Device, op: ReduceOp | None, name: str = "x") -> str | None:
     """Why ``array`` cannot be used by a peer on ``device`` with ``op``, or None if it can."""
+    if type(array) is np.ndarray and device.kind == "cpu" and array.dtype.kind in _ORDERED_KINDS:
+        return None  # the common case, decided without building a Device
     try:
         array_module(array)
     except InvalidArgumentError:
@@ -105,9 +107,31 @@ def check_out(
         )
     if not out.flags.c_contiguous or not out.flags.writeable:
         return "out must be a writeable C-contiguous array"
-    if source is not None and source is not out and array_module(out).may_share_memory(out, source):
+    if source is not None and source is not out and _may_overlap(out, source):
         return "out overlaps x without being x: pass out=x for an in-place collective, or a separate array"
     return None
+
+
+def _owner(array: Array) -> Any:
+    """The object at the end of ``array``'s chain of bases (the array itself if it owns its memory)."""
+    while array.base is not None:
+        array = array.base
+        if not isinstance(array, np.ndarray):
+            break
+    return array
+
+
+def _may_overlap(a: Array, b: Array) -> bool:
+    """Whether two arrays may share memory.
+
+    Views of two different numpy arrays that own their memory cannot overlap: that is decided
+    from the chain of bases without numpy's overlap solver, which releases the GIL and so costs
+    a thread switch on every call (measured: +30 us per small collective with 4 peers).
+    """
+    owner_a, owner_b = _owner(a), _owner(b)
+    if owner_a is not owner_b and isinstance(owner_a, np.ndarray) and isinstance(owner_b, np.ndarray):
+        return False
+    return bool(array_module(a).may_share_memory(a, b))
 
 
 def flat(array: Array) -> Array:

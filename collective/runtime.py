@@ -136,26 +136,22 @@ class Runtime:
         PeerLostError, JobClosedError (see docs/api.md).
         """
         job, device = self._member_device(peer_id)
-        deadline = time.monotonic() + job.config.timeout
         x = as_array(x)
         reduce_op, problem = _parse_op(op)
         problem = problem or check_array(x, device, reduce_op)
         if problem is None and out is not None:
             problem = check_out(out, device, tuple(x.shape), x.dtype, x)
         spec = CallSpec("all_reduce", reduce_op, None, *_shape_dtype(x, problem), error=problem)
-        src = None if problem else flat(x)
-        plan = job.rendezvous(peer_id, spec, src, deadline)
-        assert reduce_op is not None  # the rendezvous raised for every peer otherwise
-        with self._running(job, peer_id, plan, deadline) as link:
-            result = new_result(device, tuple(x.shape), x.dtype, out)
-            if plan.result is not None:
-                flat(result)[...] = plan.result
-            else:
-                strategies.all_reduce(
-                    job.config.local_all_reduce_strategy, link, src, flat(result), reduce_op
-                )
+        plan, src, deadline = self._meet(job, peer_id, spec, None if problem else x)
+        if plan.result is not None:
+            result = self._copy_fused(job, peer_id, plan.result, device, x.shape, x.dtype, out)
+        else:
+            with self._running(job, peer_id, plan, deadline) as link:
+                result = new_result(device, x.shape, x.dtype, out)
+                strategy = job.config.local_all_reduce_strategy
+                strategies.all_reduce(strategy, link, src, flat(result), plan.call.op)
                 link.flush()
-        if reduce_op is ReduceOp.MEAN:
+        if plan.call.op is ReduceOp.MEAN:
             scale_for_mean(result, len(job.peer_ids))
         return result
 
@@ -168,7 +164,6 @@ class Runtime:
         Raises as all_reduce does.
         """
         job, device = self._member_device(peer_id)
-        deadline = time.monotonic() + job.config.timeout
         x = as_array(x)
         reduce_op, problem = _parse_op(op)
         problem = problem or check_array(x, device, reduce_op)
@@ -177,21 +172,18 @@ class Runtime:
         if problem is None and out is not None and peer_id == root:
             problem = check_out(out, device, tuple(x.shape), x.dtype, x)
         spec = CallSpec("reduce", reduce_op, root, *_shape_dtype(x, problem), error=problem)
-        src = None if problem else flat(x)
-        plan = job.rendezvous(peer_id, spec, src, deadline)
-        assert reduce_op is not None
-        with self._running(job, peer_id, plan, deadline) as link:
-            result = new_result(device, tuple(x.shape), x.dtype, out) if peer_id == root else None
-            if plan.result is not None:
-                if result is not None:
-                    flat(result)[...] = plan.result
-            else:
+        plan, src, deadline = self._meet(job, peer_id, spec, None if problem else x)
+        on_root = peer_id == root
+        if plan.result is not None:
+            result = self._copy_fused(job, peer_id, plan.result, device, x.shape, x.dtype, out, on_root)
+        else:
+            with self._running(job, peer_id, plan, deadline) as link:
+                result = new_result(device, x.shape, x.dtype, out) if on_root else None
                 target = None if result is None else flat(result)
-                strategies.reduce(
-                    job.config.local_reduce_strategy, link, job.index[root], src, target, reduce_op
-                )
+                strategy = job.config.local_reduce_strategy
+                strategies.reduce(strategy, link, job.index[root], src, target, plan.call.op)
                 link.flush()
-        if result is not None and reduce_op is ReduceOp.MEAN:
+        if result is not None and plan.call.op is ReduceOp.MEAN:
             scale_for_mean(result, len(job.peer_ids))
         return result
 
@@ -200,9 +192,9 @@ class Runtime:
 
         Other peers pass None (and optionally ``out`` to receive into). Every peer, the root
         included, gets a new array (or ``out``). No array or several -> MismatchError everywhere.
+        Raises as all_reduce does.
         """
         job, device = self._member_device(peer_id)
-        deadline = time.monotonic() + job.config.timeout
         x = as_array(x)
         problem = None if x is None else check_array(x, device, None)
         described = x
@@ -213,21 +205,23 @@ class Runtime:
                 problem = check_out(out, device, tuple(out.shape), out.dtype, None)
                 described = out
         spec = CallSpec("broadcast", None, None, *_shape_dtype(described, problem), x is not None, problem)
-        src = None if problem or x is None else flat(x)
-        plan = job.rendezvous(peer_id, spec, src, deadline)
+        plan, src, deadline = self._meet(job, peer_id, spec, None if problem else x)
         call = plan.call
         assert call.root is not None and call.shape is not None
+        if plan.result is not None:
+            if out is not None and out is x:  # an in-place root already holds the data
+                job.done(peer_id)
+                return out
+            fused = self._copy_fused(job, peer_id, plan.result, device, call.shape, call.dtype, out)
+            assert fused is not None
+            return fused
         with self._running(job, peer_id, plan, deadline) as link:
             result = new_result(device, call.shape, call.dtype, out)
-            if plan.result is not None:
-                if result is not x:
-                    flat(result)[...] = plan.result
-            else:
-                source = src if src is not None else flat(result)
-                strategies.broadcast(job.config.local_broadcast_strategy, link, job.index[call.root], source)
-                if src is not None and result is not x:
-                    flat(result)[...] = src
-                link.flush()
+            source = src if src is not None else flat(result)
+            strategies.broadcast(job.config.local_broadcast_strategy, link, job.index[call.root], source)
+            if src is not None and result is not x:
+                flat(result)[...] = src
+            link.flush()
         return result
 
     # -- helpers ------------------------------------------------------------------------------
@@ -249,6 +243,35 @@ class Runtime:
             job.check_member(peer_id)  # raises the precise RegistrationError
             raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
         return job, device
+
+    def _meet(
+        self, job: LocalJob, peer_id: int, spec: CallSpec, data: Array | None
+    ) -> tuple[Plan, Array, float]:
+        """Start the deadline and meet the other peers: (the plan, this peer's flat input, the deadline)."""
+        deadline = time.monotonic() + job.config.timeout
+        src = None if data is None else flat(data)
+        return job.rendezvous(peer_id, spec, src, deadline), src, deadline
+
+    def _copy_fused(
+        self,
+        job: LocalJob,
+        peer_id: int,
+        fused: Array,
+        device: Device,
+        shape: tuple[int, ...],
+        dtype: Any,
+        out: Array | None,
+        wanted: bool = True,
+    ) -> Array | None:
+        """This peer's copy of a result the rendezvous computed (no other peer waits on it)."""
+        try:
+            if not wanted:
+                return None
+            result = new_result(device, tuple(shape), dtype, out)
+            result.reshape(-1)[...] = fused
+            return result
+        finally:
+            job.done(peer_id)
 
     @contextmanager
     def _running(self, job: LocalJob, peer_id: int, plan: Plan, deadline: float) -> Iterator[InProcessLink]:

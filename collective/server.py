@@ -21,6 +21,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -34,7 +35,7 @@ from collective.errors import (
     PeerLostError,
     RegistrationError,
 )
-from transport.inproc import Doorbell, Exchange, clone_error
+from transport.inproc import Doorbell, Exchange, clone_error, ring_claimed
 
 __all__ = ["DEFAULT_FUSE_BELOW", "LocalJob", "Plan"]
 
@@ -43,8 +44,7 @@ DEFAULT_FUSE_BELOW = 64 * 1024
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """What the rendezvous decided: the agreed call and where its messages go.
 
     ``result`` is set when the rendezvous already computed the collective (small arrays): a
@@ -65,6 +65,24 @@ class _Slot:
     outcome: Plan | CollectiveError | None = None
 
 
+class _Guard:
+    """``with guard:`` holds the job lock; bells claimed meanwhile are rung after it is released."""
+
+    __slots__ = ("claimed", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.claimed: list[Doorbell] = []
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        claimed, self.claimed = self.claimed, []
+        self.lock.release()
+        ring_claimed(claimed)
+
+
 class LocalJob:
     """The peers ``peer_ids`` of one job that live in this process."""
 
@@ -75,7 +93,8 @@ class LocalJob:
         self.peer_ids = peer_ids
         self.index = {peer: i for i, peer in enumerate(peer_ids)}
         self.fuse_below = fuse_below
-        self._lock = threading.Lock()
+        self._guard = _Guard()
+        self._lock = self._guard.lock
         self._bells = {peer: Doorbell() for peer in peer_ids}
         self._registered: set[int] = set()
         self._active = False
@@ -91,7 +110,7 @@ class LocalJob:
 
     def join(self, peer: int, deadline: float) -> None:
         """Register ``peer`` and wait until every peer of the job has (raises CollectiveTimeout)."""
-        with self._lock:
+        with self._guard:
             if peer in self._left:
                 raise RegistrationError(
                     f"peer {peer} already finished this job; it cannot rejoin it. Once peers "
@@ -104,7 +123,7 @@ class LocalJob:
                 self._active = True
                 self._ring_all()
         while True:
-            with self._lock:
+            with self._guard:
                 if self._active:
                     return
                 self._raise_if_closed()
@@ -123,7 +142,7 @@ class LocalJob:
 
     def leave(self, peer: int) -> bool:
         """Unregister ``peer``; peers waiting for it fail with PeerLostError. True if the job is now empty."""
-        with self._lock:
+        with self._guard:
             self._check_member(peer)
             self._registered.discard(peer)
             self._left.add(peer)
@@ -139,7 +158,7 @@ class LocalJob:
 
     def close(self, reason: str) -> None:
         """Fail everything now and later: waiting peers wake with JobClosedError."""
-        with self._lock:
+        with self._guard:
             self._closed = JobClosedError(reason)
             for slot in self._slots.values():
                 if slot.outcome is None:
@@ -151,7 +170,7 @@ class LocalJob:
 
     def check_member(self, peer: int) -> None:
         """Raise RegistrationError (or JobClosedError) unless ``peer`` is registered in this job."""
-        with self._lock:
+        with self._guard:
             self._check_member(peer)
 
     # -- collectives --------------------------------------------------------------------------
@@ -175,7 +194,7 @@ class LocalJob:
             slot = self._arrive(peer, spec, data)
             outcome = slot.outcome
             while outcome is None:
-                with self._lock:
+                with self._guard:
                     outcome = slot.outcome
                     remaining = deadline - time.monotonic()
                     if outcome is None and remaining <= 0:
@@ -184,6 +203,7 @@ class LocalJob:
                         self._bells[peer].arm()
                 if outcome is None:
                     self._bells[peer].wait(remaining, self._lock)
+                    outcome = slot.outcome  # set before the ring: no need to take the lock again
             if isinstance(outcome, CollectiveError):
                 raise clone_error(outcome)
         except BaseException:
@@ -193,7 +213,7 @@ class LocalJob:
 
     def _arrive(self, peer: int, spec: CallSpec, data: Array | None) -> _Slot:
         """Post the call at this peer's next step; the last peer to arrive decides the outcome."""
-        with self._lock:
+        with self._guard:
             self._check_member(peer)
             if self._left:
                 gone = sorted(self._left)
@@ -204,7 +224,9 @@ class LocalJob:
                 )
             step = self._next_step[peer]
             self._next_step[peer] = step + 1
-            slot = self._slots.setdefault(step, _Slot(step))
+            slot = self._slots.get(step)
+            if slot is None:
+                slot = self._slots[step] = _Slot(step)
             slot.arrivals[peer] = spec
             slot.data[peer] = data
             if len(slot.arrivals) == len(self.peer_ids):
@@ -249,8 +271,8 @@ class LocalJob:
         return Plan(call, exchange, label)
 
     def _fusable(self, data: dict[int, Array | None]) -> bool:
-        arrays = [array for array in data.values() if array is not None]
-        return all(isinstance(a, np.ndarray) and a.nbytes <= self.fuse_below for a in arrays)
+        limit = self.fuse_below
+        return all(a is None or (type(a) is np.ndarray and a.nbytes <= limit) for a in data.values())
 
     def _reduce_all(self, call: CallSpec, data: dict[int, Array | None]) -> Array:
         """The reduction of every peer's input, in peer order."""
@@ -265,8 +287,8 @@ class LocalJob:
     # -- helpers (lock held) ------------------------------------------------------------------
 
     def _ring_all(self) -> None:
-        for bell in self._bells.values():
-            bell.ring()
+        """Wake every waiting peer once the lock is released."""
+        self._guard.claimed.extend(bell for bell in self._bells.values() if bell.claim())
 
     def _raise_if_closed(self) -> None:
         if self._closed is not None:

@@ -16,16 +16,19 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
 from algorithms.ops import Array, ReduceOp, combine, copy_into
 from collective.errors import CollectiveError, CollectiveTimeout
 
-__all__ = ["COPY_BELOW", "Doorbell", "Exchange", "InProcessLink", "clone_error"]
+__all__ = ["COPY_BELOW", "Doorbell", "Exchange", "InProcessLink", "clone_error", "ring_claimed"]
 
 COPY_BELOW = 64 * 1024
+
+_T = TypeVar("_T")
 
 
 def clone_error(error: CollectiveError) -> CollectiveError:
@@ -39,9 +42,14 @@ def clone_error(error: CollectiveError) -> CollectiveError:
 class Doorbell:
     """Wakes one waiting thread without making it queue for a shared lock on the way out.
 
-    ``arm`` and ``ring`` are called with the owner's shared lock held; ``wait`` without it.
-    (A Condition would make every woken thread re-acquire the shared lock while the waker
-    still holds it: with several peers per collective that convoy doubled the latency.)
+    Protocol, with one shared lock guarding the waited-for state:
+
+    * waiter, holding the lock: check the state, then ``arm()``; release the lock; ``wait()``.
+    * waker, holding the lock: change the state; ``claim()`` returns True if the waiter is armed;
+      after releasing the lock, ``ring()`` the claimed bells.
+
+    Ringing outside the lock matters: a woken thread that finds the lock still held by its waker
+    sleeps again at once (a convoy), which with several peers per collective doubled latency.
     """
 
     def __init__(self) -> None:
@@ -52,20 +60,30 @@ class Doorbell:
     def arm(self) -> None:
         self._armed = True
 
-    def ring(self) -> None:
+    def claim(self) -> bool:
         if self._armed:
             self._armed = False
-            self._bell.release()
+            return True
+        return False
+
+    def ring(self) -> None:
+        self._bell.release()
 
     def wait(self, timeout: float, shared_lock: threading.Lock) -> None:
         """Sleep until rung or ``timeout`` seconds passed; leaves the bell ready for the next arm."""
         if self._bell.acquire(timeout=max(0.0, timeout)):
             return
         with shared_lock:
-            if self._armed:
-                self._armed = False
-            else:  # rung between the timeout and now: take that ring back
-                self._bell.acquire()
+            claimed = not self._armed
+            self._armed = False
+        if claimed:  # a waker claimed us just as the wait timed out: take its ring back
+            self._bell.acquire()
+
+
+def ring_claimed(bells: list[Doorbell]) -> None:
+    """Ring the bells claimed under the shared lock (call after releasing it)."""
+    for bell in bells:
+        bell.ring()
 
 
 class Exchange:
@@ -90,30 +108,45 @@ class Exchange:
     def abort(self, error: CollectiveError) -> None:
         """Fail the collective for every peer; the first error wins."""
         with self._lock:
-            self._abort_locked(error)
+            claimed = self._abort_locked(error)
+        ring_claimed(claimed)
 
-    def _abort_locked(self, error: CollectiveError) -> None:
-        if self._error is None:
-            self._error = error
-            for bell in self._bells:
-                bell.ring()
-
-    def _arm(self, index: int, deadline: float, waiting_for: str, missing: tuple[int, ...]) -> float:
-        """Prepare to sleep; raise the abort error or a timeout. Call with the lock held.
-
-        Returns the seconds left, for ``self._bells[index].wait`` once the lock is released.
-        """
+    def _abort_locked(self, error: CollectiveError) -> list[Doorbell]:
         if self._error is not None:
-            raise clone_error(self._error)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            me = self.peer_ids[index]
-            self._abort_locked(
-                CollectiveTimeout(f"{self.label}: peer {me} timed out waiting for {waiting_for}", missing)
-            )
-            raise clone_error(self._error)  # type: ignore[arg-type]
-        self._bells[index].arm()
-        return remaining
+            return []
+        self._error = error
+        return [bell for bell in self._bells if bell.claim()]
+
+    def _wait_for(
+        self,
+        index: int,
+        deadline: float,
+        ready: Callable[[], _T | None],
+        waiting_for: str,
+        missing: tuple[int, ...],
+    ) -> _T:
+        """Sleep until ``ready()`` (called with the lock held) returns a value; raise on abort or timeout."""
+        bell = self._bells[index]
+        while True:
+            claimed: list[Doorbell] = []
+            with self._lock:
+                value = ready()
+                if value is not None:
+                    return value
+                error = self._error
+                remaining = deadline - time.monotonic()
+                if error is None and remaining <= 0:
+                    me = self.peer_ids[index]
+                    error = CollectiveTimeout(
+                        f"{self.label}: peer {me} timed out waiting for {waiting_for}", missing
+                    )
+                    claimed = self._abort_locked(error)
+                if error is None:
+                    bell.arm()
+            if error is not None:
+                ring_claimed(claimed)
+                raise clone_error(error)
+            bell.wait(remaining, self._lock)
 
     def post(self, src: int, dst: int, data: Array) -> None:
         lent = data.nbytes > COPY_BELOW
@@ -124,33 +157,33 @@ class Exchange:
             if lent:
                 self._lent[src] += 1
             self._inbox[dst][src].append((message, lent))
+            claimed = self._bells[dst].claim()
+        if claimed:
             self._bells[dst].ring()
 
     def take(self, src: int, dst: int, deadline: float) -> tuple[Array, bool]:
         box = self._inbox[dst][src]
-        while True:
-            with self._lock:
-                if box:
-                    return box.popleft()
-                remaining = self._arm(
-                    dst, deadline, f"a message from peer {self.peer_ids[src]}", (self.peer_ids[src],)
-                )
-            self._bells[dst].wait(remaining, self._lock)
+        peer = self.peer_ids[src]
+        return self._wait_for(
+            dst, deadline, lambda: box.popleft() if box else None, f"a message from peer {peer}", (peer,)
+        )
 
     def consumed(self, src: int) -> None:
         """The receiver is done with a lent buffer of ``src``."""
         with self._lock:
             self._lent[src] -= 1
-            if self._lent[src] == 0:
-                self._bells[src].ring()
+            claimed = self._lent[src] == 0 and self._bells[src].claim()
+        if claimed:
+            self._bells[src].ring()
 
     def flush(self, index: int, deadline: float) -> None:
-        while True:
-            with self._lock:
-                if self._lent[index] == 0:
-                    return
-                remaining = self._arm(index, deadline, "its receivers to read its data", ())
-            self._bells[index].wait(remaining, self._lock)
+        self._wait_for(
+            index,
+            deadline,
+            lambda: True if self._lent[index] == 0 else None,
+            "its receivers to read its data",
+            (),
+        )
 
 
 class InProcessLink:

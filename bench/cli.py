@@ -1,0 +1,216 @@
+"""``collective bench``: sweep ops x strategies x sizes on local peers and print nccl-tests tables."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from typing import IO
+
+from algorithms.strategies import parse_strategy
+from bench.report import format_size, parse_size, print_summary, print_table, write_json
+from bench.sweep import OPS, Case, Row, resolve_dtype, run_case
+from collective.errors import ConfigError
+
+__all__ = ["add_arguments", "main", "run"]
+
+ALL_STRATEGIES = ("centralized", "tree:2", "ring")
+DTYPES = ("float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64",
+          "uint8", "uint16", "uint32", "uint64")  # fmt: skip
+REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
+
+
+def _op(text: str) -> str:
+    value = text.strip().lower().replace("-", "_")
+    if value != "all" and value not in OPS:
+        raise argparse.ArgumentTypeError(f"unknown op {text!r}: use all_reduce, reduce, broadcast or all")
+    return value
+
+
+def _strategy(text: str) -> str:
+    if text.strip().lower() == "all":
+        return "all"
+    try:
+        return str(parse_strategy(text))
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return int(text)
+
+
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return int(text)
+
+
+def _factor(text: str) -> int:
+    if not text.isdigit() or int(text) < 2:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 2, got {text!r}")
+    return int(text)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--op",
+        type=_op,
+        action="append",
+        help="all_reduce, reduce, broadcast or all (repeatable; default all)",
+    )
+    parser.add_argument("--strategy", type=_strategy, action="append",
+                        help="centralized, tree:K, ring or all (repeatable; default all = centralized, tree:2, ring)")  # fmt: skip
+    parser.add_argument("--peers", type=_positive, default=4, help="local peers (threads), default 4")
+    parser.add_argument(
+        "-b", "--minbytes", type=_size, default=8, help="smallest size per peer, e.g. 8, 1K (default 8)"
+    )
+    parser.add_argument(
+        "-e", "--maxbytes", type=_size, default=16 << 20, help="largest size per peer (default 16M)"
+    )
+    parser.add_argument(
+        "-f", "--stepfactor", type=_factor, default=4, help="size multiplier between rows (default 4)"
+    )
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--reduce-op", choices=REDUCE_OPS, default="sum")
+    parser.add_argument("--root", default="0", help="root peer of reduce and broadcast, or all (default 0)")
+    parser.add_argument(
+        "-w", "--warmup", type=_count, default=5, help="untimed iterations per row (default 5)"
+    )
+    parser.add_argument(
+        "-n", "--iters", type=_positive, default=20, help="timed iterations per row (default 20)"
+    )
+    parser.add_argument("--alloc", action="store_true",
+                        help="let every call allocate its result (default: reuse an out= buffer, as nccl-tests does)")  # fmt: skip
+    parser.add_argument(
+        "--compare", choices=("trivial",), help="also time the trivial barrier-and-sum baseline"
+    )
+    parser.add_argument("--json", metavar="FILE", help="write every row, the machine and the command as JSON")
+    parser.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds one collective may take (default 120)"
+    )
+
+
+def _sizes(args: argparse.Namespace, itemsize: int) -> list[int]:
+    sizes, size = [], args.minbytes
+    while size <= args.maxbytes:
+        rounded = size - size % itemsize
+        if not sizes or rounded != sizes[-1]:
+            sizes.append(rounded)
+        size *= args.stepfactor
+    return sizes
+
+
+def _roots(parser: argparse.ArgumentParser, text: str, peers: int) -> list[int]:
+    if text.strip().lower() == "all":
+        return list(range(peers))
+    if not text.isdigit() or int(text) >= peers:
+        parser.error(f"argument --root: must be a peer id in 0..{peers - 1} or 'all', got {text!r}")
+    return [int(text)]
+
+
+class Progress:
+    """A one-line progress bar on stderr, only when it is a terminal."""
+
+    def __init__(self, total: int, stream: IO[str]) -> None:
+        self.total, self.done, self.stream = total, 0, stream
+        self.enabled = stream.isatty()
+
+    def step(self, label: str) -> None:
+        if self.enabled:
+            filled = 30 * self.done // max(1, self.total)
+            self.stream.write(f"\r[{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {label:<40}")
+            self.stream.flush()
+        self.done += 1
+
+    def close(self) -> None:
+        if self.enabled:
+            self.stream.write("\r" + " " * 80 + "\r")
+            self.stream.flush()
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str], out: IO[str]) -> int:
+    """Run the sweep described by ``args``; return the exit status (1 if any result was wrong)."""
+    if args.minbytes > args.maxbytes:
+        parser.error(f"argument -b/--minbytes: {args.minbytes} is larger than -e/--maxbytes {args.maxbytes}")
+    ops = list(OPS) if not args.op or "all" in args.op else list(dict.fromkeys(args.op))
+    strategies = (
+        list(ALL_STRATEGIES)
+        if not args.strategy or "all" in args.strategy
+        else list(dict.fromkeys(args.strategy))
+    )
+    try:
+        itemsize = resolve_dtype(args.dtype).itemsize
+    except ImportError:
+        parser.error("argument --dtype: bfloat16 needs ml_dtypes (pip install ml_dtypes)")
+    sizes = _sizes(args, itemsize)
+    roots = _roots(parser, args.root, args.peers)
+    systems = (["trivial"] if args.compare else []) + strategies
+    plan = [(system, op, size, root) for op in ops for system in systems for size in sizes
+            for root in (roots if op != "all_reduce" else [0])]  # fmt: skip
+    print(f"# collective bench: {args.peers} local peers, {args.dtype}, sizes {format_size(sizes[0])} .. "
+          f"{format_size(sizes[-1])}, {args.warmup} warm-up + {args.iters} timed iterations per row", file=out)  # fmt: skip
+    rows: list[Row] = []
+    progress = Progress(len(plan), sys.stderr)
+    started = time.monotonic()
+    interrupted = False
+    try:
+        for (system, op), block in _blocks(plan):
+            block_rows = []
+            for _, _, size, root in block:
+                progress.step(f"{op} {system} {format_size(size)}")
+                case = Case("trivial" if system == "trivial" else "collective", op, system, args.peers, size,
+                            args.dtype, args.reduce_op, root, args.alloc and system != "trivial")  # fmt: skip
+                block_rows.append(run_case(case, args.warmup, args.iters, args.timeout))
+            rows.extend(block_rows)
+            progress.close()
+            print_table(block_rows, _baseline(rows) if args.compare and system != "trivial" else None, out)
+    except KeyboardInterrupt:
+        interrupted = True
+        progress.close()
+        print("\n# interrupted: what was measured so far follows", file=out)
+    print_summary(rows, out)
+    wrong = sum(row.wrong for row in rows)
+    print(f"\n# {len(rows)} rows in {time.monotonic() - started:.1f} s; wrong elements: {wrong}", file=out)
+    if args.json:
+        write_json(args.json, rows, argv)
+    if wrong:
+        print(f"collective bench: {wrong} wrong result elements (see the #wrong column)", file=sys.stderr)
+        return 1
+    return 130 if interrupted else 0
+
+
+def _blocks(
+    plan: list[tuple[str, str, int, int]],
+) -> list[tuple[tuple[str, str], list[tuple[str, str, int, int]]]]:
+    blocks: dict[tuple[str, str], list[tuple[str, str, int, int]]] = {}
+    for item in plan:
+        blocks.setdefault((item[0], item[1]), []).append(item)
+    return list(blocks.items())
+
+
+def _baseline(rows: list[Row]) -> dict[tuple[str, int], Row]:
+    return {
+        (r.case.op, r.case.size): r
+        for r in rows
+        if r.case.system == "trivial" and r.case.root == rows[-1].case.root
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="collective bench", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run(
+        args, parser, ["collective", "bench", *(argv if argv is not None else sys.argv[1:])], sys.stdout
+    )

@@ -1,0 +1,108 @@
+"""nccl-tests style tables, the closing summary and the JSON record."""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from collections.abc import Sequence
+from typing import IO, Any
+
+import numpy as np
+
+from bench.sweep import Row
+
+__all__ = ["format_size", "parse_size", "print_summary", "print_table", "write_json"]
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'8', '1K', '64M', '1G' (optionally with a trailing B) -> bytes; raises ValueError."""
+    token = text.strip().upper().removesuffix("B")
+    unit = token[-1:] if token[-1:] in ("K", "M", "G") else ""
+    number = token[: len(token) - len(unit)]
+    if not number.isdigit():
+        raise ValueError(f"invalid size {text!r}: use a number with an optional K, M or G suffix")
+    return int(number) * _UNITS[unit]
+
+
+def format_size(size: int) -> str:
+    for unit, factor in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if size >= factor and size % factor == 0:
+            return f"{size // factor} {unit}"
+    return f"{size} B"
+
+
+HEADER = f"{'size (B)':>12} {'count':>11} {'type':>9} {'redop':>6} {'root':>5} {'time (us)':>11} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13} {'#wrong':>7}"
+
+
+def print_table(rows: Sequence[Row], baseline: dict[tuple[str, int], Row] | None, out: IO[str]) -> None:
+    """One table (rows of one op x strategy); ``baseline`` adds a speedup column (baseline time / ours)."""
+    if not rows:
+        return
+    case = rows[0].case
+    what = "trivial baseline" if case.system == "trivial" else f"strategy {case.strategy}"
+    result = "new result per call" if case.alloc else "out= buffer"
+    print(f"\n# {case.op}  {what}  peers={case.peers}  dtype={case.dtype}  ({result})", file=out)
+    print(HEADER + ("  speedup vs trivial" if baseline else ""), file=out)
+    for row in rows:
+        c = row.case
+        redop = "-" if c.op == "broadcast" else c.redop
+        root = "-" if c.op == "all_reduce" else str(c.root)
+        line = (
+            f"{c.size:>12} {row.count:>11} {c.dtype:>9} {redop:>6} {root:>5} {row.time_us:>11.1f} "
+            f"{row.algbw:>13.3f} {row.busbw:>13.3f} {row.wrong:>7}"
+        )
+        if baseline:
+            base = baseline.get((c.op, c.size))
+            line += f"  {base.time_us / row.time_us:>18.2f}x" if base and row.time_us > 0 else f"  {'-':>19}"
+        print(line, file=out)
+
+
+def print_summary(rows: Sequence[Row], out: IO[str]) -> None:
+    """Per op, the fastest strategy for each run of consecutive sizes it wins."""
+    ours = [r for r in rows if r.case.system == "collective"]
+    if not ours:
+        return
+    print("\n# Fastest strategy (lowest median time) by size", file=out)
+    for op in dict.fromkeys(r.case.op for r in ours):
+        by_size: dict[int, Row] = {}
+        for row in (r for r in ours if r.case.op == op):
+            if row.case.size not in by_size or row.time_us < by_size[row.case.size].time_us:
+                by_size[row.case.size] = row
+        runs: list[tuple[int, int, str]] = []
+        for size in sorted(by_size):
+            winner = by_size[size].case.strategy
+            if runs and runs[-1][2] == winner:
+                runs[-1] = (runs[-1][0], size, winner)
+            else:
+                runs.append((size, size, winner))
+        ranges = "; ".join(
+            f"{format_size(lo)}{'' if lo == hi else ' .. ' + format_size(hi)}: {winner}"
+            for lo, hi, winner in runs
+        )
+        print(f"#   {op}: {ranges}", file=out)
+
+
+def machine() -> dict[str, Any]:
+    import os
+
+    import collective
+
+    return {
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+        "collective": collective.__version__,
+    }
+
+
+def write_json(path: str, rows: Sequence[Row], argv: Sequence[str]) -> None:
+    record = {"command": list(argv), "machine": machine(), "rows": [row.as_dict() for row in rows]}
+    with open(path, "w") as handle:
+        json.dump(record, handle, indent=2)
+        handle.write("\n")

@@ -1,0 +1,5 @@
+import sys
+
+from collective.cli import main
+
+sys.exit(main())

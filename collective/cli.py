@@ -1,0 +1,85 @@
+"""The ``collective`` command: ``bench`` (microbenchmarks) and ``demo`` (4 peers all-reducing).
+
+Exit status: 0 success, 1 a failed run (wrong results, a collective error), 2 bad arguments,
+130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+import collective
+
+__all__ = ["main"]
+
+
+def _demo(args: argparse.Namespace) -> int:
+    """``args.peers`` threads all-reduce a small array with every strategy and print what they got."""
+    for strategy in ("centralized", "tree:2", "ring"):
+        config = collective.CollectiveConfig(
+            num_devices=args.peers, local_all_reduce_strategy=strategy, timeout=30
+        )
+        results: dict[int, np.ndarray] = {}
+        errors: list[BaseException] = []
+
+        def peer(peer_id: int, config: collective.CollectiveConfig = config) -> None:
+            try:
+                collective.register(peer_id, "cpu", config)
+                results[peer_id] = collective.all_reduce(
+                    peer_id, np.arange(4, dtype=np.float32) * (peer_id + 1)
+                )
+                collective.finish(peer_id)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=peer, args=(p,)) for p in range(args.peers)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        if errors or len(results) != args.peers:
+            print(
+                f"demo failed with {strategy}: {errors[0] if errors else 'peers did not finish'}",
+                file=sys.stderr,
+            )
+            return 1
+        total = args.peers * (args.peers + 1) // 2
+        print(f"{strategy:>12}: peer 0 sent {np.arange(4) * 1.0}, every peer got {results[0]} "
+              f"(= {total} x peer 0's array)")  # fmt: skip
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from bench import cli as bench_cli
+
+    parser = argparse.ArgumentParser(
+        prog="collective", description="Collective communication for numpy and CuPy arrays."
+    )
+    parser.add_argument("--version", action="version", version=f"collective {collective.__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level on stderr")
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser(
+        "bench", help="microbenchmarks across ops, strategies and sizes", description=bench_cli.__doc__
+    )
+    bench_cli.add_arguments(bench)
+    demo = commands.add_parser("demo", help="a few peers all-reduce a small array with every strategy")
+    demo.add_argument("--peers", type=int, default=4)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    if args.command == "demo":
+        return _demo(args)
+    return bench_cli.run(
+        args, bench, ["collective", *(argv if argv is not None else sys.argv[1:])], sys.stdout
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
