@@ -86,9 +86,9 @@ def resolve_all_reduce(strategy: Strategy, length: int, peers: int) -> Strategy:
     return strategy
 
 
-def all_reduce(strategy: Strategy, link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
+def all_reduce(strategy: Strategy | str, link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
     """Run all_reduce with ``strategy`` (after the Ring fallback) on this peer of ``link``."""
-    match resolve_all_reduce(strategy, src.size, link.size):
+    match resolve_all_reduce(parse_strategy(strategy), src.size, link.size):
         case Centralized():
             centralized.all_reduce(link, src, dst, op)
         case Tree(arity):
@@ -97,9 +97,11 @@ def all_reduce(strategy: Strategy, link: Link, src: Array, dst: Array, op: Reduc
             ring.all_reduce(link, src, dst, op)
 
 
-def reduce(strategy: Strategy, link: Link, root: int, src: Array, dst: Array | None, op: ReduceOp) -> None:
+def reduce(
+    strategy: Strategy | str, link: Link, root: int, src: Array, dst: Array | None, op: ReduceOp
+) -> None:
     """Run reduce onto ``root`` with ``strategy``; ``dst`` is needed on the root only."""
-    match strategy:
+    match parse_strategy(strategy):
         case Centralized():
             centralized.reduce(link, root, src, dst, op)
         case Tree(arity):
@@ -108,9 +110,9 @@ def reduce(strategy: Strategy, link: Link, root: int, src: Array, dst: Array | N
             ring.reduce(link, root, src, dst, op)
 
 
-def broadcast(strategy: Strategy, link: Link, root: int, buf: Array) -> None:
+def broadcast(strategy: Strategy | str, link: Link, root: int, buf: Array) -> None:
     """Run broadcast from ``root`` with ``strategy``."""
-    match strategy:
+    match parse_strategy(strategy):
         case Centralized():
             centralized.broadcast(link, root, buf)
         case Tree(arity):

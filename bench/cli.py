@@ -69,8 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         help="all_reduce, reduce, broadcast or all (repeatable; default all)",
     )
-    parser.add_argument("--strategy", type=_strategy, action="append",
-                        help="centralized, tree:K, ring or all (repeatable; default all = centralized, tree:2, ring)")  # fmt: skip
+    parser.add_argument(
+        "--strategy",
+        type=_strategy,
+        action="append",
+        help="centralized, tree:K, ring or all (repeatable; default all = centralized, tree:2, ring)",
+    )
     parser.add_argument("--peers", type=_positive, default=4, help="local peers (threads), default 4")
     parser.add_argument(
         "-b", "--minbytes", type=_size, default=8, help="smallest size per peer, e.g. 8, 1K (default 8)"
@@ -90,8 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-n", "--iters", type=_positive, default=20, help="timed iterations per row (default 20)"
     )
-    parser.add_argument("--alloc", action="store_true",
-                        help="let every call allocate its result (default: reuse an out= buffer, as nccl-tests does)")  # fmt: skip
+    parser.add_argument(
+        "--alloc",
+        action="store_true",
+        help="let every call allocate its result (default: reuse an out= buffer, as nccl-tests does)",
+    )
     parser.add_argument(
         "--compare", choices=("trivial",), help="also time the trivial barrier-and-sum baseline"
     )
@@ -102,7 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _sizes(args: argparse.Namespace, itemsize: int) -> list[int]:
-    sizes, size = [], args.minbytes
+    sizes: list[int] = []
+    size = args.minbytes
     while size <= args.maxbytes:
         rounded = size - size % itemsize
         if not sizes or rounded != sizes[-1]:
@@ -158,8 +166,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
     systems = (["trivial"] if args.compare else []) + strategies
     plan = [(system, op, size, root) for op in ops for system in systems for size in sizes
             for root in (roots if op != "all_reduce" else [0])]  # fmt: skip
-    print(f"# collective bench: {args.peers} local peers, {args.dtype}, sizes {format_size(sizes[0])} .. "
-          f"{format_size(sizes[-1])}, {args.warmup} warm-up + {args.iters} timed iterations per row", file=out)  # fmt: skip
+    print(
+        f"# collective bench: {args.peers} local peers, {args.dtype}, sizes {format_size(sizes[0])} .. "
+        f"{format_size(sizes[-1])}, {args.warmup} warm-up + {args.iters} timed iterations per row",
+        file=out,
+    )
     rows: list[Row] = []
     progress = Progress(len(plan), sys.stderr)
     started = time.monotonic()

@@ -11,6 +11,7 @@ from typing import IO, Any
 import numpy as np
 
 from bench.sweep import Row
+from collective.server import DEFAULT_FUSE_BELOW
 
 __all__ = ["format_size", "parse_size", "print_summary", "print_table", "write_json"]
 
@@ -34,7 +35,10 @@ def format_size(size: int) -> str:
     return f"{size} B"
 
 
-HEADER = f"{'size (B)':>12} {'count':>11} {'type':>9} {'redop':>6} {'root':>5} {'time (us)':>11} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13} {'#wrong':>7}"
+HEADER = (
+    f"{'size (B)':>12} {'count':>11} {'type':>9} {'redop':>6} {'root':>5} {'time (us)':>11} "
+    f"{'algbw (GB/s)':>13} {'busbw (GB/s)':>13} {'#wrong':>7}"
+)
 
 
 def print_table(rows: Sequence[Row], baseline: dict[tuple[str, int], Row] | None, out: IO[str]) -> None:
@@ -60,8 +64,12 @@ def print_table(rows: Sequence[Row], baseline: dict[tuple[str, int], Row] | None
         print(line, file=out)
 
 
-def print_summary(rows: Sequence[Row], out: IO[str]) -> None:
-    """Per op, the fastest strategy for each run of consecutive sizes it wins."""
+def print_summary(rows: Sequence[Row], out: IO[str], fused_below: int = DEFAULT_FUSE_BELOW) -> None:
+    """Per op, the fastest strategy for each run of consecutive sizes it wins.
+
+    Sizes up to ``fused_below`` complete at the rendezvous whatever the strategy (the same code
+    runs), so they are reported as such instead of naming a winner decided by noise.
+    """
     ours = [r for r in rows if r.case.system == "collective"]
     if not ours:
         return
@@ -73,7 +81,9 @@ def print_summary(rows: Sequence[Row], out: IO[str]) -> None:
                 by_size[row.case.size] = row
         runs: list[tuple[int, int, str]] = []
         for size in sorted(by_size):
-            winner = by_size[size].case.strategy
+            winner = (
+                "rendezvous fast path (any strategy)" if size <= fused_below else by_size[size].case.strategy
+            )
             if runs and runs[-1][2] == winner:
                 runs[-1] = (runs[-1][0], size, winner)
             else:

@@ -117,18 +117,18 @@ def run_case(case: Case, warmup: int, iterations: int, timeout: float = 600.0) -
 
     if case.system == "trivial":
         group = TrivialGroup(case.peers, count, dtype, timeout)
-        trivial_calls = {
-            "all_reduce": lambda p, x, out: (group.all_reduce(p, x, out, op), out)[1],
-            "reduce": lambda p, x, out: (
-                group.reduce(p, x, out, op, case.root),
-                out if p == case.root else None,
-            )[1],
-            "broadcast": lambda p, x, out: (
-                group.broadcast(p, x if p == case.root else None, out, case.root),
-                out,
-            )[1],
-        }
-        measurement = measure_threads(case.peers, steps(trivial_calls[case.op]), warmup, iterations, timeout)
+
+        def trivial_call(peer: int, x: Any, out: Any) -> Any:
+            if case.op == "all_reduce":
+                group.all_reduce(peer, x, out, op)
+            elif case.op == "reduce":
+                group.reduce(peer, x, out, op, case.root)
+                return out if peer == case.root else None
+            else:
+                group.broadcast(peer, x if peer == case.root else None, out, case.root)
+            return out
+
+        measurement = measure_threads(case.peers, steps(trivial_call), warmup, iterations, timeout)
     else:
         measurement = _run_collective(case, steps, timeout, warmup, iterations, op)
     algbw = case.size / (measurement.median_us * 1e-6) / 1e9 if measurement.median_us > 0 else 0.0

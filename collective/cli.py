@@ -28,7 +28,12 @@ def _demo(args: argparse.Namespace) -> int:
         results: dict[int, np.ndarray] = {}
         errors: list[BaseException] = []
 
-        def peer(peer_id: int, config: collective.CollectiveConfig = config) -> None:
+        def peer(
+            peer_id: int,
+            config: collective.CollectiveConfig = config,
+            results: dict[int, np.ndarray] = results,
+            errors: list[BaseException] = errors,
+        ) -> None:
             try:
                 collective.register(peer_id, "cpu", config)
                 results[peer_id] = collective.all_reduce(

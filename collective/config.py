@@ -43,16 +43,17 @@ class CollectiveConfig:
     """
 
     num_devices: int = 1
-    local_all_reduce_strategy: Strategy = field(default_factory=Tree)
-    local_reduce_strategy: Strategy = field(default_factory=Tree)
-    local_broadcast_strategy: Strategy = field(default_factory=Tree)
+    # Given as a value or a string; always a value (Centralized / Tree / Ring) once constructed.
+    local_all_reduce_strategy: Strategy | str = field(default_factory=Tree)
+    local_reduce_strategy: Strategy | str = field(default_factory=Tree)
+    local_broadcast_strategy: Strategy | str = field(default_factory=Tree)
     num_nodes: int | None = None
     global_address: str | None = None
     node_address: str | None = None
     data_service_port: int | None = None
-    global_all_reduce_strategy: Strategy = field(default_factory=Ring)
-    global_reduce_strategy: Strategy = field(default_factory=Tree)
-    global_broadcast_strategy: Strategy = field(default_factory=Tree)
+    global_all_reduce_strategy: Strategy | str = field(default_factory=Ring)
+    global_reduce_strategy: Strategy | str = field(default_factory=Tree)
+    global_broadcast_strategy: Strategy | str = field(default_factory=Tree)
     timeout: float = DEFAULT_TIMEOUT
 
     def __post_init__(self) -> None:

@@ -149,7 +149,7 @@ class Runtime:
             with self._running(job, peer_id, plan, deadline) as link:
                 result = new_result(device, x.shape, x.dtype, out)
                 strategy = job.config.local_all_reduce_strategy
-                strategies.all_reduce(strategy, link, src, flat(result), plan.call.op)
+                strategies.all_reduce(strategy, link, src, flat(result), plan.call.op)  # type: ignore[arg-type]
                 link.flush()
         if plan.call.op is ReduceOp.MEAN:
             scale_for_mean(result, len(job.peer_ids))
@@ -181,7 +181,7 @@ class Runtime:
                 result = new_result(device, x.shape, x.dtype, out) if on_root else None
                 target = None if result is None else flat(result)
                 strategy = job.config.local_reduce_strategy
-                strategies.reduce(strategy, link, job.index[root], src, target, plan.call.op)
+                strategies.reduce(strategy, link, job.index[root], src, target, plan.call.op)  # type: ignore[arg-type]
                 link.flush()
         if result is not None and plan.call.op is ReduceOp.MEAN:
             scale_for_mean(result, len(job.peer_ids))
