@@ -10,8 +10,8 @@ can be the root. Position p has children p*k+1 .. p*k+k and parent (p-1)//k. Tre
           3   4 5   6
 
 Messages per peer: at most k received and 1 sent (reduce), 1 received and at most k sent
-(broadcast); each of the whole array. Depth ceil(log_k(n(k-1)+1)) steps each way, so small
-arrays are latency-bound on the depth, large ones bandwidth-bound on the k sends of a node.
+(broadcast); each of the whole array. Height ceil(log_k(n(k-1)+1)) - 1 hops each way (n-1 for
+k=1), so small arrays are latency-bound on the height, large ones on the k sends of a node.
 Tree(1) is a chain. Children are combined in position order, so results are deterministic.
 """
 

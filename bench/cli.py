@@ -83,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-e", "--maxbytes", type=_size, default=16 << 20, help="largest size per peer (default 16M)"
     )
     parser.add_argument(
-        "-f", "--stepfactor", type=_factor, default=4, help="size multiplier between rows (default 4)"
+        "-f", "--stepfactor", type=_factor, default=2, help="size multiplier between rows (default 2)"
     )
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--reduce-op", choices=REDUCE_OPS, default="sum")

@@ -1,0 +1,140 @@
+"""`collective bench` and `collective demo`: output, JSON, wrong-result detection, bad arguments."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from algorithms.ops import ReduceOp
+from bench import cli as bench_cli
+from bench.report import parse_size
+from bench.sweep import busbw_factor
+from bench.trivial import TrivialGroup
+from collective import cli
+from collective.runtime import Runtime
+from tests.conftest import run_peers
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    try:
+        status = cli.main(argv)
+    except SystemExit as exit_:
+        status = int(exit_.code or 0)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_tiny_sweep_prints_nccl_tables_and_a_summary(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    out_json = tmp_path / "rows.json"
+    argv = ["bench", "--peers", "3", "-b", "8", "-e", "128K", "-f", "128", "-w", "1", "-n", "3",
+            "--root", "all", "--compare", "trivial", "--json", str(out_json)]  # fmt: skip
+    status, out, _ = run_cli(argv, capsys)
+    assert status == 0, out
+    for op in ("all_reduce", "reduce", "broadcast"):
+        for strategy in ("centralized", "tree:2", "ring"):
+            assert f"# {op}  strategy {strategy}  peers=3  dtype=float32" in out
+        assert f"# {op}  trivial baseline" in out
+        assert f"#   {op}: 8 B .. 1 KiB: rendezvous fast path (any strategy); 128 KiB: " in out
+    assert (
+        "size (B)       count      type  redop  root   time (us)  algbw (GB/s)  busbw (GB/s)  #wrong" in out
+    )
+    assert "speedup vs trivial" in out
+    record = json.loads(out_json.read_text())
+    assert record["command"][:2] == ["collective", "bench"] and record["machine"]["cpus"] >= 1
+    rows = record["rows"]
+    # 3 sizes; all_reduce has one row per size, reduce and broadcast one per root; 4 systems
+    assert len(rows) == 4 * (3 + 3 * 3 + 3 * 3)
+    for row in rows:
+        assert row["wrong"] == 0 and row["count"] == row["size"] // 4
+        assert row["algbw"] == pytest.approx(row["size"] / (row["time_us"] * 1e-6) / 1e9)
+        assert row["busbw"] == pytest.approx(row["algbw"] * busbw_factor(row["op"], 3))
+    assert (
+        busbw_factor("all_reduce", 4) == 1.5
+        and busbw_factor("reduce", 4) == busbw_factor("broadcast", 4) == 1
+    )
+
+
+def test_a_wrong_result_is_counted_and_fails_the_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = Runtime.all_reduce
+
+    def corrupt(self: Runtime, peer_id: int, x: Any, op: Any = "sum", *, out: Any = None) -> Any:
+        result = real(self, peer_id, x, op, out=out)
+        if peer_id == 1:
+            result.reshape(-1)[0] += 1
+        return result
+
+    monkeypatch.setattr(Runtime, "all_reduce", corrupt)
+    status, out, err = run_cli(["bench", "--op", "all_reduce", "--strategy", "ring", "-b", "64", "-e", "64",
+                                "-w", "0", "-n", "4"], capsys)  # fmt: skip
+    assert status == 1
+    row = next(line for line in out.splitlines() if line.strip().startswith("64 "))
+    assert row.split()[-1] == "4"  # one wrong element per timed iteration
+    assert "wrong result elements" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--op", "allgather"], "argument --op: unknown op 'allgather'"),
+        (["-b", "16M", "-e", "8"], "argument -b/--minbytes: 16777216 is larger than -e/--maxbytes 8"),
+        (["--strategy", "tree:0"], "argument --strategy: Tree arity must be an integer >= 1, got 0"),
+        (["--strategy", "spiral"], "argument --strategy: unknown strategy 'spiral'"),
+        (["-b", "12Q"], "argument -b/--minbytes: invalid size '12Q'"),
+        (["--root", "4"], "argument --root: must be a peer id in 0..3 or 'all'"),
+        (["-f", "1"], "argument -f/--stepfactor: must be an integer >= 2"),
+        (["--peers", "0"], "argument --peers: must be an integer >= 1"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_argument(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    status, _, err = run_cli(["bench", *argv], capsys)
+    assert status == 2
+    assert message in err
+
+
+def test_sizes_parse_like_nccl_tests() -> None:
+    assert [parse_size(t) for t in ("8", "1K", "64M", "1G", "2kb")] == [8, 1024, 64 << 20, 1 << 30, 2048]
+    with pytest.raises(ValueError, match="invalid size"):
+        parse_size("M")
+
+
+def test_default_sweep_plan_covers_8_bytes_to_16_mebibytes() -> None:
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    args = parser.parse_args([])
+    sizes = bench_cli._sizes(args, 4)
+    assert sizes[0] == 8 and sizes[-1] == 16 << 20
+
+
+def test_demo_and_version_from_a_real_process() -> None:
+    demo = subprocess.run([sys.executable, "-m", "collective", "demo", "--peers", "3"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert demo.returncode == 0, demo.stderr
+    assert demo.stdout.count("every peer got [ 0.  6. 12. 18.]") == 3
+    version = subprocess.run(
+        [sys.executable, "-m", "collective", "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert version.returncode == 0 and version.stdout.startswith("collective ")
+    missing = subprocess.run([sys.executable, "-m", "collective"], capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2 and "required" in missing.stderr
+
+
+def test_trivial_baseline_matches_numpy() -> None:
+    group = TrivialGroup(3, 10, np.float64)
+    xs = [np.arange(10.0) * (p + 1) for p in range(3)]
+    outs = [np.empty(10) for _ in range(3)]
+    run_peers(3, lambda p: group.all_reduce(p, xs[p], outs[p], ReduceOp.SUM))
+    for out in outs:
+        np.testing.assert_array_equal(out, sum(xs))
