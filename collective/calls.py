@@ -47,14 +47,16 @@ def describe_peers(peers: list[int]) -> str:
     return ("peer " if len(peers) == 1 else "peers ") + ", ".join(runs)
 
 
-def _disagreement(specs: Mapping[int, CallSpec], name: str, show: Callable[[Any], str]) -> str | None:
+def _disagreement(
+    specs: Mapping[int, CallSpec], name: str, show: Callable[[Any], str], who: Callable[[list[int]], str]
+) -> str | None:
     """'shape: peers 0-2 passed (4, 8), peer 3 passed (4, 9)' or None when all agree."""
     groups: dict[Any, list[int]] = {}
     for peer in sorted(specs):
         groups.setdefault(getattr(specs[peer], name), []).append(peer)
     if len(groups) <= 1:
         return None
-    parts = [f"{describe_peers(peers)} passed {show(value)}" for value, peers in groups.items()]
+    parts = [f"{who(peers)} passed {show(value)}" for value, peers in groups.items()]
     return f"{name}: " + ", ".join(parts)
 
 
@@ -62,21 +64,28 @@ def _show_op(op: ReduceOp | None) -> str:
     return op.value if op is not None else "-"
 
 
-def agree(specs: Mapping[int, CallSpec], label: str) -> CallSpec:
-    """The call every peer agreed on (a broadcast's ``root`` filled in); raises otherwise.
+def agree(
+    specs: Mapping[int, CallSpec],
+    label: str,
+    who: Callable[[list[int]], str] = describe_peers,
+    source_elsewhere: bool = False,
+) -> CallSpec:
+    """The call every participant agreed on (a broadcast's ``root`` filled in); raises otherwise.
 
-    ``label`` names the step in messages, e.g. "collective #12". Raises InvalidArgumentError
-    when a peer's own arguments were unusable, MismatchError when peers disagree.
+    ``specs`` maps participants (peers, or nodes with ``who`` naming them) to their calls;
+    ``label`` names the step in messages, e.g. "#12". With ``source_elsewhere`` a broadcast
+    with no local source is fine (the root is on another node). Raises InvalidArgumentError
+    when a participant's own arguments were unusable, MismatchError when they disagree.
     """
     first = specs[min(specs)]
     if first.kind != "broadcast" and first.error is None and all(spec == first for spec in specs.values()):
         return first  # the common case, checked cheaply
     if len({spec.kind for spec in specs.values()}) == 1:
         label = f"{first.kind} {label}"
-    invalid = [f"peer {peer}: {spec.error}" for peer, spec in sorted(specs.items()) if spec.error]
+    invalid = [f"{who([peer])}: {spec.error}" for peer, spec in sorted(specs.items()) if spec.error]
     if invalid:
         raise InvalidArgumentError(f"{label}: invalid arguments, so no peer ran it: " + "; ".join(invalid))
-    kinds = _disagreement(specs, "kind", str)
+    kinds = _disagreement(specs, "kind", str, who)
     if kinds:
         raise MismatchError(f"{label}: peers called different collectives: {kinds.removeprefix('kind: ')}")
     checks: list[tuple[str, Callable[[Any], str]]] = [("shape", str), ("dtype", str)]
@@ -86,13 +95,19 @@ def agree(specs: Mapping[int, CallSpec], label: str) -> CallSpec:
         checks.insert(1, ("root", str))
     if first.kind == "broadcast":
         sources = [peer for peer, spec in specs.items() if spec.has_data]
-        if len(sources) != 1:
-            who = "no peer passed one" if not sources else f"{describe_peers(sources)} passed one"
-            raise MismatchError(f"{label}: exactly one peer (the root) must pass an array; {who}")
+        if len(sources) > 1 or (not sources and not source_elsewhere):
+            passed = "no peer passed one" if not sources else f"{who(sorted(sources))} passed one"
+            raise MismatchError(f"{label}: exactly one peer (the root) must pass an array; {passed}")
         # Receivers without an ``out`` buffer state no shape or dtype: compare the others only.
         specs = {peer: spec for peer, spec in specs.items() if spec.shape is not None}
-        first = specs[sources[0]]._replace(root=sources[0])
-    problems = [text for name, show in checks if (text := _disagreement(specs, name, show))]
+        if sources:
+            source = specs[sources[0]]
+            first = source if source.root is not None else source._replace(root=sources[0])
+        elif specs:
+            first = next(iter(specs.values()))._replace(has_data=False, root=None)
+        else:
+            first = first._replace(has_data=False, root=None, shape=None, dtype=None)
+    problems = [text for name, show in checks if (text := _disagreement(specs, name, show, who))]
     if problems:
         raise MismatchError(f"{label}: peers disagree on " + "; ".join(problems))
     return first

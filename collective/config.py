@@ -8,6 +8,8 @@ stored as values.
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -36,10 +38,14 @@ class CollectiveConfig:
     num_devices: local peers (threads) in this process, >= 1.
     local_*_strategy: algorithm among the local peers (default Tree(2)).
     num_nodes, global_address, node_address, data_service_port: multi-node fields, all set or
-        all unset. global_address is the orchestrator's "host:port", node_address is
-        "host:port" where this node's data service is reachable.
+        all unset. global_address is the orchestrator's "host:port". The data service listens on
+        node_address's host at data_service_port (0: a free port) and other nodes are told that
+        host and the port it got.
     global_*_strategy: algorithm among node leaders (all_reduce default Ring(), others Tree(2)).
     timeout: seconds one collective (and registration) may take before CollectiveTimeout.
+    job: the job's name: an orchestrator serves many jobs, told apart by name.
+    token: a shared secret; when set, the orchestrator and every data service refuse
+        connections that cannot prove they hold it (the token itself never crosses the wire).
     """
 
     num_devices: int = 1
@@ -55,6 +61,8 @@ class CollectiveConfig:
     global_reduce_strategy: Strategy | str = field(default_factory=Tree)
     global_broadcast_strategy: Strategy | str = field(default_factory=Tree)
     timeout: float = DEFAULT_TIMEOUT
+    job: str = "default"
+    token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         _require_int("num_devices", self.num_devices, minimum=1)
@@ -70,12 +78,49 @@ class CollectiveConfig:
         if given:
             _require_int("num_nodes", self.num_nodes, minimum=1)
             _require_int("data_service_port", self.data_service_port, minimum=0, maximum=65535)
-            for name in ("global_address", "node_address"):
-                _require_address(name, getattr(self, name))
+            _require_address("global_address", self.global_address, lowest_port=1)
+            _require_address("node_address", self.node_address, lowest_port=0)
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float):
             raise ConfigError(f"timeout must be a number of seconds, got {self.timeout!r}")
         if not (self.timeout > 0 and math.isfinite(self.timeout)):
             raise ConfigError(f"timeout must be a finite number of seconds > 0, got {self.timeout!r}")
+        if not isinstance(self.job, str) or not 0 < len(self.job) <= 200:
+            raise ConfigError(f"job must be a non-empty name of at most 200 characters, got {self.job!r}")
+        if self.token is not None and (not isinstance(self.token, str) or not self.token):
+            raise ConfigError("token must be a non-empty string (or None for no token)")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> CollectiveConfig:
+        """A config from ``COLLECTIVE_<FIELD>`` variables (e.g. COLLECTIVE_NUM_NODES=2); ``overrides`` win.
+
+        Raises ConfigError naming the variable whose value is invalid.
+        """
+        environ = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            name = f"COLLECTIVE_{f.name.upper()}"
+            if name not in environ:
+                continue
+            text = environ[name].strip()
+            try:
+                if f.name in ("num_devices", "num_nodes", "data_service_port"):
+                    values[f.name] = int(text)
+                elif f.name == "timeout":
+                    values[f.name] = float(text)
+                else:
+                    values[f.name] = text
+            except ValueError:
+                raise ConfigError(f"{name}={text!r} is not a number") from None
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except ConfigError as exc:
+            raise ConfigError(f"from the environment: {exc}") from None
+
+    @property
+    def node_host(self) -> str:
+        """The host part of ``node_address`` (multi-node only)."""
+        return (self.node_address or "").rpartition(":")[0]
 
     @property
     def is_multi_node(self) -> bool:
@@ -85,7 +130,8 @@ class CollectiveConfig:
     def differences(self, other: CollectiveConfig) -> list[str]:
         """'field: mine vs other' for every field that differs (for registration errors)."""
         return [
-            f"{f.name}={getattr(self, f.name)} vs {getattr(other, f.name)}"
+            f"{f.name}={'***' if f.name == 'token' else getattr(self, f.name)} vs "
+            f"{'***' if f.name == 'token' else getattr(other, f.name)}"
             for f in fields(self)
             if getattr(self, f.name) != getattr(other, f.name)
         ]
@@ -106,7 +152,13 @@ def _require_int(name: str, value: Any, minimum: int, maximum: int | None = None
         raise ConfigError(f"{name} must be {allowed}, got {value}")
 
 
-def _require_address(name: str, value: Any) -> None:
+def _require_address(name: str, value: Any, lowest_port: int) -> None:
     host, sep, port = str(value).rpartition(":")
-    if not isinstance(value, str) or not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ConfigError(f"{name} must be 'host:port' with a port in 1..65535, got {value!r}")
+    if (
+        not isinstance(value, str)
+        or not sep
+        or not host
+        or not port.isdigit()
+        or not lowest_port <= int(port) < 65536
+    ):
+        raise ConfigError(f"{name} must be 'host:port' with a port in {lowest_port}..65535, got {value!r}")

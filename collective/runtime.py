@@ -26,6 +26,7 @@ from collective.errors import (
     PeerLostError,
     RegistrationError,
 )
+from collective.node import NodeJob, run_three_phases
 from collective.server import DEFAULT_FUSE_BELOW, LocalJob, Plan
 from transport.inproc import InProcessLink
 
@@ -67,21 +68,22 @@ class Runtime:
         """
         if not isinstance(config, CollectiveConfig):
             raise ConfigError(f"config must be a CollectiveConfig, got {type(config).__name__}")
-        if config.is_multi_node:
-            raise ConfigError(
-                "multi-node jobs (num_nodes and addresses set) are not available in this version"
-            )
         parsed = Device.parse(device)
-        peers = tuple(range(config.num_devices))
-        if isinstance(peer_id, bool) or not isinstance(peer_id, int) or peer_id not in peers:
+        valid_id = isinstance(peer_id, int) and not isinstance(peer_id, bool) and peer_id >= 0
+        if config.is_multi_node and not valid_id:
+            raise RegistrationError(
+                f"peer id {peer_id!r} must be an integer >= 0 (the job's peers are 0..world-1)"
+            )
+        if not config.is_multi_node and (not valid_id or peer_id >= config.num_devices):
             raise RegistrationError(
                 f"peer id {peer_id!r} is outside the job: with num_devices={config.num_devices} "
                 f"the peers are 0..{config.num_devices - 1}"
             )
+        deadline = time.monotonic() + config.timeout
         with self._lock:
             job = self._job
             if job is None:
-                job = self._job = LocalJob(config, peers, self._fuse_below)
+                job = self._job = self._new_job(config)
             elif job.config != config:
                 raise RegistrationError(
                     f"peer {peer_id} passed a config that differs from the running job's "
@@ -91,12 +93,33 @@ class Runtime:
             self._devices[peer_id] = parsed
             self._finished.discard(peer_id)
         try:
-            job.join(peer_id, time.monotonic() + config.timeout)
-        except CollectiveTimeout:  # registration failed for every waiting peer: the job is dead
-            with self._lock:
-                if self._job is job:
-                    self._job = None
+            job.join(peer_id, deadline)
+            if job.node is not None:
+                job.node.join(job.peer_ids, deadline)
+        except CollectiveTimeout as exc:
+            self._drop(job)  # registration failed for every waiting peer: the job is dead
             raise
+        except CollectiveError as exc:
+            if job.active:  # the local peers joined but the node could not join the global job
+                self._drop(job)
+            raise
+
+    def _drop(self, job: LocalJob) -> None:
+        """Forget a job whose registration failed (its waiting peers raise that failure themselves)."""
+        with self._lock:
+            if self._job is job:
+                self._job = None
+        if job.node is not None:
+            job.node.close()
+
+    def _new_job(self, config: CollectiveConfig) -> LocalJob:
+        if not config.is_multi_node:
+            return LocalJob(
+                config, config.num_devices, self._fuse_below, expected=tuple(range(config.num_devices))
+            )
+        job = LocalJob(config, config.num_devices, fuse_below=0, report_errors=True)
+        job.node = NodeJob(config)
+        return job
 
     def finish(self, peer_id: int) -> None:
         """Leave the job; the last peer to leave ends it. Raises RegistrationError if not registered."""
@@ -106,6 +129,8 @@ class Runtime:
             self._finished.add(peer_id)
             if empty and self._job is job:
                 self._job = None
+        if empty and job.node is not None:
+            job.node.close()  # the last local peer leaves: so does this node
 
     def reset(self) -> None:
         """Drop the job: every peer blocked in it wakes with JobClosedError (for tests)."""
@@ -143,7 +168,9 @@ class Runtime:
             problem = check_out(out, device, tuple(x.shape), x.dtype, x)
         spec = CallSpec("all_reduce", reduce_op, None, *_shape_dtype(x, problem), error=problem)
         plan, src, deadline = self._meet(job, peer_id, spec, None if problem else x)
-        if plan.result is not None:
+        if job.node is not None:
+            result = self._three_phases(job, peer_id, plan, src, device, x.shape, x.dtype, out, deadline)
+        elif plan.result is not None:
             result = self._copy_fused(job, peer_id, plan.result, device, x.shape, x.dtype, out)
         else:
             with self._running(job, peer_id, plan, deadline) as link:
@@ -152,7 +179,7 @@ class Runtime:
                 strategies.all_reduce(strategy, link, src, flat(result), plan.call.op)  # type: ignore[arg-type]
                 link.flush()
         if plan.call.op is ReduceOp.MEAN:
-            scale_for_mean(result, len(job.peer_ids))
+            scale_for_mean(result, job.world)
         return result
 
     def reduce(
@@ -167,14 +194,18 @@ class Runtime:
         x = as_array(x)
         reduce_op, problem = _parse_op(op)
         problem = problem or check_array(x, device, reduce_op)
-        if problem is None and (isinstance(root, bool) or root not in job.index):
-            problem = f"root {root!r} is not a peer of this job (peers {min(job.index)}..{max(job.index)})"
+        if problem is None and not job.is_peer(root):
+            problem = f"root {root!r} is not a peer of this job (peers 0..{job.world - 1})"
         if problem is None and out is not None and peer_id == root:
             problem = check_out(out, device, tuple(x.shape), x.dtype, x)
         spec = CallSpec("reduce", reduce_op, root, *_shape_dtype(x, problem), error=problem)
         plan, src, deadline = self._meet(job, peer_id, spec, None if problem else x)
         on_root = peer_id == root
-        if plan.result is not None:
+        if job.node is not None:
+            result = self._three_phases(
+                job, peer_id, plan, src, device, x.shape, x.dtype, out if on_root else None, deadline
+            )
+        elif plan.result is not None:
             result = self._copy_fused(job, peer_id, plan.result, device, x.shape, x.dtype, out, on_root)
         else:
             with self._running(job, peer_id, plan, deadline) as link:
@@ -184,7 +215,7 @@ class Runtime:
                 strategies.reduce(strategy, link, job.index[root], src, target, plan.call.op)  # type: ignore[arg-type]
                 link.flush()
         if result is not None and plan.call.op is ReduceOp.MEAN:
-            scale_for_mean(result, len(job.peer_ids))
+            scale_for_mean(result, job.world)
         return result
 
     def broadcast(self, peer_id: int, x: Array | None, *, out: Array | None = None) -> Array:
@@ -206,6 +237,10 @@ class Runtime:
                 described = out
         spec = CallSpec("broadcast", None, None, *_shape_dtype(described, problem), x is not None, problem)
         plan, src, deadline = self._meet(job, peer_id, spec, None if problem else x)
+        if job.node is not None:
+            multi = self._three_phases(job, peer_id, plan, src, device, None, None, out, deadline)
+            assert multi is not None
+            return multi
         call = plan.call
         assert call.root is not None and call.shape is not None
         if plan.result is not None:
@@ -251,6 +286,31 @@ class Runtime:
         deadline = time.monotonic() + job.config.timeout
         src = None if data is None else flat(data)
         return job.rendezvous(peer_id, spec, src, deadline), src, deadline
+
+    def _three_phases(
+        self,
+        job: LocalJob,
+        peer_id: int,
+        plan: Plan,
+        src: Array | None,
+        device: Device,
+        shape: tuple[int, ...] | None,
+        dtype: Any,
+        out: Array | None,
+        deadline: float,
+    ) -> Array | None:
+        """A multi-node collective on this peer (collective.node); failures reach every local peer."""
+        assert job.node is not None
+        try:
+            return run_three_phases(job.node, job, peer_id, plan, src, device, shape, dtype, out, deadline)
+        except CollectiveError:
+            raise
+        except BaseException as exc:
+            if plan.exchange is not None:
+                plan.exchange.abort(PeerLostError(f"{plan.label}: peer {peer_id} failed: {exc!r}", [peer_id]))
+            raise
+        finally:
+            job.done(peer_id)
 
     def _copy_fused(
         self,

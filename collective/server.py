@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from collective.errors import (
     RegistrationError,
 )
 from transport.inproc import Doorbell, Exchange, clone_error, ring_claimed
+
+if TYPE_CHECKING:
+    from collective.node import NodeJob
 
 __all__ = ["DEFAULT_FUSE_BELOW", "LocalJob", "Plan"]
 
@@ -55,6 +58,8 @@ class Plan(NamedTuple):
     exchange: Exchange | None
     label: str
     result: Array | None = None
+    step: int = 0
+    error: CollectiveError | None = None  # set for the one peer that reports a failed step to other nodes
 
 
 @dataclass
@@ -63,6 +68,7 @@ class _Slot:
     arrivals: dict[int, CallSpec] = field(default_factory=dict)
     data: dict[int, Array | None] = field(default_factory=dict)
     outcome: Plan | CollectiveError | None = None
+    reporter: int | None = None  # multi-node: the peer that tells the other nodes this step failed
 
 
 class _Guard:
@@ -84,27 +90,57 @@ class _Guard:
 
 
 class LocalJob:
-    """The peers ``peer_ids`` of one job that live in this process."""
+    """The ``size`` peers of one job that live in this process (their ids fixed once all joined).
+
+    ``expected``: the peer ids that must join (one-process jobs), to name the missing ones.
+    ``report_errors``: multi-node; a failed step is handed to one peer as a Plan with ``error``
+    set instead of being raised there, so that peer can tell the other nodes.
+    """
 
     def __init__(
-        self, config: CollectiveConfig, peer_ids: tuple[int, ...], fuse_below: int = DEFAULT_FUSE_BELOW
+        self,
+        config: CollectiveConfig,
+        size: int,
+        fuse_below: int = DEFAULT_FUSE_BELOW,
+        expected: tuple[int, ...] | None = None,
+        report_errors: bool = False,
     ) -> None:
         self.config = config
-        self.peer_ids = peer_ids
-        self.index = {peer: i for i, peer in enumerate(peer_ids)}
+        self.size = size
+        self.expected = expected
+        self.peer_ids: tuple[int, ...] = ()
+        self.index: dict[int, int] = {}
         self.fuse_below = fuse_below
+        self.report_errors = report_errors
         self._guard = _Guard()
         self._lock = self._guard.lock
-        self._bells = {peer: Doorbell() for peer in peer_ids}
+        self._bells: dict[int, Doorbell] = {}
         self._registered: set[int] = set()
         self._active = False
         self._left: set[int] = set()
-        self._busy = {peer: threading.Lock() for peer in peer_ids}  # held while the peer is in a collective
+        self._busy: dict[int, threading.Lock] = {}  # held while the peer is in a collective
         self._closed: JobClosedError | None = None
         self._registration_failed: CollectiveTimeout | None = None
-        self._next_step = dict.fromkeys(peer_ids, 0)
+        self._next_step: dict[int, int] = {}
         self._slots: dict[int, _Slot] = {}
         self._exchanges: weakref.WeakSet[Exchange] = weakref.WeakSet()
+        self.node: NodeJob | None = None  # multi-node: this process's membership of the global job
+
+    @property
+    def active(self) -> bool:
+        """Every local peer has joined."""
+        return self._active
+
+    @property
+    def world(self) -> int:
+        """Peers in the whole job (every node's)."""
+        return self.node.world if self.node is not None else len(self.peer_ids)
+
+    def is_peer(self, peer: object) -> bool:
+        """Whether ``peer`` is a peer id of the whole job (on any node)."""
+        if isinstance(peer, bool) or not isinstance(peer, int):
+            return False
+        return peer in self.index or (self.node is not None and self.node.is_peer(peer))
 
     # -- registration -------------------------------------------------------------------------
 
@@ -118,8 +154,18 @@ class LocalJob:
                 )
             if peer in self._registered:
                 raise RegistrationError(f"peer {peer} is already registered; call finish({peer}) first")
+            if len(self._registered) >= self.size:
+                raise RegistrationError(
+                    f"this process's job already has its num_devices={self.size} peers "
+                    f"({describe_peers(sorted(self._registered))}); peer {peer} belongs to another process or job"
+                )
             self._registered.add(peer)
-            if len(self._registered) == len(self.peer_ids):
+            self._bells[peer] = Doorbell()
+            self._busy[peer] = threading.Lock()
+            self._next_step[peer] = 0
+            if len(self._registered) == self.size:
+                self.peer_ids = tuple(sorted(self._registered))
+                self.index = {p: i for i, p in enumerate(self.peer_ids)}
                 self._active = True
                 self._ring_all()
         while True:
@@ -128,10 +174,15 @@ class LocalJob:
                     return
                 self._raise_if_closed()
                 if self._registration_failed is None and time.monotonic() >= deadline:
-                    missing = sorted(set(self.peer_ids) - self._registered)
+                    missing = sorted(set(self.expected) - self._registered) if self.expected else []
+                    who = (
+                        describe_peers(missing)
+                        if missing
+                        else f"{self.size - len(self._registered)} more peer(s)"
+                    )
                     self._registration_failed = CollectiveTimeout(
-                        f"register: peers waited {self.config.timeout:g}s for {describe_peers(missing)} "
-                        f"to register; start every peer of the job",
+                        f"register: peers waited {self.config.timeout:g}s for {who} to register; "
+                        f"start every peer of the job",
                         missing,
                     )
                     self._ring_all()
@@ -153,6 +204,7 @@ class LocalJob:
                         f"collective #{step}: peer {peer} called finish() while {waiting} waited for it",
                         [peer],
                     )
+                    slot.reporter = min(slot.arrivals)
             self._ring_all()
             return not self._registered
 
@@ -167,6 +219,8 @@ class LocalJob:
             exchanges = list(self._exchanges)
         for exchange in exchanges:
             exchange.abort(JobClosedError(reason))
+        if self.node is not None:
+            self.node.close()
 
     def check_member(self, peer: int) -> None:
         """Raise RegistrationError (or JobClosedError) unless ``peer`` is registered in this job."""
@@ -205,6 +259,10 @@ class LocalJob:
                     self._bells[peer].wait(remaining, self._lock)
                     outcome = slot.outcome  # set before the ring: no need to take the lock again
             if isinstance(outcome, CollectiveError):
+                if self.report_errors and slot.reporter == peer:
+                    return Plan(
+                        spec, None, f"{spec.kind} #{slot.step}", step=slot.step, error=clone_error(outcome)
+                    )
                 raise clone_error(outcome)
         except BaseException:
             busy.release()
@@ -233,6 +291,7 @@ class LocalJob:
                 del self._slots[step]  # nobody else will look for it
                 if slot.outcome is None:
                     slot.outcome = self._decide(step, slot)
+                    slot.reporter = min(slot.arrivals)
                     self._ring_all()
             return slot
 
@@ -245,6 +304,7 @@ class LocalJob:
             missing,
         )
         slot.outcome = error
+        slot.reporter = min(slot.arrivals)
         log.warning("%s", error)
         self._ring_all()
         return error
@@ -255,20 +315,20 @@ class LocalJob:
 
     def _decide(self, step: int, slot: _Slot) -> Plan | CollectiveError:
         try:
-            call = agree(slot.arrivals, f"#{step}")
+            call = agree(slot.arrivals, f"#{step}", source_elsewhere=self.report_errors)
         except CollectiveError as exc:
             log.warning("%s", exc)
             return exc
         label = f"{call.kind} #{step}"
-        if self._fusable(slot.data):
+        if self.fuse_below and self._fusable(slot.data):
             if call.kind == "broadcast":
                 result = slot.data[call.root].copy()  # type: ignore[index, union-attr]  # root may reuse x at once
             else:
                 result = self._reduce_all(call, slot.data)
-            return Plan(call, None, label, result)
+            return Plan(call, None, label, result, step)
         exchange = Exchange(self.peer_ids, label)
         self._exchanges.add(exchange)
-        return Plan(call, exchange, label)
+        return Plan(call, exchange, label, step=step)
 
     def _fusable(self, data: dict[int, Array | None]) -> bool:
         limit = self.fuse_below

@@ -301,18 +301,6 @@ def test_config_is_frozen_and_parses_strategies() -> None:
         config.num_devices = 3  # type: ignore[misc]
 
 
-def test_multi_node_config_is_refused_by_this_runtime(runtime: col.Runtime) -> None:
-    config = col.CollectiveConfig(
-        num_devices=1,
-        num_nodes=2,
-        global_address="127.0.0.1:1",
-        node_address="127.0.0.1:2",
-        data_service_port=0,
-    )
-    with pytest.raises(col.ConfigError, match="multi-node"):
-        runtime.register(0, "cpu", config)
-
-
 # -- timeouts, departures, reset, misuse -------------------------------------------------------
 
 

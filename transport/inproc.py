@@ -100,10 +100,22 @@ class Exchange:
         ]
         self._lent = [0] * size
         self._error: CollectiveError | None = None
+        self._announcement: Any = None
 
     @property
     def size(self) -> int:
         return len(self.peer_ids)
+
+    def announce(self, value: Any) -> None:
+        """Publish ``value`` (not None) to every peer of this collective (see ``announcement``)."""
+        with self._lock:
+            self._announcement = value
+            claimed = [bell for bell in self._bells if bell.claim()]
+        ring_claimed(claimed)
+
+    def announcement(self, index: int, deadline: float, waiting_for: str) -> Any:
+        """Wait for ``announce`` (e.g. a leader publishing what the other nodes agreed on)."""
+        return self._wait_for(index, deadline, lambda: self._announcement, waiting_for, ())
 
     def abort(self, error: CollectiveError) -> None:
         """Fail the collective for every peer; the first error wins."""

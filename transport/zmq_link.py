@@ -1,0 +1,126 @@
+"""The ZeroMQ Link: node leaders run the same algorithms over the data service.
+
+``send`` cuts an array into chunks of ``wire.CHUNK_BYTES`` (one message each, sent without
+copying and tracked) and returns; ``recv_into`` / ``recv_reduce`` consume chunks as they arrive,
+copying or reducing each straight out of ZeroMQ's receive buffer into the destination;
+``flush`` waits until ZeroMQ has released every lent buffer. Every data header repeats the
+collective's step and arguments, and a receiver compares them with its own: the always-on check.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import zmq
+
+from algorithms.ops import Array, ReduceOp, combine, copy_into
+from collective.calls import CallSpec
+from collective.errors import CollectiveTimeout, MismatchError
+from transport.inproc import on_device_of
+from transport.network import NodeNetwork
+from transport.wire import CHUNK_BYTES, spec_to_header
+
+__all__ = ["ZmqLink"]
+
+_CHECKED = ("kind", "op", "root", "shape", "dtype")
+
+
+class ZmqLink:
+    """This node's end of step ``seq`` among the nodes of ``network``."""
+
+    def __init__(
+        self, network: NodeNetwork, seq: int, call: CallSpec, deadline: float, describe: Any = str
+    ) -> None:
+        self._network = network
+        self._seq = seq
+        self._deadline = deadline
+        self._describe = describe  # node index -> "node 1 (peers 2-3)"
+        spec = spec_to_header(call)
+        self._signature = {key: spec[key] for key in _CHECKED}
+        self._trackers: list[zmq.MessageTracker] = []
+
+    @property
+    def rank(self) -> int:
+        return self._network.index
+
+    @property
+    def size(self) -> int:
+        return self._network.size
+
+    def send(self, dst: int, data: Array) -> None:
+        if not isinstance(data, np.ndarray):  # a CuPy array leaves the device once
+            data = data.get()
+        base = {"t": "data", "seq": self._seq, **self._signature}
+        if data.size == 0:
+            self._network.send(dst, {**base, "off": 0, "n": 0})
+            return
+        per_chunk = max(1, CHUNK_BYTES // data.itemsize)
+        for offset in range(0, data.size, per_chunk):
+            piece = data[offset : offset + per_chunk]
+            tracker = self._network.send(dst, {**base, "off": offset, "n": piece.size}, piece)
+            if tracker is not None:
+                self._trackers.append(tracker)
+
+    def _chunks(self, src: int, length: int, dtype: Any) -> Iterator[tuple[slice, np.ndarray]]:
+        """(where, view) for each chunk of the next array from ``src``, validated against this step."""
+        received = 0
+        while True:
+            header, payload = self._network.receive(
+                src, self._seq, self._deadline, f"data from {self._describe(src)}"
+            )
+            self._validate(src, header)
+            offset, count = header.get("off"), header.get("n")
+            if (
+                not isinstance(offset, int)
+                or not isinstance(count, int)
+                or offset != received
+                or not 0 <= count <= length - received
+            ):
+                raise MismatchError(
+                    f"step {self._seq}: {self._describe(src)} sent elements {offset}+{count} where "
+                    f"{received} of {length} were expected"
+                )
+            nbytes = 0 if payload is None else len(payload.buffer)
+            if nbytes != count * dtype.itemsize:
+                raise MismatchError(
+                    f"step {self._seq}: {self._describe(src)} sent {nbytes} bytes for {count} elements"
+                )
+            view = np.frombuffer(payload.buffer, dtype) if count else np.empty(0, dtype)
+            yield slice(offset, offset + count), view
+            received += count
+            if received >= length:
+                return
+
+    def _validate(self, src: int, header: dict[str, Any]) -> None:
+        if header["seq"] != self._seq or header["t"] != "data":
+            raise MismatchError(
+                f"{self._describe(src)} sent a {header['t']} message of step {header['seq']} while node "
+                f"{self.rank} runs step {self._seq}: the nodes called different numbers of collectives"
+            )
+        theirs = {key: header.get(key) for key in _CHECKED}
+        if theirs != self._signature:
+            raise MismatchError(
+                f"step {self._seq}: {self._describe(src)} runs {theirs} but node {self.rank} runs {self._signature}"
+            )
+
+    def recv_into(self, src: int, out: Array) -> None:
+        for where, view in self._chunks(src, out.size, out.dtype):
+            copy_into(out[where], on_device_of(out, view))
+
+    def recv_reduce(self, src: int, operand: Array, out: Array, op: ReduceOp) -> None:
+        for where, view in self._chunks(src, out.size, out.dtype):
+            combine(op, on_device_of(out, view), operand[where], out[where])
+
+    def flush(self) -> None:
+        for tracker in self._trackers:
+            remaining = self._deadline - time.monotonic()
+            try:
+                tracker.wait(max(0.0, remaining))
+            except zmq.NotDone:
+                raise CollectiveTimeout(
+                    f"step {self._seq}: data sent by node {self.rank} was not delivered in time"
+                ) from None
+        self._trackers.clear()
