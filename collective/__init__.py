@@ -18,6 +18,7 @@ from collective.errors import (
     PeerLostError,
     RegistrationError,
 )
+from collective.launch import peer_ids_from_env
 from collective.runtime import Runtime
 
 __version__ = "0.1.0"
@@ -41,6 +42,7 @@ __all__ = [
     "broadcast",
     "default_runtime",
     "finish",
+    "peer_ids_from_env",
     "reduce",
     "register",
     "reset",

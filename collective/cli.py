@@ -1,4 +1,4 @@
-"""The ``collective`` command: ``bench`` (microbenchmarks) and ``demo`` (4 peers all-reducing).
+"""The ``collective`` command: ``bench``, ``orchestrator``, ``launch`` and ``demo``.
 
 Exit status: 0 success, 1 a failed run (wrong results, a collective error), 2 bad arguments,
 130 interrupted.
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 import collective
+from collective import launch
 
 __all__ = ["main"]
 
@@ -75,12 +76,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench_cli.add_arguments(bench)
     demo = commands.add_parser("demo", help="a few peers all-reduce a small array with every strategy")
     demo.add_argument("--peers", type=int, default=4)
+    orchestrator = commands.add_parser("orchestrator", help="run the orchestrator daemon of multi-node jobs")
+    launch.add_orchestrator_arguments(orchestrator)
+    launcher = commands.add_parser("launch", help="run a script as a multi-node job on this machine")
+    launch.add_launch_arguments(launcher)
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     if args.command == "demo":
         return _demo(args)
+    if args.command == "orchestrator":
+        return launch.serve_orchestrator(args)
+    if args.command == "launch":
+        return launch.launch(args, launcher)
     return bench_cli.run(
         args, bench, ["collective", *(argv if argv is not None else sys.argv[1:])], sys.stdout
     )

@@ -1,0 +1,186 @@
+"""``collective orchestrator`` and ``collective launch``: run a multi-node job on this machine.
+
+``launch`` starts an orchestrator (unless one is given) and N node processes of a script, each
+with the environment ``CollectiveConfig.from_env()`` reads plus ``COLLECTIVE_NODE_RANK`` and
+``COLLECTIVE_PEER_IDS`` (the peer ids that node owns, see ``peer_ids_from_env``). It streams their
+output prefixed by node and exits with the first failing node's status, stopping the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+__all__ = [
+    "add_launch_arguments",
+    "add_orchestrator_arguments",
+    "launch",
+    "peer_ids_from_env",
+    "serve_orchestrator",
+]
+
+READY_PREFIX = "collective orchestrator: listening on "
+STOP_GRACE = 5.0
+
+
+def peer_ids_from_env(environ: dict[str, str] | None = None) -> list[int]:
+    """The peer ids ``collective launch`` gave this node (COLLECTIVE_PEER_IDS, e.g. "2,3")."""
+    text = (os.environ if environ is None else environ).get("COLLECTIVE_PEER_IDS", "")
+    try:
+        return [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"COLLECTIVE_PEER_IDS={text!r} is not a comma-separated list of peer ids") from None
+
+
+# -- orchestrator ---------------------------------------------------------------------------------
+
+
+def add_orchestrator_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one (default)")
+    parser.add_argument(
+        "--lost-after", type=float, default=None, help="seconds without heartbeats before a node is lost"
+    )
+
+
+def serve_orchestrator(args: argparse.Namespace) -> int:
+    """Run the daemon until SIGINT or SIGTERM; print the address it listens on first."""
+    from transport.orchestrator import LOST_AFTER, Orchestrator
+
+    orchestrator = Orchestrator(args.host, args.port, args.lost_after or LOST_AFTER)
+    previous = {
+        sig: signal.signal(sig, lambda *_: orchestrator.stop()) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        print(f"{READY_PREFIX}{orchestrator.address}", flush=True)
+        orchestrator.serve()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
+# -- launch ---------------------------------------------------------------------------------------
+
+
+def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, required=True, help="node processes to start")
+    parser.add_argument("--devices", type=int, default=1, help="local peers (threads) per node (default 1)")
+    parser.add_argument(
+        "--orchestrator", metavar="HOST:PORT", help="an orchestrator to use (default: start one)"
+    )
+    parser.add_argument("--job", help="the job name (default: unique per launch)")
+    parser.add_argument("--timeout", type=float, help="COLLECTIVE_TIMEOUT for the nodes")
+    parser.add_argument("script", help="the Python script every node runs")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _pump(stream: IO[str], prefix: str, sink: IO[str], lock: threading.Lock) -> None:
+    for line in stream:
+        with lock:
+            sink.write(f"{prefix}{line}" if line.endswith("\n") else f"{prefix}{line}\n")
+            sink.flush()
+
+
+def _start_orchestrator() -> tuple[subprocess.Popen[str], str]:
+    process = subprocess.Popen(
+        [sys.executable, "-m", "collective", "orchestrator", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line.startswith(READY_PREFIX):
+        process.kill()
+        raise RuntimeError(f"the orchestrator did not start (it printed {line!r})")
+    return process, line[len(READY_PREFIX) :].strip()
+
+
+def _stop(processes: Sequence[subprocess.Popen[Any]]) -> None:
+    """SIGTERM, then SIGKILL after a grace period; reap all."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + STOP_GRACE
+    for process in processes:
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[str] = sys.stdout) -> int:
+    """Start the job; return 0 when every node succeeded, else the first failing node's status."""
+    if args.nodes < 1 or args.devices < 1:
+        parser.error("argument --nodes/--devices: must be >= 1")
+    if not os.path.isfile(args.script):
+        parser.error(f"argument script: no such file {args.script!r}")
+    orchestrator = None
+    address = args.orchestrator
+    if address is None:
+        orchestrator, address = _start_orchestrator()
+    job = args.job or f"launch-{os.getpid()}-{int(time.time() * 1000)}"
+    lock = threading.Lock()
+    nodes: list[subprocess.Popen[str]] = []
+    pumps: list[threading.Thread] = []
+    try:
+        for rank in range(args.nodes):
+            env = dict(os.environ)
+            env.update(
+                COLLECTIVE_NUM_DEVICES=str(args.devices),
+                COLLECTIVE_NUM_NODES=str(args.nodes),
+                COLLECTIVE_GLOBAL_ADDRESS=address,
+                COLLECTIVE_NODE_ADDRESS="127.0.0.1:0",
+                COLLECTIVE_DATA_SERVICE_PORT="0",
+                COLLECTIVE_JOB=job,
+                COLLECTIVE_NODE_RANK=str(rank),
+                COLLECTIVE_PEER_IDS=",".join(str(rank * args.devices + d) for d in range(args.devices)),
+            )
+            if args.timeout is not None:
+                env["COLLECTIVE_TIMEOUT"] = str(args.timeout)
+            process = subprocess.Popen(
+                [sys.executable, args.script, *args.script_args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env=env,
+            )
+            nodes.append(process)
+            assert process.stdout is not None
+            pump = threading.Thread(
+                target=_pump, args=(process.stdout, f"[node {rank}] ", out, lock), daemon=True
+            )
+            pump.start()
+            pumps.append(pump)
+        status = 0
+        while status == 0 and any(node.poll() is None for node in nodes):
+            for rank, node in enumerate(nodes):
+                code = node.poll()
+                if code not in (None, 0):
+                    with lock:
+                        print(
+                            f"collective launch: node {rank} exited with status {code}; stopping the others",
+                            file=sys.stderr,
+                        )
+                    status = code if code > 0 else 128 - code
+                    break
+            time.sleep(0.05)
+        if status == 0:
+            status = next((n.returncode for n in nodes if n.returncode), 0)
+        return status
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        _stop(nodes)
+        for pump in pumps:
+            pump.join(5)
+        if orchestrator is not None:
+            _stop([orchestrator])

@@ -1,0 +1,131 @@
+"""A node of a multi-node test job: run as a process by tests/test_multinode.py.
+
+Usage: python tests/node_worker.py MODE [ARG]   (the job comes from COLLECTIVE_* variables)
+
+Every node knows every peer's input (a function of the peer id), so it checks each result
+against a reference it computes itself. Output lines: "OK <collectives>" at the end, or
+"ERROR <class> <message>" per failing peer (exit status 3), "READY" when a loop has started.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+import collective as col
+
+OPS = ["sum", "mean", "max", "min", "prod"]
+ELEMENTS = [0, 1, 2, 17, 1000, (3 << 20) // 8]  # 0, fewer than nodes, ..., a few MiB
+
+
+def data(peer: int, length: int, salt: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(1000 * peer + salt)
+    return rng.integers(-3, 4, size=length).astype(np.float64)
+
+
+def reference(arrays: list[np.ndarray], op: str) -> np.ndarray:
+    ufunc = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}[op]
+    total = arrays[0].copy()
+    for other in arrays[1:]:
+        ufunc(total, other, out=total)
+    return total / len(arrays) if op == "mean" else total
+
+
+def matrix(peer: int, world: int) -> int:
+    """Every op for all_reduce, sum and max reduce at every root, broadcast from every root."""
+    count = 0
+    for salt, length in enumerate(ELEMENTS):
+        everyone = [data(p, length, salt) for p in range(world)]
+        mine = everyone[peer]
+        for op in OPS:
+            got = col.all_reduce(peer, mine, op)
+            np.testing.assert_allclose(
+                got, reference(everyone, op), rtol=1e-12, err_msg=f"all_reduce {op} {length}"
+            )
+            count += 1
+        for root in range(world):
+            for op in ("sum", "max"):
+                got = col.reduce(peer, mine, op, root=root)
+                if peer == root:
+                    np.testing.assert_allclose(
+                        got, reference(everyone, op), err_msg=f"reduce {op} {length} root {root}"
+                    )
+                else:
+                    assert got is None
+                count += 1
+            got = col.broadcast(peer, mine if peer == root else None)
+            np.testing.assert_array_equal(got, everyone[root], err_msg=f"broadcast {length} root {root}")
+            count += 1
+    return count
+
+
+def loop(peer: int, world: int) -> int:
+    """All-reduce 1 MiB until something breaks; print READY once running."""
+    x = np.ones(1 << 17)
+    for i in range(1_000_000):
+        col.all_reduce(peer, x)
+        if i == 2 and peer == 0:
+            print("READY", flush=True)
+    return 0
+
+
+def mismatch(peer: int, world: int, how: str) -> int:
+    """One collective where node 0's peers call differently from the others, then a good one."""
+    odd = peer < world // 2  # the first node's peers
+    x = np.zeros(5 if (how == "shape" and odd) else 4, np.float32 if (how == "dtype" and odd) else np.float64)
+    if how == "collective" and odd:
+        col.reduce(peer, x)
+    elif how == "op":
+        col.all_reduce(peer, x, "max" if odd else "sum")
+    elif how == "root":
+        col.reduce(peer, x, root=0 if odd else 1)
+    else:
+        col.all_reduce(peer, x)
+    return 1
+
+
+MODES = {"matrix": matrix, "loop": loop, "mismatch": mismatch}
+
+
+def main() -> int:
+    mode = sys.argv[1]
+    extra = sys.argv[2:]
+    config = col.CollectiveConfig.from_env()
+    peers = col.peer_ids_from_env()
+    world = config.num_devices * (config.num_nodes or 1)
+    results: dict[int, Any] = {}
+
+    def run(peer: int) -> None:
+        try:
+            col.register(peer, "cpu", config)
+            started = time.monotonic()
+            try:
+                results[peer] = MODES[mode](peer, world, *extra)
+            except col.CollectiveError as exc:
+                results[peer] = exc
+                print(f"ERROR {type(exc).__name__} {time.monotonic() - started:.2f} {exc}", flush=True)
+            if mode == "mismatch":  # the job must still work after a mismatch
+                assert col.all_reduce(peer, np.ones(3))[0] == world
+            col.finish(peer)
+        except BaseException as exc:
+            results[peer] = exc
+            print(f"ERROR {type(exc).__name__} - {exc}", flush=True)
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in peers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    failures = [r for r in results.values() if isinstance(r, BaseException)]
+    if failures or len(results) != len(peers):
+        return 3
+    print(f"OK {sum(results.values())}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

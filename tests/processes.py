@@ -1,0 +1,119 @@
+"""Real processes for multi-node tests: an orchestrator daemon and node workers, always reaped."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+WORKER = str(Path(__file__).with_name("node_worker.py"))
+READY = "collective orchestrator: listening on "
+
+
+class Proc:
+    """A child process whose output lines are collected, with the time each arrived."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.process = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        self.lines: list[tuple[float, str]] = []
+        self._seen = threading.Condition()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            with self._seen:
+                self.lines.append((time.monotonic(), line.rstrip("\n")))
+                self._seen.notify_all()
+
+    def wait_for(self, prefix: str, timeout: float) -> tuple[float, str]:
+        """The first line starting with ``prefix`` (AssertionError after ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        with self._seen:
+            while True:
+                for when, line in self.lines:
+                    if line.startswith(prefix):
+                        return when, line
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or (self.process.poll() is not None and not self._reader.is_alive()):
+                    raise AssertionError(f"no line starting with {prefix!r}; output:\n{self.output()}")
+                self._seen.wait(min(remaining, 0.1))
+
+    def output(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+    def wait(self, timeout: float) -> int:
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(
+                f"process still running after {timeout}s; output:\n{self.output()}"
+            ) from None
+        self._reader.join(5)
+        return code
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(10)
+        self._reader.join(5)
+
+    def terminate(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._reader.join(5)
+
+
+def start_orchestrator(*extra: str) -> tuple[Proc, str]:
+    proc = Proc([sys.executable, "-m", "collective", "orchestrator", "--port", "0", *extra])
+    _, line = proc.wait_for(READY, 30)
+    return proc, line[len(READY) :]
+
+
+def node_env(address: str, job: str, rank: int, nodes: int, devices: int, **extra: Any) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        COLLECTIVE_NUM_DEVICES=str(devices),
+        COLLECTIVE_NUM_NODES=str(nodes),
+        COLLECTIVE_GLOBAL_ADDRESS=address,
+        COLLECTIVE_NODE_ADDRESS="127.0.0.1:0",
+        COLLECTIVE_DATA_SERVICE_PORT="0",
+        COLLECTIVE_JOB=job,
+        COLLECTIVE_PEER_IDS=",".join(str(rank * devices + d) for d in range(devices)),
+        COLLECTIVE_TIMEOUT="20",
+    )
+    env.update({f"COLLECTIVE_{key.upper()}": str(value) for key, value in extra.items()})
+    return env
+
+
+def start_nodes(address: str, job: str, nodes: int, devices: int, *argv: str, **extra: Any) -> list[Proc]:
+    return [
+        Proc([sys.executable, WORKER, *argv], node_env(address, job, rank, nodes, devices, **extra))
+        for rank in range(nodes)
+    ]
+
+
+def finish_all(procs: list[Proc], timeout: float) -> list[int]:
+    """Wait for every process (killing the rest if one overruns); their exit codes."""
+    try:
+        return [proc.wait(timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
