@@ -96,10 +96,10 @@ class Runtime:
             job.join(peer_id, deadline)
             if job.node is not None:
                 job.node.join(job.peer_ids, deadline)
-        except CollectiveTimeout as exc:
+        except CollectiveTimeout:
             self._drop(job)  # registration failed for every waiting peer: the job is dead
             raise
-        except CollectiveError as exc:
+        except CollectiveError:
             if job.active:  # the local peers joined but the node could not join the global job
                 self._drop(job)
             raise

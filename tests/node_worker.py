@@ -19,6 +19,16 @@ import numpy as np
 import collective as col
 
 OPS = ["sum", "mean", "max", "min", "prod"]
+_print_lock = threading.Lock()
+
+
+def say(line: str) -> None:
+    """One whole line on stdout, never interleaved with another thread's."""
+    with _print_lock:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
 ELEMENTS = [0, 1, 2, 17, 1000, (3 << 20) // 8]  # 0, fewer than nodes, ..., a few MiB
 
 
@@ -69,7 +79,7 @@ def loop(peer: int, world: int) -> int:
     for i in range(1_000_000):
         col.all_reduce(peer, x)
         if i == 2 and peer == 0:
-            print("READY", flush=True)
+            say("READY")
     return 0
 
 
@@ -107,13 +117,13 @@ def main() -> int:
                 results[peer] = MODES[mode](peer, world, *extra)
             except col.CollectiveError as exc:
                 results[peer] = exc
-                print(f"ERROR {type(exc).__name__} {time.monotonic() - started:.2f} {exc}", flush=True)
+                say(f"ERROR {type(exc).__name__} {time.monotonic() - started:.2f} {exc}")
             if mode == "mismatch":  # the job must still work after a mismatch
                 assert col.all_reduce(peer, np.ones(3))[0] == world
             col.finish(peer)
         except BaseException as exc:
             results[peer] = exc
-            print(f"ERROR {type(exc).__name__} - {exc}", flush=True)
+            say(f"ERROR {type(exc).__name__} - {exc}")
 
     threads = [threading.Thread(target=run, args=(p,)) for p in peers]
     for thread in threads:
@@ -123,7 +133,7 @@ def main() -> int:
     failures = [r for r in results.values() if isinstance(r, BaseException)]
     if failures or len(results) != len(peers):
         return 3
-    print(f"OK {sum(results.values())}", flush=True)
+    say(f"OK {sum(results.values())}")
     return 0
 
 

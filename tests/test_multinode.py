@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import itertools
+import socket
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from tests.processes import Proc, finish_all, start_nodes, start_orchestrator
+import collective as col
+from tests.processes import WORKER, finish_all, start_nodes, start_orchestrator
 
 pytestmark = pytest.mark.timeout(180)
 _jobs = itertools.count()
@@ -52,3 +58,128 @@ def test_two_jobs_at_the_same_time_on_one_orchestrator(orchestrator: str) -> Non
     second = start_nodes(orchestrator, job_name(), 2, 2, "matrix", global_all_reduce_strategy="tree:2")
     for node, code in zip(first + second, finish_all(first + second, 150), strict=True):
         assert code == 0, node.output()
+
+
+# -- failures ------------------------------------------------------------------------------------
+
+
+def test_a_node_killed_mid_collective_is_a_peer_lost_error_everywhere_within_seconds(
+    orchestrator: str,
+) -> None:
+    nodes = start_nodes(orchestrator, job_name(), 3, 1, "loop")
+    try:
+        nodes[0].wait_for("READY", 60)
+        nodes[1].kill()
+        killed = time.monotonic()
+        for survivor in (nodes[0], nodes[2]):
+            when, line = survivor.wait_for("ERROR", 15)
+            assert line.startswith("ERROR PeerLostError"), survivor.output()
+            assert "node 1 (peer 1) stopped sending heartbeats" in line
+            assert when - killed < 5.0, f"noticed after {when - killed:.1f}s"
+            assert survivor.wait(30) == 3
+    finally:
+        finish_all(nodes, 30)
+
+
+def test_the_orchestrator_killed_is_a_peer_lost_error_on_every_node() -> None:
+    proc, address = start_orchestrator()
+    nodes = start_nodes(address, job_name(), 2, 2, "loop")
+    try:
+        nodes[0].wait_for("READY", 60)
+        proc.kill()
+        killed = time.monotonic()
+        for node in nodes:
+            when, line = node.wait_for("ERROR", 15)
+            assert (
+                line.startswith("ERROR PeerLostError")
+                and f"the orchestrator at {address} stopped answering" in line
+            )
+            assert when - killed < 5.0
+            assert node.wait(30) == 3
+            assert node.output().count("ERROR PeerLostError") == 2  # both local peers
+    finally:
+        finish_all(nodes, 30)
+        proc.kill()
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("shape", "shape: node 0 (peers 0-1) passed (5,), node 1 (peers 2-3) passed (4,)"),
+        ("dtype", "dtype: node 0 (peers 0-1) passed float32, node 1 (peers 2-3) passed float64"),
+        ("op", "op: node 0 (peers 0-1) passed max, node 1 (peers 2-3) passed sum"),
+        ("root", "root: node 0 (peers 0-1) passed 0, node 1 (peers 2-3) passed 1"),
+        ("collective", "node 0 (peers 0-1) passed reduce, node 1 (peers 2-3) passed all_reduce"),
+    ],
+)
+def test_nodes_calling_differently_get_a_mismatch_everywhere_and_go_on(
+    orchestrator: str, how: str, expected: str
+) -> None:
+    nodes = start_nodes(orchestrator, job_name(), 2, 2, "mismatch", how)
+    codes = finish_all(nodes, 60)
+    for node, code in zip(nodes, codes, strict=True):
+        errors = [line for _, line in node.lines if line.startswith("ERROR")]
+        assert code == 3 and len(errors) == 2, node.output()  # both peers: the mismatch, nothing else
+        assert all(line.startswith("ERROR MismatchError") and expected in line for line in errors), (
+            node.output()
+        )
+
+
+def test_an_orchestrator_that_is_not_there_is_a_timeout() -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        free = probe.getsockname()[1]
+    started = time.monotonic()
+    (node,) = start_nodes(f"127.0.0.1:{free}", job_name(), 2, 1, "matrix", timeout=1)[:1]
+    assert node.wait(30) == 3
+    assert "ERROR CollectiveTimeout" in node.output() and "no topology from the orchestrator" in node.output()
+    assert time.monotonic() - started < 10
+
+
+def test_a_data_service_port_in_use_is_named() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = col.CollectiveConfig(
+            num_devices=1, num_nodes=2, global_address="127.0.0.1:9", node_address=f"127.0.0.1:{port}",
+            data_service_port=port, timeout=1,
+        )  # fmt: skip
+        with (
+            col.Runtime() as rt,
+            pytest.raises(
+                col.RegistrationError, match=rf"cannot listen on 127.0.0.1:{port}: address already in use"
+            ),
+        ):
+            rt.register(0, "cpu", config)
+
+
+def test_launch_runs_a_script_on_every_node() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "collective", "launch", "--nodes", "2", "--devices", "2", WORKER, "matrix"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (
+        "[node 0] OK 204" in result.stdout and "[node 1] OK 204" in result.stdout
+    )  # 102 collectives x 2 peers
+
+
+def test_launch_stops_the_others_when_a_node_fails(tmp_path: Path) -> None:
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "if os.environ['COLLECTIVE_PEER_IDS'] == '1':\n"
+        "    print('failing', flush=True); sys.exit(7)\n"
+        "time.sleep(60)\n"
+    )
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-m", "collective", "launch", "--nodes", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 7 and "[node 1] failing" in result.stdout
+    assert "node 1 exited with status 7; stopping the others" in result.stderr
+    assert time.monotonic() - started < 20
