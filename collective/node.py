@@ -156,8 +156,8 @@ class NodeJob:
             )
             if theirs["seq"] != step or theirs["t"] != "call":
                 raise MismatchError(
-                    f"step {step}: {self._describe(other)} sent a {theirs['t']} message of step {theirs['seq']}: "
-                    f"the nodes called different numbers of collectives"
+                    f"step {step}: {self._describe(other)} sent a {theirs['t']} message of step "
+                    f"{theirs['seq']}: the nodes called different numbers of collectives"
                 )
             if isinstance(theirs.get("verdict"), dict):
                 verdicts.append((other, theirs["verdict"]))

@@ -157,7 +157,8 @@ class LocalJob:
             if len(self._registered) >= self.size:
                 raise RegistrationError(
                     f"this process's job already has its num_devices={self.size} peers "
-                    f"({describe_peers(sorted(self._registered))}); peer {peer} belongs to another process or job"
+                    f"({describe_peers(sorted(self._registered))}); "
+                    f"peer {peer} belongs to another process or job"
                 )
             self._registered.add(peer)
             self._bells[peer] = Doorbell()

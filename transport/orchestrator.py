@@ -191,7 +191,8 @@ class Orchestrator:
             self._refuse(
                 identity,
                 name,
-                f"node at {address} says num_nodes={num_nodes} but node at {first.address} said {job.num_nodes}",
+                f"node at {address} says num_nodes={num_nodes} "
+                f"but node at {first.address} said {job.num_nodes}",
             )
             return
         for other in job.nodes.values():

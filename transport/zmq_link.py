@@ -103,7 +103,8 @@ class ZmqLink:
         theirs = {key: header.get(key) for key in _CHECKED}
         if theirs != self._signature:
             raise MismatchError(
-                f"step {self._seq}: {self._describe(src)} runs {theirs} but node {self.rank} runs {self._signature}"
+                f"step {self._seq}: {self._describe(src)} runs {theirs} "
+                f"but node {self.rank} runs {self._signature}"
             )
 
     def recv_into(self, src: int, out: Array) -> None:
