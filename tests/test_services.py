@@ -1,0 +1,224 @@
+"""The orchestrator and the data service on real sockets: validation, determinism, hostile input."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from algorithms.ops import ReduceOp
+from collective.calls import CallSpec
+from collective.errors import MismatchError, RegistrationError
+from transport.network import NodeNetwork
+from transport.orchestrator import Orchestrator, OrchestratorClient
+from transport.wire import MAX_MESSAGE_BYTES, encode_header
+from transport.zmq_link import ZmqLink
+
+_jobs = itertools.count()
+
+
+@pytest.fixture
+def orchestrator() -> Iterator[Orchestrator]:
+    orch = Orchestrator("127.0.0.1", 0)
+    thread = threading.Thread(target=orch.serve, daemon=True)
+    thread.start()
+    yield orch
+    orch.stop()
+    thread.join(5)
+    assert not thread.is_alive()
+
+
+@pytest.fixture
+def context() -> Iterator[zmq.Context[Any]]:
+    ctx: zmq.Context[Any] = zmq.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+def register_all(
+    orch: Orchestrator,
+    context: zmq.Context[Any],
+    job: str,
+    nodes: list[tuple[str, list[int]]],
+    num_nodes: int | None = None,
+) -> list[Any]:
+    """Register each (address, peers) from its own thread; results (Topology or exception) in order."""
+    clients = [OrchestratorClient(context, orch.address, job) for _ in nodes]
+    results: list[Any] = [None] * len(nodes)
+
+    def run(i: int) -> None:
+        address, peers = nodes[i]
+        try:
+            results[i] = clients[i].register(num_nodes or len(nodes), address, peers, time.monotonic() + 5)
+        except Exception as exc:
+            results[i] = exc
+
+    threads = []
+    for i in range(len(nodes)):
+        thread = threading.Thread(target=run, args=(i,))
+        thread.start()
+        threads.append(thread)
+        time.sleep(0.02)  # arrive in the given order
+    for thread in threads:
+        thread.join(10)
+    for client in clients:
+        client.close()
+    return results
+
+
+def test_node_indices_follow_peer_ids_whatever_the_arrival_order(
+    orchestrator: Orchestrator, context: Any
+) -> None:
+    layout = [("127.0.0.1:7003", [4, 5]), ("127.0.0.1:7001", [0, 1]), ("127.0.0.1:7002", [2, 3])]
+    for order in (layout, layout[::-1]):
+        topologies = register_all(orchestrator, context, f"ids-{next(_jobs)}", order)
+        by_address = {order[i][0]: t.index for i, t in enumerate(topologies)}
+        assert by_address == {"127.0.0.1:7001": 0, "127.0.0.1:7002": 1, "127.0.0.1:7003": 2}
+        assert topologies[0].addresses == ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7003"]
+        assert topologies[0].world == 6
+
+
+@pytest.mark.parametrize(
+    ("nodes", "num_nodes", "expected"),
+    [
+        (
+            [("127.0.0.1:7001", [0]), ("127.0.0.1:7002", [1])],
+            [2, 3],
+            "node at 127.0.0.1:7002 says num_nodes=3 but node at 127.0.0.1:7001 said 2",
+        ),
+        (
+            [("127.0.0.1:7001", [0, 1]), ("127.0.0.1:7002", [1, 2])],
+            None,
+            "node at 127.0.0.1:7002 and node at 127.0.0.1:7001 both claim peer 1",
+        ),
+        (
+            [("127.0.0.1:7001", [0]), ("127.0.0.1:7001", [1])],
+            None,
+            "address 127.0.0.1:7001 is already registered",
+        ),
+        ([("127.0.0.1:7001", [0]), ("127.0.0.1:7002", [2])], None, "the peer ids of job"),
+    ],
+    ids=["num_nodes", "peer-ids", "address", "not-0..world-1"],
+)
+def test_registrations_that_cannot_form_a_job_are_refused(
+    orchestrator: Orchestrator, context: Any, nodes: Any, num_nodes: Any, expected: str
+) -> None:
+    job = f"bad-{next(_jobs)}"
+    clients = [OrchestratorClient(context, orchestrator.address, job) for _ in nodes]
+    errors: list[Any] = [None] * len(nodes)
+
+    def run(i: int) -> None:
+        try:
+            count = num_nodes[i] if isinstance(num_nodes, list) else 2
+            clients[i].register(count, nodes[i][0], nodes[i][1], time.monotonic() + 2)
+        except Exception as exc:
+            errors[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(nodes))]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join(10)
+    for client in clients:
+        client.close()
+    refused = [e for e in errors if isinstance(e, RegistrationError)]
+    assert refused and all(expected in str(e) for e in refused), errors
+
+
+def test_a_job_that_already_formed_refuses_more_nodes(orchestrator: Orchestrator, context: Any) -> None:
+    job = f"full-{next(_jobs)}"
+    first = OrchestratorClient(context, orchestrator.address, job)
+    first.register(1, "127.0.0.1:7001", [0], time.monotonic() + 5)
+    extra = OrchestratorClient(context, orchestrator.address, job)
+    with pytest.raises(RegistrationError, match=f"job '{job}' already has its 1 nodes"):
+        extra.register(1, "127.0.0.1:7002", [1], time.monotonic() + 5)
+    extra.close()
+    first.close()
+
+
+def test_garbage_to_the_orchestrator_is_refused_and_it_keeps_serving(
+    orchestrator: Orchestrator, context: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    host, port = orchestrator.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as raw:  # not even ZeroMQ
+        raw.sendall(os.urandom(4096))
+    rogue = context.socket(zmq.DEALER)
+    rogue.setsockopt(zmq.LINGER, 0)
+    rogue.connect(f"tcp://{orchestrator.address}")
+    rogue.send(b"\xff\x00not msgpack")
+    rogue.send(msgpack.packb([1, 2, 3]))
+    rogue.send(msgpack.packb({"t": "register", "job": "x", "num_nodes": "two", "address": 5, "peers": [-1]}))
+    rogue.send_multipart([b"two", b"frames"])
+    rogue.send(b"x" * (2 << 20))  # larger than the orchestrator accepts
+    time.sleep(0.3)
+    rogue.close()
+    topologies = register_all(
+        orchestrator, context, f"after-{next(_jobs)}", [("127.0.0.1:7001", [0]), ("127.0.0.1:7002", [1])]
+    )
+    assert [t.index for t in topologies] == [0, 1]
+    assert "refused a malformed message" in caplog.text
+
+
+@pytest.fixture
+def mesh(context: Any) -> Iterator[tuple[NodeNetwork, NodeNetwork]]:
+    """Two connected data services of job "mesh" (node 0 and node 1)."""
+    a = NodeNetwork(context, "mesh", "127.0.0.1", 0, lambda src: None)
+    b = NodeNetwork(context, "mesh", "127.0.0.1", 0, lambda src: None)
+    a.connect(0, [a.address, b.address])
+    b.connect(1, [a.address, b.address])
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_garbage_to_a_data_service_is_refused_and_it_keeps_serving(
+    mesh: tuple[NodeNetwork, NodeNetwork], context: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = mesh
+    host, port = b.address.split(":")
+    with socket.create_connection((host, int(port)), timeout=5) as raw:
+        raw.sendall(os.urandom(4096))
+    stranger = context.socket(zmq.DEALER)
+    stranger.setsockopt(zmq.LINGER, 0)
+    stranger.setsockopt(zmq.ROUTING_ID, b"intruder")
+    stranger.connect(f"tcp://{b.address}")
+    stranger.send_multipart([encode_header({"t": "data", "job": "mesh", "seq": 0, "src": 0})])
+    stranger.send(b"y" * (MAX_MESSAGE_BYTES + 1))  # over ZMQ_MAXMSGSIZE: dropped before allocation
+    dealer = a._dealers[1]  # a known node sending malformed messages
+    dealer.send_multipart([b"\xc1 bad header"])
+    dealer.send_multipart([msgpack.packb({"t": "data", "job": "other", "seq": 0, "src": 0})])
+    dealer.send_multipart(
+        [msgpack.packb({"t": "data", "job": "mesh", "seq": 0, "src": 1})]
+    )  # claims another source
+    dealer.send_multipart([msgpack.packb({"t": "data", "job": "mesh", "seq": 0, "src": 0}), b"1", b"2"])
+    a.send(1, {"t": "data", "seq": 0, "payload": "ok"}, np.arange(3.0))
+    header, payload = b.receive(0, 0, time.monotonic() + 5, "the good message")
+    assert header["payload"] == "ok" and np.frombuffer(payload.buffer).tolist() == [0.0, 1.0, 2.0]
+    stranger.close()
+    for reason in ("unknown sender", "undecodable header", "does not match", "3 frames"):
+        assert reason in caplog.text
+
+
+def test_absurd_declared_sizes_fail_the_collective_without_allocating(
+    mesh: tuple[NodeNetwork, NodeNetwork],
+) -> None:
+    a, b = mesh
+    call = CallSpec("all_reduce", ReduceOp.SUM, None, (4,), np.dtype("float64"))
+    signature = {"kind": "all_reduce", "op": "sum", "root": None, "shape": [4], "dtype": "float64"}
+    a.send(1, {"t": "data", "seq": 0, **signature, "off": 0, "n": 10**15}, np.zeros(4))
+    link = ZmqLink(b, 0, call, time.monotonic() + 5)
+    with pytest.raises(MismatchError, match=r"sent elements 0\+1000000000000000 where 0 of 4 were expected"):
+        link.recv_into(0, np.empty(4))
+    a.send(1, {"t": "data", "seq": 0, **signature, "off": 0, "n": 4}, np.zeros(3))  # 24 bytes for 4 elements
+    with pytest.raises(MismatchError, match="sent 24 bytes for 4 elements"):
+        link.recv_into(0, np.empty(4))
