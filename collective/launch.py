@@ -54,7 +54,8 @@ def serve_orchestrator(args: argparse.Namespace) -> int:
     """Run the daemon until SIGINT or SIGTERM; print the address it listens on first."""
     from transport.orchestrator import LOST_AFTER, Orchestrator
 
-    orchestrator = Orchestrator(args.host, args.port, args.lost_after or LOST_AFTER)
+    token = os.environ.get("COLLECTIVE_TOKEN") or None  # from the environment: never on the command line
+    orchestrator = Orchestrator(args.host, args.port, args.lost_after or LOST_AFTER, token)
     previous = {
         sig: signal.signal(sig, lambda *_: orchestrator.stop()) for sig in (signal.SIGINT, signal.SIGTERM)
     }

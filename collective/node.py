@@ -55,14 +55,16 @@ class NodeJob:
         assert config.global_address is not None and config.data_service_port is not None
         self.config = config
         self._context: zmq.Context[Any] = zmq.Context()
-        self._client = OrchestratorClient(self._context, config.global_address, config.job)
+        self._client = OrchestratorClient(
+            self._context, config.global_address, config.job, token=config.token
+        )
         try:
             self._network = NodeNetwork(
                 self._context, config.job, config.node_host, config.data_service_port, self._lost
             )
         except CollectiveError:
             self._client.close()
-            self._context.term()
+            self._context.destroy(linger=0)
             raise
         self.topology: Topology | None = None
         self.world = 0
@@ -106,7 +108,7 @@ class NodeJob:
             self._closed = True
         self._client.close()
         self._network.close()
-        self._context.term()
+        self._context.destroy(linger=0)
 
     def _lost(self, src: int) -> CollectiveError | None:
         error = self._client.lost()

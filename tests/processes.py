@@ -81,10 +81,15 @@ class Proc:
         self._reader.join(5)
 
 
-def start_orchestrator(*extra: str) -> tuple[Proc, str]:
-    proc = Proc([sys.executable, "-m", "collective", "orchestrator", "--port", "0", *extra])
+def start_orchestrator(*extra: str, env: dict[str, str] | None = None) -> tuple[Proc, str]:
+    proc = Proc([sys.executable, "-m", "collective", "-v", "orchestrator", "--port", "0", *extra], env)
     _, line = proc.wait_for(READY, 30)
     return proc, line[len(READY) :]
+
+
+def start_orchestrator_with_token(token: str) -> tuple[Proc, str]:
+    """An orchestrator that only admits nodes holding ``token`` (given in its environment)."""
+    return start_orchestrator(env={**os.environ, "COLLECTIVE_TOKEN": token})
 
 
 def node_env(address: str, job: str, rank: int, nodes: int, devices: int, **extra: Any) -> dict[str, str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import collective as col
-from tests.processes import WORKER, finish_all, start_nodes, start_orchestrator
+from tests.processes import WORKER, finish_all, start_nodes, start_orchestrator, start_orchestrator_with_token
 
 pytestmark = pytest.mark.timeout(180)
 _jobs = itertools.count()
@@ -183,3 +183,25 @@ def test_launch_stops_the_others_when_a_node_fails(tmp_path: Path) -> None:
     assert result.returncode == 7 and "[node 1] failing" in result.stdout
     assert "node 1 exited with status 7; stopping the others" in result.stderr
     assert time.monotonic() - started < 20
+
+
+# -- the job token -------------------------------------------------------------------------------
+
+
+def test_nodes_holding_the_token_run_and_others_are_refused_at_once() -> None:
+    proc, address = start_orchestrator_with_token("s3cret")
+    try:
+        good = start_nodes(address, job_name(), 2, 1, "matrix", token="s3cret")
+        for node, code in zip(good, finish_all(good, 60), strict=True):
+            assert code == 0, node.output()
+        for token in ("wrong", None):
+            started = time.monotonic()
+            extra = {"token": token} if token else {}
+            (refused,) = start_nodes(address, job_name(), 1, 1, "matrix", **extra)
+            assert refused.wait(30) == 3
+            assert "ERROR RegistrationError" in refused.output() and "handshake failed" in refused.output()
+            assert time.monotonic() - started < 10, "refused quickly, not after the timeout"
+            assert "s3cret" not in refused.output()
+    finally:
+        proc.terminate()
+    assert "refused a connection" in proc.output() and "wrong or missing job token" in proc.output()

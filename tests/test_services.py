@@ -222,3 +222,29 @@ def test_absurd_declared_sizes_fail_the_collective_without_allocating(
     a.send(1, {"t": "data", "seq": 0, **signature, "off": 0, "n": 4}, np.zeros(3))  # 24 bytes for 4 elements
     with pytest.raises(MismatchError, match="sent 24 bytes for 4 elements"):
         link.recv_into(0, np.empty(4))
+
+
+def test_a_data_service_with_a_token_refuses_connections_without_it(
+    context: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    a = NodeNetwork(context, "secret-mesh", "127.0.0.1", 0, lambda src: None, token="t0k3n")
+    b = NodeNetwork(context, "secret-mesh", "127.0.0.1", 0, lambda src: None, token="t0k3n")
+    try:
+        a.connect(0, [a.address, b.address])
+        b.connect(1, [a.address, b.address])
+        intruder = NodeNetwork(context, "secret-mesh", "127.0.0.1", 0, lambda src: None, token="guess")
+        intruder.connect(0, [a.address, b.address])  # claims to be node 0, with the wrong token
+        intruder.send(1, {"t": "data", "seq": 0, "from": "intruder"})
+        a.send(1, {"t": "data", "seq": 0, "from": "node 0"})
+        header, _ = b.receive(0, 0, time.monotonic() + 5, "node 0")
+        assert header["from"] == "node 0"
+        deadline = time.monotonic() + 5
+        while "refused a connection" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert f"data service {b.address} refused a connection" in caplog.text
+        with pytest.raises(Exception, match="timed out"):  # nothing else ever arrived
+            b.receive(0, 0, time.monotonic() + 0.3, "anything more")
+        intruder.close()
+    finally:
+        a.close()
+        b.close()

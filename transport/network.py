@@ -27,6 +27,7 @@ from typing import Any
 import zmq
 
 from collective.errors import CollectiveError, CollectiveTimeout, RegistrationError
+from transport.auth import secure, watch_refusals
 from transport.wire import MAX_MESSAGE_BYTES, WireError, decode_header, encode_header
 
 __all__ = ["POLL_SLICE", "NodeNetwork", "Received"]
@@ -51,17 +52,17 @@ class NodeNetwork:
         host: str,
         port: int,
         lost: Callable[[int], CollectiveError | None],
-        configure: Callable[[zmq.Socket[Any], bool], None] = lambda socket, server: None,
+        token: str | None = None,
     ) -> None:
         self.job = job
         self._context = context
         self._lost = lost
-        self._configure = configure
+        self._token = token
         self._router = context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._router.setsockopt(zmq.RCVHWM, 0)
-        configure(self._router, True)
+        secure(self._router, token, server=True)
         try:
             if port == 0:
                 self.port = self._router.bind_to_random_port(f"tcp://{host}")
@@ -73,6 +74,7 @@ class NodeNetwork:
             reason = "address already in use" if exc.errno == errno.EADDRINUSE else str(exc)
             raise RegistrationError(f"the data service cannot listen on {host}:{port}: {reason}") from exc
         self.address = f"{host}:{self.port}"
+        self._stop_watching = watch_refusals(self._router, f"data service {self.address}") if token else None
         self.index = -1
         self._dealers: dict[int, zmq.Socket[Any]] = {}
         self._sources: dict[bytes, int] = {}
@@ -90,7 +92,7 @@ class NodeNetwork:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.ROUTING_ID, _identity(index))
             dealer.setsockopt(zmq.SNDHWM, 0)
-            self._configure(dealer, False)
+            secure(dealer, self._token, server=False)
             dealer.connect(f"tcp://{address}")
             self._dealers[other] = dealer
             self._sources[_identity(other)] = other
@@ -159,6 +161,8 @@ class NodeNetwork:
         self._queues[source].append((header, frames[2] if len(frames) == 3 else None))
 
     def close(self) -> None:
+        if self._stop_watching is not None:
+            self._stop_watching()
         for dealer in self._dealers.values():
             dealer.close(0)
         self._router.close(0)

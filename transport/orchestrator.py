@@ -26,9 +26,11 @@ from typing import Any, TypeGuard
 
 import msgpack
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from collective.calls import describe_peers
 from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError, RegistrationError
+from transport.auth import HANDSHAKE_FAILED, handshake_failure, secure, watch_refusals
 
 __all__ = ["HEARTBEAT_INTERVAL", "LOST_AFTER", "Orchestrator", "OrchestratorClient", "Topology"]
 
@@ -91,20 +93,24 @@ class _Job:
 class Orchestrator:
     """Serves jobs on ``tcp://host:port`` (port 0: a free port, see ``port``) until ``stop()``."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, lost_after: float = LOST_AFTER) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, lost_after: float = LOST_AFTER, token: str | None = None
+    ) -> None:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
+        secure(self._socket, token, server=True)
         try:
             self.port = self._socket.bind_to_random_port(f"tcp://{host}") if port == 0 else port
             if port:
                 self._socket.bind(f"tcp://{host}:{port}")
         except zmq.ZMQError as exc:
             self._socket.close(0)
-            self._context.term()
+            self._context.destroy(linger=0)
             raise RegistrationError(f"the orchestrator cannot listen on {host}:{port}: {exc}") from exc
         self.address = f"{host}:{self.port}"
+        self._stop_watching = watch_refusals(self._socket, f"orchestrator {self.address}") if token else None
         self._lost_after = lost_after
         self._jobs: dict[str, _Job] = {}
         self._stopping = threading.Event()
@@ -126,8 +132,10 @@ class Orchestrator:
                         self._handle(identity, frames)
                 self._check_heartbeats()
         finally:
+            if self._stop_watching is not None:
+                self._stop_watching()
             self._socket.close(0)
-            self._context.term()
+            self._context.destroy(linger=0)
             log.info("orchestrator on %s stopped", self.address)
 
     def _send(self, identity: bytes, message: dict[str, Any]) -> None:
@@ -277,7 +285,12 @@ class OrchestratorClient:
     """A node's connection to the orchestrator: register, then heartbeats on a background thread."""
 
     def __init__(
-        self, context: zmq.Context[Any], address: str, job: str, lost_after: float = LOST_AFTER
+        self,
+        context: zmq.Context[Any],
+        address: str,
+        job: str,
+        lost_after: float = LOST_AFTER,
+        token: str | None = None,
     ) -> None:
         self.address = address
         self.job = job
@@ -285,6 +298,8 @@ class OrchestratorClient:
         self._socket = context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.LINGER, 500)
         self._socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
+        secure(self._socket, token, server=False)
+        self._monitor: zmq.Socket[Any] | None = self._socket.get_monitor_socket(HANDSHAKE_FAILED)
         self._socket.connect(f"tcp://{address}")
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -299,6 +314,23 @@ class OrchestratorClient:
                 {"t": "register", "job": self.job, "num_nodes": num_nodes, "address": address, "peers": peers}
             )
         )
+        try:
+            return self._await_topology(num_nodes, deadline)
+        finally:
+            self._stop_monitor()
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is not None:
+            self._socket.disable_monitor()
+            self._monitor.close(0)
+            self._monitor = None
+
+    def _await_topology(self, num_nodes: int, deadline: float) -> Topology:
+        assert self._monitor is not None
+        monitor = self._monitor
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(monitor, zmq.POLLIN)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -307,7 +339,13 @@ class OrchestratorClient:
                     f"register: no topology from the orchestrator at {self.address} for job {self.job!r}: "
                     f"it is not running, or not all {num_nodes} nodes registered"
                 )
-            if not self._socket.poll(int(1000 * min(remaining, 0.1))):
+            ready = dict(poller.poll(int(1000 * min(remaining, 0.1))))
+            if monitor in ready and handshake_failure(recv_monitor_message(monitor)):
+                raise RegistrationError(
+                    f"the orchestrator at {self.address} refused this node: the connection handshake failed "
+                    f"(the job token is wrong or missing on one side)"
+                )
+            if self._socket not in ready:
                 continue
             message = _unpack(self._socket.recv())
             if message is None or message["job"] != self.job:
@@ -376,4 +414,5 @@ class OrchestratorClient:
         if self._thread is not None:
             self._thread.join(5)
         else:
+            self._stop_monitor()
             self._socket.close(0)
