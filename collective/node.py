@@ -33,7 +33,7 @@ from collective.errors import CollectiveError, MismatchError, PeerLostError
 from transport.inproc import InProcessLink, clone_error
 from transport.network import NodeNetwork
 from transport.orchestrator import OrchestratorClient, Topology
-from transport.wire import WireError, spec_from_header, spec_to_header
+from transport.wire import SMALL_BYTES, WireError, spec_from_header, spec_to_header
 from transport.zmq_link import ZmqLink
 
 if TYPE_CHECKING:
@@ -43,7 +43,6 @@ __all__ = ["SMALL_BYTES", "NodeJob", "run_three_phases"]
 
 log = logging.getLogger(__name__)
 
-SMALL_BYTES = 64 * 1024
 LEFT_GRACE = 1.0  # a node that left cleanly may still have data in flight: wait this long for it
 VERDICT_GRACE = 1.0  # a node whose local step failed reports it just as its own deadline passes
 
@@ -143,17 +142,19 @@ class NodeJob:
         if isinstance(mine, CollectiveError):
             header["verdict"] = {"class": type(mine).__name__, "message": str(mine)}
         else:
-            header.update(spec_to_header(mine), small=small is not None)
+            header.update(spec_to_header(mine))
+            if small is not None:
+                header["small"] = small.tobytes()
         for other in range(network.size):
             if other != me:
-                network.send(other, header, small if small is not None and small.size else None)
+                network.send(other, header)
         calls: dict[int, CallSpec] = {}
         payloads: dict[int, Array | None] = {me: small}
         verdicts: list[tuple[int, dict[str, Any]]] = [(me, header["verdict"])] if "verdict" in header else []
         for other in range(network.size):
             if other == me:
                 continue
-            theirs, payload = network.receive(
+            theirs, _ = network.receive(
                 other, step, deadline + VERDICT_GRACE, f"the call of {self._describe(other)}"
             )
             if theirs["seq"] != step or theirs["t"] != "call":
@@ -170,10 +171,8 @@ class NodeJob:
                 raise MismatchError(
                     f"step {step}: {self._describe(other)} sent an unusable call: {exc}"
                 ) from None
-            if theirs.get("small"):  # an empty array travels without a payload frame
-                payloads[other] = payload if payload is not None else b""
-            else:
-                payloads[other] = None
+            small_bytes = theirs.get("small")
+            payloads[other] = small_bytes if isinstance(small_bytes, bytes) else None
         if verdicts:
             raise _verdict_error(step, verdicts, self._describe)
         assert not isinstance(mine, CollectiveError)
@@ -268,7 +267,8 @@ def run_three_phases(
     if plan.error is not None:  # this peer reports the step's local failure to the other nodes
         node.agree(step, plan.error, None, deadline)
         raise plan.error  # not reached: agree() raises the shared verdict
-    assert plan.exchange is not None
+    if plan.exchange is None:  # the only local peer: no local phases
+        return _alone(node, peer, step, call, src, device, shape, dtype, out, deadline)
     exchange = plan.exchange
     local = InProcessLink(exchange, job.index[peer], deadline)
     leader = call.root if call.root in job.index else job.peer_ids[0]
@@ -313,3 +313,37 @@ def run_three_phases(
     except CollectiveError as exc:
         exchange.abort(exc)
         raise
+
+
+def _alone(
+    node: NodeJob,
+    peer: int,
+    step: int,
+    call: CallSpec,
+    src: Array | None,
+    device: Device,
+    shape: tuple[int, ...] | None,
+    dtype: Any,
+    out: Array | None,
+    deadline: float,
+) -> Array | None:
+    """Phase 2 only, for a node with one peer (phases 1 and 3 would only copy)."""
+    if call.kind == "broadcast":
+        small = src if src is not None and src.nbytes <= SMALL_BYTES else None
+        agreed, payloads = node.agree(step, call, small, deadline)
+        assert agreed.shape is not None
+        result = new_result(device, agreed.shape, agreed.dtype, out)
+        node.move(step, agreed, src if src is not None else flat(result), payloads, deadline)
+        if src is not None:
+            flat(result)[...] = src
+        return result
+    assert src is not None and shape is not None
+    wanted = call.kind == "all_reduce" or call.root == peer
+    result = new_result(device, shape, dtype, out) if wanted else None
+    acc = src  # a node that is not the root only reads its input
+    if result is not None:
+        acc = flat(result)
+        acc[...] = src
+    agreed, payloads = node.agree(step, call, acc if acc.nbytes <= SMALL_BYTES else None, deadline)
+    node.move(step, agreed, acc, payloads, deadline)
+    return result

@@ -11,6 +11,7 @@ RegistrationError on the refused side.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import threading
@@ -81,10 +82,8 @@ def watch_refusals(socket: zmq.Socket[Any], where: str) -> Callable[[], None]:
     thread.start()
 
     def stop() -> None:
-        try:
+        with contextlib.suppress(zmq.ZMQError):
             socket.disable_monitor()
-        except zmq.ZMQError:
-            pass
         thread.join(2)
         monitor.close(0)
 

@@ -5,8 +5,9 @@ with at least ``t`` (type), ``job`` (job name), ``seq`` (collective step) and ``
 index). Types:
 
 ``call``  one node's CallSpec for step ``seq`` (kind, op, root, shape, dtype, has_data, error),
-          plus ``small``: True when the node's (already locally reduced) array follows as one
-          payload frame. Exchanged all-to-all among node leaders before any data moves.
+          plus ``small``: the node's (already locally reduced) array as raw bytes when it holds
+          at most SMALL_BYTES, else absent; or ``verdict`` {class, message} when the node's local
+          step failed. Exchanged all-to-all among node leaders before any data moves.
 ``data``  a chunk of the array of step ``seq``: ``off`` and ``n`` (first element and element count)
           plus the call's kind / op / root / shape / dtype, so every transfer re-checks that both
           sides run the same collective. One payload frame of ``n`` elements.
@@ -28,6 +29,7 @@ from collective.calls import CallSpec
 
 __all__ = [
     "CHUNK_BYTES",
+    "SMALL_BYTES",
     "MAX_HEADER_BYTES",
     "MAX_MESSAGE_BYTES",
     "WireError",
@@ -39,7 +41,8 @@ __all__ = [
 ]
 
 CHUNK_BYTES = 4 << 20  # large arrays travel in chunks of this size: ZeroMQ moves 2-8 MiB messages fastest
-MAX_HEADER_BYTES = 64 << 10
+SMALL_BYTES = 64 << 10  # arrays up to this size travel inside the call header (one frame, one round)
+MAX_HEADER_BYTES = SMALL_BYTES + (16 << 10)
 MAX_MESSAGE_BYTES = CHUNK_BYTES + MAX_HEADER_BYTES  # socket-level limit (ZMQ_MAXMSGSIZE)
 _MAX_DIMS = 32
 
@@ -63,7 +66,12 @@ def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
         raise WireError(f"header of {len(frame)} bytes exceeds {MAX_HEADER_BYTES}")
     try:
         header = msgpack.unpackb(
-            frame, raw=False, max_str_len=4096, max_bin_len=0, max_array_len=_MAX_DIMS, max_map_len=32
+            frame,
+            raw=False,
+            max_str_len=4096,
+            max_bin_len=SMALL_BYTES,
+            max_array_len=_MAX_DIMS,
+            max_map_len=32,
         )
     except Exception as exc:  # msgpack raises several types for malformed input
         raise WireError(f"undecodable header: {exc}") from None
