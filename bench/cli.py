@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from algorithms.strategies import parse_strategy
+from bench.multinode import run_gloo, run_nodes, torch_available
 from bench.report import format_size, parse_size, print_summary, print_table, write_json
 from bench.sweep import OPS, Case, Row, resolve_dtype, run_case
 from collective.errors import ConfigError
@@ -75,7 +76,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         help="centralized, tree:K, ring or all (repeatable; default all = centralized, tree:2, ring)",
     )
-    parser.add_argument("--peers", type=_positive, default=4, help="local peers (threads), default 4")
+    parser.add_argument(
+        "--peers", type=_positive, default=4, help="local peers (threads) per node, default 4"
+    )
+    parser.add_argument(
+        "--nodes",
+        type=_positive,
+        default=1,
+        help="nodes (processes on this machine, with an orchestrator); default 1",
+    )
     parser.add_argument(
         "-b", "--minbytes", type=_size, default=8, help="smallest size per peer, e.g. 8, 1K (default 8)"
     )
@@ -100,7 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let every call allocate its result (default: reuse an out= buffer, as nccl-tests does)",
     )
     parser.add_argument(
-        "--compare", choices=("trivial",), help="also time the trivial barrier-and-sum baseline"
+        "--compare",
+        choices=("trivial", "gloo"),
+        help="also time a baseline: the trivial barrier-and-sum (one process) or torch.distributed's gloo",
     )
     parser.add_argument("--json", metavar="FILE", help="write every row, the machine and the command as JSON")
     parser.add_argument(
@@ -151,45 +162,59 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
     """Run the sweep described by ``args``; return the exit status (1 if any result was wrong)."""
     if args.minbytes > args.maxbytes:
         parser.error(f"argument -b/--minbytes: {args.minbytes} is larger than -e/--maxbytes {args.maxbytes}")
+    if args.compare == "trivial" and args.nodes > 1:
+        parser.error(
+            "argument --compare: the trivial baseline runs in one process; with --nodes use --compare gloo"
+        )
+    if args.compare == "gloo" and not torch_available():
+        parser.error(
+            "argument --compare: gloo needs torch (pip install torch==2.13.0 installs the CPU build)"
+        )
     ops = list(OPS) if not args.op or "all" in args.op else list(dict.fromkeys(args.op))
-    strategies = (
-        list(ALL_STRATEGIES)
-        if not args.strategy or "all" in args.strategy
-        else list(dict.fromkeys(args.strategy))
-    )
+    chosen = args.strategy or ["all"]
+    strategies = list(ALL_STRATEGIES) if "all" in chosen else list(dict.fromkeys(chosen))
     try:
         itemsize = resolve_dtype(args.dtype).itemsize
     except ImportError:
         parser.error("argument --dtype: bfloat16 needs ml_dtypes (pip install ml_dtypes)")
+    world = args.peers * args.nodes
     sizes = _sizes(args, itemsize)
-    roots = _roots(parser, args.root, args.peers)
-    systems = (["trivial"] if args.compare else []) + strategies
-    plan = [(system, op, size, root) for op in ops for system in systems for size in sizes
-            for root in (roots if op != "all_reduce" else [0])]  # fmt: skip
+    roots = _roots(parser, args.root, world)
+    systems = ([args.compare] if args.compare else []) + strategies
+    cases = [
+        Case(
+            system if system in ("trivial", "gloo") else "collective",
+            op,
+            system,
+            world,
+            size,
+            args.dtype,
+            args.reduce_op,
+            root,
+            args.alloc and system not in ("trivial", "gloo"),
+        )
+        for op in ops
+        for system in systems
+        for size in sizes
+        for root in (roots if op != "all_reduce" else [0])
+    ]
+    where = (
+        f"{args.peers} local peers" if args.nodes == 1 else f"{args.nodes} nodes x {args.peers} local peers"
+    )
     print(
-        f"# collective bench: {args.peers} local peers, {args.dtype}, sizes {format_size(sizes[0])} .. "
+        f"# collective bench: {where}, {args.dtype}, sizes {format_size(sizes[0])} .. "
         f"{format_size(sizes[-1])}, {args.warmup} warm-up + {args.iters} timed iterations per row",
         file=out,
     )
-    rows: list[Row] = []
-    progress = Progress(len(plan), sys.stderr)
     started = time.monotonic()
-    interrupted = False
-    try:
-        for (system, op), block in _blocks(plan):
-            block_rows = []
-            for _, _, size, root in block:
-                progress.step(f"{op} {system} {format_size(size)}")
-                case = Case("trivial" if system == "trivial" else "collective", op, system, args.peers, size,
-                            args.dtype, args.reduce_op, root, args.alloc and system != "trivial")  # fmt: skip
-                block_rows.append(run_case(case, args.warmup, args.iters, args.timeout))
-            rows.extend(block_rows)
-            progress.close()
-            print_table(block_rows, _baseline(rows) if args.compare and system != "trivial" else None, out)
-    except KeyboardInterrupt:
-        interrupted = True
-        progress.close()
-        print("\n# interrupted: what was measured so far follows", file=out)
+    rows, interrupted = _measure(cases, args, sys.stderr)
+    order = {case: i for i, case in enumerate(cases)}
+    rows.sort(key=lambda row: order[row.case])
+    baseline = {(r.case.op, r.case.size, r.case.root): r for r in rows if r.case.system == args.compare}
+    for _, block in _blocks(rows):
+        print_table(block, baseline if args.compare and block[0].case.system != args.compare else None, out)
+    if interrupted:
+        print("\n# interrupted: the rows above are what was measured", file=out)
     print_summary(rows, out)
     wrong = sum(row.wrong for row in rows)
     print(f"\n# {len(rows)} rows in {time.monotonic() - started:.1f} s; wrong elements: {wrong}", file=out)
@@ -201,21 +226,37 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
     return 130 if interrupted else 0
 
 
-def _blocks(
-    plan: list[tuple[str, str, int, int]],
-) -> list[tuple[tuple[str, str], list[tuple[str, str, int, int]]]]:
-    blocks: dict[tuple[str, str], list[tuple[str, str, int, int]]] = {}
-    for item in plan:
-        blocks.setdefault((item[0], item[1]), []).append(item)
+def _measure(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tuple[list[Row], bool]:
+    """Rows for every case (as many as were measured before Ctrl-C) and whether it was interrupted."""
+    rows: list[Row] = []
+    local = [c for c in cases if c.system != "gloo" and args.nodes == 1]
+    batches = [c for c in cases if c not in local]
+    progress = Progress(len(local) + (1 if batches else 0), stream)
+    try:
+        for case in local:
+            progress.step(f"{case.op} {case.strategy} {format_size(case.size)}")
+            rows.append(run_case(case, args.warmup, args.iters, args.timeout))
+        nodes_cases = [c for c in batches if c.system == "collective"]
+        gloo_cases = [c for c in batches if c.system == "gloo"]
+        if nodes_cases or gloo_cases:
+            progress.step(f"{len(batches)} rows in child processes")
+        if nodes_cases:
+            rows.extend(run_nodes(nodes_cases, args.nodes, args.peers, args.warmup, args.iters, args.timeout))
+        if gloo_cases:
+            rows.extend(run_gloo(gloo_cases, args.nodes * args.peers, args.warmup, args.iters, args.timeout))
+    except KeyboardInterrupt:
+        progress.close()
+        return rows, True
+    progress.close()
+    return rows, False
+
+
+def _blocks(rows: list[Row]) -> list[tuple[tuple[str, str], list[Row]]]:
+    """Rows grouped by (strategy or baseline, op), in the order they first appear."""
+    blocks: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:
+        blocks.setdefault((row.case.strategy, row.case.op), []).append(row)
     return list(blocks.items())
-
-
-def _baseline(rows: list[Row]) -> dict[tuple[str, int], Row]:
-    return {
-        (r.case.op, r.case.size): r
-        for r in rows
-        if r.case.system == "trivial" and r.case.root == rows[-1].case.root
-    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -41,15 +41,18 @@ HEADER = (
 )
 
 
-def print_table(rows: Sequence[Row], baseline: dict[tuple[str, int], Row] | None, out: IO[str]) -> None:
+def print_table(rows: Sequence[Row], baseline: dict[tuple[str, int, int], Row] | None, out: IO[str]) -> None:
     """One table (rows of one op x strategy); ``baseline`` adds a speedup column (baseline time / ours)."""
     if not rows:
         return
     case = rows[0].case
-    what = "trivial baseline" if case.system == "trivial" else f"strategy {case.strategy}"
+    what = {"trivial": "trivial baseline", "gloo": "torch.distributed gloo"}.get(
+        case.system, f"strategy {case.strategy}"
+    )
     result = "new result per call" if case.alloc else "out= buffer"
     print(f"\n# {case.op}  {what}  peers={case.peers}  dtype={case.dtype}  ({result})", file=out)
-    print(HEADER + ("  speedup vs trivial" if baseline else ""), file=out)
+    versus = next(iter(baseline.values())).case.system if baseline else ""
+    print(HEADER + (f"  speedup vs {versus}" if baseline else ""), file=out)
     for row in rows:
         c = row.case
         redop = "-" if c.op == "broadcast" else c.redop
@@ -59,7 +62,7 @@ def print_table(rows: Sequence[Row], baseline: dict[tuple[str, int], Row] | None
             f"{row.algbw:>13.3f} {row.busbw:>13.3f} {row.wrong:>7}"
         )
         if baseline:
-            base = baseline.get((c.op, c.size))
+            base = baseline.get((c.op, c.size, c.root))
             line += f"  {base.time_us / row.time_us:>18.2f}x" if base and row.time_us > 0 else f"  {'-':>19}"
         print(line, file=out)
 
@@ -67,8 +70,9 @@ def print_table(rows: Sequence[Row], baseline: dict[tuple[str, int], Row] | None
 def print_summary(rows: Sequence[Row], out: IO[str], fused_below: int = DEFAULT_FUSE_BELOW) -> None:
     """Per op, the fastest strategy for each run of consecutive sizes it wins.
 
-    Sizes up to ``fused_below`` complete at the rendezvous whatever the strategy (the same code
-    runs), so they are reported as such instead of naming a winner decided by noise.
+    Sizes up to ``fused_below`` complete in one round whatever the strategy (at the rendezvous
+    in one process, inside the call exchange across nodes), so they are reported as such instead
+    of naming a winner decided by noise.
     """
     ours = [r for r in rows if r.case.system == "collective"]
     if not ours:
@@ -82,7 +86,7 @@ def print_summary(rows: Sequence[Row], out: IO[str], fused_below: int = DEFAULT_
         runs: list[tuple[int, int, str]] = []
         for size in sorted(by_size):
             winner = (
-                "rendezvous fast path (any strategy)" if size <= fused_below else by_size[size].case.strategy
+                "small-array fast path (any strategy)" if size <= fused_below else by_size[size].case.strategy
             )
             if runs and runs[-1][2] == winner:
                 runs[-1] = (runs[-1][0], size, winner)

@@ -39,6 +39,54 @@ def peer_ids_from_env(environ: dict[str, str] | None = None) -> list[int]:
         raise ValueError(f"COLLECTIVE_PEER_IDS={text!r} is not a comma-separated list of peer ids") from None
 
 
+def node_environment(
+    address: str, job: str, rank: int, nodes: int, devices: int, base: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of node ``rank`` of a job on this machine (what ``launch`` gives each node)."""
+    env = dict(os.environ if base is None else base)
+    env.update(
+        COLLECTIVE_NUM_DEVICES=str(devices),
+        COLLECTIVE_NUM_NODES=str(nodes),
+        COLLECTIVE_GLOBAL_ADDRESS=address,
+        COLLECTIVE_NODE_ADDRESS="127.0.0.1:0",
+        COLLECTIVE_DATA_SERVICE_PORT="0",
+        COLLECTIVE_JOB=job,
+        COLLECTIVE_NODE_RANK=str(rank),
+        COLLECTIVE_PEER_IDS=",".join(str(rank * devices + d) for d in range(devices)),
+    )
+    return env
+
+
+def start_orchestrator() -> tuple[subprocess.Popen[str], str]:
+    """An orchestrator daemon on a free loopback port: (the process, its address)."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "collective", "orchestrator", "--port", "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    if not line.startswith(READY_PREFIX):
+        process.kill()
+        process.wait()
+        raise RuntimeError(f"the orchestrator did not start (it printed {line!r})")
+    return process, line[len(READY_PREFIX) :].strip()
+
+
+def stop_processes(processes: Sequence[subprocess.Popen[Any]]) -> None:
+    """SIGTERM, then SIGKILL after a grace period; reap all."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + STOP_GRACE
+    for process in processes:
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
 # -- orchestrator ---------------------------------------------------------------------------------
 
 
@@ -90,34 +138,6 @@ def _pump(stream: IO[str], prefix: str, sink: IO[str], lock: threading.Lock) -> 
             sink.flush()
 
 
-def _start_orchestrator() -> tuple[subprocess.Popen[str], str]:
-    process = subprocess.Popen(
-        [sys.executable, "-m", "collective", "orchestrator", "--port", "0"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stdout is not None
-    line = process.stdout.readline()
-    if not line.startswith(READY_PREFIX):
-        process.kill()
-        raise RuntimeError(f"the orchestrator did not start (it printed {line!r})")
-    return process, line[len(READY_PREFIX) :].strip()
-
-
-def _stop(processes: Sequence[subprocess.Popen[Any]]) -> None:
-    """SIGTERM, then SIGKILL after a grace period; reap all."""
-    for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    deadline = time.monotonic() + STOP_GRACE
-    for process in processes:
-        try:
-            process.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[str] = sys.stdout) -> int:
     """Start the job; return 0 when every node succeeded, else the first failing node's status."""
     if args.nodes < 1 or args.devices < 1:
@@ -127,24 +147,14 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[st
     orchestrator = None
     address = args.orchestrator
     if address is None:
-        orchestrator, address = _start_orchestrator()
+        orchestrator, address = start_orchestrator()
     job = args.job or f"launch-{os.getpid()}-{int(time.time() * 1000)}"
     lock = threading.Lock()
     nodes: list[subprocess.Popen[str]] = []
     pumps: list[threading.Thread] = []
     try:
         for rank in range(args.nodes):
-            env = dict(os.environ)
-            env.update(
-                COLLECTIVE_NUM_DEVICES=str(args.devices),
-                COLLECTIVE_NUM_NODES=str(args.nodes),
-                COLLECTIVE_GLOBAL_ADDRESS=address,
-                COLLECTIVE_NODE_ADDRESS="127.0.0.1:0",
-                COLLECTIVE_DATA_SERVICE_PORT="0",
-                COLLECTIVE_JOB=job,
-                COLLECTIVE_NODE_RANK=str(rank),
-                COLLECTIVE_PEER_IDS=",".join(str(rank * args.devices + d) for d in range(args.devices)),
-            )
+            env = node_environment(address, job, rank, args.nodes, args.devices)
             if args.timeout is not None:
                 env["COLLECTIVE_TIMEOUT"] = str(args.timeout)
             process = subprocess.Popen(
@@ -180,8 +190,8 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[st
     except KeyboardInterrupt:
         return 130
     finally:
-        _stop(nodes)
+        stop_processes(nodes)
         for pump in pumps:
             pump.join(5)
         if orchestrator is not None:
-            _stop([orchestrator])
+            stop_processes([orchestrator])

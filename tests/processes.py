@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from collective.launch import node_environment
+
 WORKER = str(Path(__file__).with_name("node_worker.py"))
 READY = "collective orchestrator: listening on "
 
@@ -93,17 +95,8 @@ def start_orchestrator_with_token(token: str) -> tuple[Proc, str]:
 
 
 def node_env(address: str, job: str, rank: int, nodes: int, devices: int, **extra: Any) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        COLLECTIVE_NUM_DEVICES=str(devices),
-        COLLECTIVE_NUM_NODES=str(nodes),
-        COLLECTIVE_GLOBAL_ADDRESS=address,
-        COLLECTIVE_NODE_ADDRESS="127.0.0.1:0",
-        COLLECTIVE_DATA_SERVICE_PORT="0",
-        COLLECTIVE_JOB=job,
-        COLLECTIVE_PEER_IDS=",".join(str(rank * devices + d) for d in range(devices)),
-        COLLECTIVE_TIMEOUT="20",
-    )
+    env = node_environment(address, job, rank, nodes, devices)
+    env["COLLECTIVE_TIMEOUT"] = "20"
     env.update({f"COLLECTIVE_{key.upper()}": str(value) for key, value in extra.items()})
     return env
 

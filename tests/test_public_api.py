@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
+import sys
+
+import pytest
 
 import collective
 
@@ -19,8 +23,26 @@ DOCUMENTED = {
 def test_all_is_exactly_the_documented_api() -> None:
     assert set(collective.__all__) == DOCUMENTED
     assert len(collective.__all__) == len(DOCUMENTED)
+    assert set(collective._LOCATIONS) == DOCUMENTED  # every public name can be loaded
     for name in collective.__all__:
         assert hasattr(collective, name)
+    with pytest.raises(AttributeError, match="no attribute 'missing'"):
+        collective.missing  # noqa: B018
+
+
+def test_every_package_imports_on_its_own() -> None:
+    """No import cycle: each package can be the first one imported (in a fresh interpreter)."""
+    for module in (
+        "algorithms",
+        "transport.inproc",
+        "transport.zmq_link",
+        "collective.errors",
+        "bench.sweep",
+    ):
+        result = subprocess.run(
+            [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, f"import {module}: {result.stderr}"
 
 
 def test_the_api_reference_covers_every_public_name() -> None:

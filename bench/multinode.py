@@ -1,0 +1,107 @@
+"""Running benchmark cases in child processes: our nodes (``--nodes M``) and gloo (``--compare gloo``).
+
+Both start their processes on this machine, pass the cases as JSON, read ``ROW <json>`` lines
+from the first process and always reap every process (also on errors and Ctrl-C).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import IO
+
+from bench.sweep import Case, Row
+from collective.launch import node_environment, start_orchestrator, stop_processes
+
+__all__ = ["run_gloo", "run_nodes", "torch_available"]
+
+
+def torch_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("torch") is not None
+
+
+def _plan(cases: Sequence[Case], warmup: int, iters: int, timeout: float) -> str:
+    return json.dumps(
+        {"cases": [asdict(c) for c in cases], "warmup": warmup, "iters": iters, "timeout": timeout}
+    )
+
+
+def _collect(processes: list[subprocess.Popen[str]], what: str, timeout: float) -> list[Row]:
+    """Rows printed by the first process; RuntimeError with the others' stderr if any fails."""
+    rows: list[Row] = []
+    errors: dict[int, str] = {}
+
+    def drain_errors(rank: int, stream: IO[str]) -> None:
+        errors[rank] = stream.read()
+
+    readers = [
+        threading.Thread(target=drain_errors, args=(rank, p.stderr), daemon=True)
+        for rank, p in enumerate(processes)
+    ]
+    for reader in readers:
+        reader.start()
+    assert processes[0].stdout is not None
+    for line in processes[0].stdout:
+        if line.startswith("ROW "):
+            rows.append(Row.from_dict(json.loads(line[4:])))
+    deadline = time.monotonic() + timeout
+    codes = [p.wait(max(0.1, deadline - time.monotonic())) for p in processes]
+    for reader in readers:
+        reader.join(5)
+    if any(codes):
+        detail = "\n".join(
+            f"[{what} {rank}] {errors.get(rank, '').strip()[-2000:]}" for rank, c in enumerate(codes) if c
+        )
+        raise RuntimeError(f"{what} processes failed (exit codes {codes}):\n{detail}")
+    return rows
+
+
+def run_nodes(
+    cases: Sequence[Case], nodes: int, devices: int, warmup: int, iters: int, timeout: float
+) -> list[Row]:
+    """Time ``cases`` on ``nodes`` node processes of ``devices`` local peers each, on this machine."""
+    orchestrator, address = start_orchestrator()
+    job = f"bench-{os.getpid()}-{int(time.time() * 1000)}"
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        for rank in range(nodes):
+            env = node_environment(address, job, rank, nodes, devices)
+            argv = [sys.executable, "-m", "bench.node_worker", _plan(cases, warmup, iters, timeout)]
+            processes.append(
+                subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            )
+        return _collect(processes, "node", timeout * max(1, len(cases)))
+    finally:
+        stop_processes([*processes, orchestrator])
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def run_gloo(cases: Sequence[Case], world: int, warmup: int, iters: int, timeout: float) -> list[Row]:
+    """Time ``cases`` with torch.distributed's gloo backend, one process per peer."""
+    port = _free_port()
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        for rank in range(world):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                       WORLD_SIZE=str(world), OMP_NUM_THREADS="1")  # fmt: skip
+            argv = [sys.executable, "-m", "bench.gloo_worker", _plan(cases, warmup, iters, timeout)]
+            processes.append(
+                subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            )
+        return _collect(processes, "gloo", timeout * max(1, len(cases)))
+    finally:
+        stop_processes(processes)
