@@ -83,12 +83,16 @@ class NodeJob:
                 raise clone_error(self._join_error)
             try:
                 topology = self._client.register(
-                    self.config.num_nodes or 1, self._network.address, list(local_peers), deadline
+                    self.config.num_nodes or 1,
+                    self._network.address,
+                    list(local_peers),
+                    deadline,
+                    self._network.info,
                 )
             except CollectiveError as exc:
                 self._join_error = exc
                 raise
-            self._network.connect(topology.index, topology.addresses)
+            self._network.connect(topology.index, topology.addresses, topology.infos)
             self._node_of = {peer: node for node, peers in enumerate(topology.peers) for peer in peers}
             self.world = topology.world
             self.topology = topology

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,6 +23,7 @@ from collective.calls import CallSpec
 from collective.errors import MismatchError, RegistrationError
 from transport.network import NodeNetwork
 from transport.orchestrator import Orchestrator, OrchestratorClient
+from transport.shm import SLOT_BYTES, SLOTS
 from transport.wire import MAX_MESSAGE_BYTES, encode_header
 from transport.zmq_link import ZmqLink
 
@@ -169,16 +173,27 @@ def test_garbage_to_the_orchestrator_is_refused_and_it_keeps_serving(
     assert "refused a malformed message" in caplog.text
 
 
-@pytest.fixture
-def mesh(context: Any) -> Iterator[tuple[NodeNetwork, NodeNetwork]]:
-    """Two connected data services of job "mesh" (node 0 and node 1)."""
+def _mesh(context: Any, share_memory: bool) -> Iterator[tuple[NodeNetwork, NodeNetwork]]:
     a = NodeNetwork(context, "mesh", "127.0.0.1", 0, lambda src: None)
     b = NodeNetwork(context, "mesh", "127.0.0.1", 0, lambda src: None)
-    a.connect(0, [a.address, b.address])
-    b.connect(1, [a.address, b.address])
+    infos = [a.info, b.info] if share_memory else None  # without infos nodes do not know they share a host
+    a.connect(0, [a.address, b.address], infos)
+    b.connect(1, [a.address, b.address], infos)
     yield a, b
     a.close()
     b.close()
+
+
+@pytest.fixture
+def mesh(context: Any) -> Iterator[tuple[NodeNetwork, NodeNetwork]]:
+    """Two connected data services of job "mesh" (node 0 and node 1), over TCP only."""
+    yield from _mesh(context, share_memory=False)
+
+
+@pytest.fixture
+def shm_mesh(context: Any) -> Iterator[tuple[NodeNetwork, NodeNetwork]]:
+    """The same, knowing they share this host (large chunks through shared memory)."""
+    yield from _mesh(context, share_memory=True)
 
 
 def test_garbage_to_a_data_service_is_refused_and_it_keeps_serving(
@@ -248,3 +263,58 @@ def test_a_data_service_with_a_token_refuses_connections_without_it(
     finally:
         a.close()
         b.close()
+
+
+def test_same_host_nodes_pass_large_chunks_through_shared_memory(
+    shm_mesh: tuple[NodeNetwork, NodeNetwork],
+) -> None:
+    a, b = shm_mesh
+    assert a.info["shm"] and a.info["host"] == b.info["host"]
+    count = (SLOTS + 4) * SLOT_BYTES // 8  # more chunks than slots: the rest go over TCP
+    data = np.arange(count, dtype=np.float64)
+    call = CallSpec("broadcast", None, 0, (count,), np.dtype("float64"))
+    sender = ZmqLink(a, 0, call, time.monotonic() + 30)
+    sender.send(1, data)
+    assert a._segment is not None and not a._segment._free  # every slot lent
+    out = np.empty(count)
+    ZmqLink(b, 0, call, time.monotonic() + 30).recv_into(0, out)
+    np.testing.assert_array_equal(out, data)
+    sender.flush()
+    deadline = time.monotonic() + 5
+    while len(a._segment._free) < SLOTS and time.monotonic() < deadline:  # acks come back to node 0
+        with contextlib.suppress(Exception):
+            a.receive(1, 99, time.monotonic() + 0.05, "nothing")
+    assert sorted(a._segment._free) == list(range(SLOTS))
+
+
+def test_forged_slots_and_acks_are_refused(
+    shm_mesh: tuple[NodeNetwork, NodeNetwork], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = shm_mesh
+    call = CallSpec("all_reduce", ReduceOp.SUM, None, (4,), np.dtype("float64"))
+    signature = {"kind": "all_reduce", "op": "sum", "root": None, "shape": [4], "dtype": "float64"}
+    a.send(1, {"t": "data", "seq": 0, **signature, "off": 0, "n": 4, "shm": SLOTS + 3})
+    with pytest.raises(MismatchError, match="unusable slot"):
+        ZmqLink(b, 0, call, time.monotonic() + 5).recv_into(0, np.empty(4))
+    b.send(0, {"t": "ack", "seq": 0, "slot": 2})  # a slot node 0 never lent to node 1
+    with contextlib.suppress(Exception):
+        a.receive(1, 0, time.monotonic() + 0.3, "the ack to be drained")
+    assert "acknowledged slot 2 it was not lent" in caplog.text
+
+
+def test_segments_of_dead_processes_are_removed(tmp_path: Any) -> None:
+    from transport import shm
+
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = f"/dev/shm/collective-{int(dead.stdout)}-feedbeef"
+    with open(stale, "wb") as handle:
+        handle.write(b"x")
+    segment = shm.SendSegment.create("job")
+    assert segment is not None
+    try:
+        assert not os.path.exists(stale) and os.path.exists(segment.path)
+    finally:
+        segment.close()
+    assert not os.path.exists(segment.path)

@@ -28,6 +28,7 @@ import zmq
 
 from collective.errors import CollectiveError, CollectiveTimeout, RegistrationError
 from transport.auth import secure, watch_refusals
+from transport.shm import PeerSegment, SendSegment, host_identity
 from transport.wire import MAX_MESSAGE_BYTES, WireError, decode_header, encode_header
 
 __all__ = ["POLL_SLICE", "NodeNetwork", "Received"]
@@ -76,18 +77,31 @@ class NodeNetwork:
         self.address = f"{host}:{self.port}"
         self._stop_watching = watch_refusals(self._router, f"data service {self.address}") if token else None
         self.index = -1
+        self._segment = SendSegment.create(job)
+        self.info = {"host": host_identity(), "shm": self._segment.path if self._segment else None}
+        self._peer_segments: dict[int, PeerSegment] = {}
         self._dealers: dict[int, zmq.Socket[Any]] = {}
         self._sources: dict[bytes, int] = {}
         self._queues: dict[int, deque[Received]] = {}
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
 
-    def connect(self, index: int, addresses: list[str]) -> None:
-        """Join the mesh as node ``index`` of ``addresses`` (the data services of all nodes, by index)."""
+    def connect(self, index: int, addresses: list[str], infos: list[dict[str, Any]] | None = None) -> None:
+        """Join the mesh as node ``index`` of ``addresses`` (the data services of all nodes, by index).
+
+        ``infos`` (each node's ``info``) tells which nodes share this host: their send segments are
+        mapped so their large chunks are read from shared memory.
+        """
         self.index = index
         for other, address in enumerate(addresses):
             if other == index:
                 continue
+            info = (infos or [{}] * len(addresses))[other]
+            if info.get("host") == self.info["host"] and isinstance(info.get("shm"), str) and self._segment:
+                try:
+                    self._peer_segments[other] = PeerSegment(info["shm"])
+                except (OSError, ValueError) as exc:
+                    log.info("node %d's shared memory is not usable here (%s): using TCP", other, exc)
             dealer = self._context.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.ROUTING_ID, _identity(index))
@@ -115,6 +129,21 @@ class NodeNetwork:
             return None
         tracker: zmq.MessageTracker | None = self._dealers[dst].send_multipart(frames, copy=False, track=True)
         return tracker
+
+    def stage(self, dst: int, data: Any) -> int | None:
+        """Put a chunk for same-host node ``dst`` into shared memory: its slot, or None (use TCP)."""
+        if self._segment is None or dst not in self._peer_segments:  # dst maps ours iff we map its
+            return None
+        return self._segment.stage(dst, data)
+
+    def shared_view(self, src: int, slot: Any, nbytes: int, dtype: Any) -> Any:
+        """A chunk node ``src`` staged in ``slot`` (None if it cannot be one)."""
+        segment = self._peer_segments.get(src)
+        return None if segment is None else segment.view(slot, nbytes, dtype)
+
+    def release(self, src: int, seq: int, slot: int) -> None:
+        """Tell node ``src`` its ``slot`` has been read."""
+        self.send(src, {"t": "ack", "seq": seq, "slot": slot})
 
     def receive(self, src: int, seq: int, deadline: float, waiting_for: str) -> Received:
         """The next message of step ``seq`` from node ``src`` (older steps' leftovers are dropped)."""
@@ -158,11 +187,24 @@ class NodeNetwork:
         except WireError as exc:
             log.warning("data service %s refused a message: %s", self.address, exc)
             return
+        if header["t"] == "ack":  # a slot of our send segment was read: handled here, never queued
+            if self._segment is None or not self._segment.release(source, header.get("slot")):
+                log.warning(
+                    "data service %s: node %d acknowledged slot %r it was not lent",
+                    self.address,
+                    source,
+                    header.get("slot"),
+                )
+            return
         self._queues[source].append((header, frames[2] if len(frames) == 3 else None))
 
     def close(self) -> None:
         if self._stop_watching is not None:
             self._stop_watching()
+        for segment in self._peer_segments.values():
+            segment.close()
+        if self._segment is not None:
+            self._segment.close()
         for dealer in self._dealers.values():
             dealer.close(0)
         self._router.close(0)

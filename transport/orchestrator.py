@@ -78,6 +78,7 @@ class _Node:
     address: str
     peers: list[int]
     last_seen: float
+    info: dict[str, Any] = field(default_factory=dict)
     index: int = -1
     gone: str | None = None  # why it left or was lost
 
@@ -219,7 +220,13 @@ class Orchestrator:
                     f"node at {address} and node at {other.address} both claim {describe_peers(shared)}",
                 )
                 return
-        job.nodes[identity] = _Node(identity, address, sorted(peers), time.monotonic())
+        info = message.get("info")
+        info = (
+            {k: v for k, v in info.items() if isinstance(k, str) and (v is None or isinstance(v, str))}
+            if isinstance(info, dict)
+            else {}
+        )
+        job.nodes[identity] = _Node(identity, address, sorted(peers), time.monotonic(), info)
         log.info("job %r: node at %s registered (%d of %d)", name, address, len(job.nodes), num_nodes)
         if len(job.nodes) == num_nodes:
             self._form(job)
@@ -236,7 +243,7 @@ class Orchestrator:
                 )
             del self._jobs[job.name]
             return
-        layout = [{"address": n.address, "peers": n.peers} for n in nodes]
+        layout = [{"address": n.address, "peers": n.peers, "info": n.info} for n in nodes]
         for index, node in enumerate(nodes):
             node.index = index
             self._send(
@@ -276,6 +283,7 @@ class Topology:
     addresses: list[str]
     peers: list[list[int]]
     world: int
+    infos: list[dict[str, Any]] = field(default_factory=list)  # per node: host identity, shared memory
 
     def describe(self, node: int) -> str:
         return f"node {node} ({describe_peers(self.peers[node])})"
@@ -307,11 +315,25 @@ class OrchestratorClient:
         self._left: dict[int, tuple[str, float]] = {}  # node index -> (reason, when)
         self.topology: Topology | None = None
 
-    def register(self, num_nodes: int, address: str, peers: list[int], deadline: float) -> Topology:
+    def register(
+        self,
+        num_nodes: int,
+        address: str,
+        peers: list[int],
+        deadline: float,
+        info: dict[str, Any] | None = None,
+    ) -> Topology:
         """Register this node and wait for the topology (CollectiveTimeout, RegistrationError)."""
         self._socket.send(
             _pack(
-                {"t": "register", "job": self.job, "num_nodes": num_nodes, "address": address, "peers": peers}
+                {
+                    "t": "register",
+                    "job": self.job,
+                    "num_nodes": num_nodes,
+                    "address": address,
+                    "peers": peers,
+                    "info": info or {},
+                }
             )
         )
         try:
@@ -361,6 +383,7 @@ class OrchestratorClient:
                     [n["address"] for n in nodes],
                     [n["peers"] for n in nodes],
                     message["world"],
+                    [n.get("info") or {} for n in nodes],
                 )
                 self._thread = threading.Thread(
                     target=self._heartbeat, name="collective-heartbeat", daemon=True

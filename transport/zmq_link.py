@@ -21,7 +21,7 @@ from collective.calls import CallSpec
 from collective.errors import CollectiveTimeout, MismatchError
 from transport.inproc import on_device_of
 from transport.network import NodeNetwork
-from transport.wire import CHUNK_BYTES, spec_to_header
+from transport.wire import CHUNK_BYTES, SMALL_BYTES, spec_to_header
 
 __all__ = ["ZmqLink"]
 
@@ -60,7 +60,12 @@ class ZmqLink:
         per_chunk = max(1, CHUNK_BYTES // data.itemsize)
         for offset in range(0, data.size, per_chunk):
             piece = data[offset : offset + per_chunk]
-            tracker = self._network.send(dst, {**base, "off": offset, "n": piece.size}, piece)
+            header = {**base, "off": offset, "n": piece.size}
+            slot = self._network.stage(dst, piece) if piece.nbytes > SMALL_BYTES else None
+            if slot is not None:  # in shared memory: only the header travels
+                self._network.send(dst, {**header, "shm": slot})
+                continue
+            tracker = self._network.send(dst, header, piece)
             if tracker is not None:
                 self._trackers.append(tracker)
 
@@ -83,13 +88,25 @@ class ZmqLink:
                     f"step {self._seq}: {self._describe(src)} sent elements {offset}+{count} where "
                     f"{received} of {length} were expected"
                 )
-            nbytes = 0 if payload is None else len(payload.buffer)
-            if nbytes != count * dtype.itemsize:
-                raise MismatchError(
-                    f"step {self._seq}: {self._describe(src)} sent {nbytes} bytes for {count} elements"
+            slot = header.get("shm")
+            if slot is not None:  # staged in the sender's shared memory: read it there, then free it
+                view = self._network.shared_view(src, slot, count * dtype.itemsize, dtype)
+                if view is None or payload is not None:
+                    raise MismatchError(
+                        f"step {self._seq}: {self._describe(src)} named an unusable slot {slot!r}"
+                    )
+                yield slice(offset, offset + count), view
+                self._network.release(src, self._seq, slot)
+            else:
+                nbytes = 0 if payload is None else len(payload.buffer)
+                if nbytes != count * dtype.itemsize:
+                    raise MismatchError(
+                        f"step {self._seq}: {self._describe(src)} sent {nbytes} bytes for {count} elements"
+                    )
+                yield (
+                    slice(offset, offset + count),
+                    np.frombuffer(payload.buffer, dtype) if count else np.empty(0, dtype),
                 )
-            view = np.frombuffer(payload.buffer, dtype) if count else np.empty(0, dtype)
-            yield slice(offset, offset + count), view
             received += count
             if received >= length:
                 return

@@ -1,0 +1,130 @@
+"""Shared-memory staging between nodes on the same host: one copy in, one read out.
+
+Over loopback TCP every byte is copied twice by the kernel (sender to socket, socket to
+receiver). Nodes on the same host (same host identity in the topology) instead pass large chunks
+through a per-node *send segment* in /dev/shm: the sender copies a chunk into a free slot and sends
+only a header naming the slot; the receiver reduces or copies straight out of the sender's
+segment (mapped read-only) and acknowledges the slot, which frees it. When no slot is free the
+chunk goes over ZeroMQ as usual, so sending never waits (two nodes sending to each other at once
+cannot deadlock). The segment is created with mode 0600 and removed when the node leaves; one
+left behind by a killed process is removed by the next node that starts on the host.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import socket
+import uuid
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SLOTS", "SLOT_BYTES", "PeerSegment", "SendSegment", "host_identity"]
+
+SLOT_BYTES = 4 << 20
+SLOTS = 16
+_DIRECTORY = "/dev/shm"
+_PREFIX = "collective-"
+
+
+def host_identity() -> str:
+    """Names this machine (and boot): nodes with equal identities share /dev/shm."""
+    boot = ""
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as handle:
+        boot = handle.read().strip()
+    return f"{socket.gethostname()}/{boot}"
+
+
+class SendSegment:
+    """This node's slots; ``None`` from ``create`` where /dev/shm is not available."""
+
+    def __init__(self, path: str, memory: mmap.mmap) -> None:
+        self.path = path
+        self._memory = memory
+        self._free = list(range(SLOTS))
+        self._owner: dict[int, int] = {}  # slot -> the node it was lent to
+
+    @classmethod
+    def create(cls, job: str) -> SendSegment | None:
+        if not os.path.isdir(_DIRECTORY):
+            return None
+        _remove_stale()
+        path = os.path.join(_DIRECTORY, f"{_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
+        try:
+            descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        except OSError:
+            return None
+        try:
+            os.ftruncate(descriptor, SLOTS * SLOT_BYTES)
+            memory = mmap.mmap(descriptor, SLOTS * SLOT_BYTES)
+        except OSError:
+            os.unlink(path)
+            return None
+        finally:
+            os.close(descriptor)
+        return cls(path, memory)
+
+    def stage(self, dst: int, data: np.ndarray) -> int | None:
+        """Copy ``data`` (at most SLOT_BYTES) into a free slot lent to ``dst``; None if none is free."""
+        if not self._free or data.nbytes > SLOT_BYTES:
+            return None
+        slot = self._free.pop()
+        view = np.frombuffer(self._memory, np.uint8, data.nbytes, slot * SLOT_BYTES)
+        np.copyto(view, data.reshape(-1).view(np.uint8))
+        self._owner[slot] = dst
+        return slot
+
+    def release(self, src: int, slot: Any) -> bool:
+        """Node ``src`` is done with ``slot``; False if that slot was not lent to it."""
+        if not isinstance(slot, int) or self._owner.get(slot) != src:
+            return False
+        del self._owner[slot]
+        self._free.append(slot)
+        return True
+
+    def close(self) -> None:
+        self._memory.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.path)
+
+
+def _remove_stale() -> None:
+    """Remove segments left by processes that died without cleaning up (their pid is in the name)."""
+    for name in os.listdir(_DIRECTORY):
+        if not name.startswith(_PREFIX):
+            continue
+        pid = name[len(_PREFIX) :].split("-")[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(_DIRECTORY, name))
+        except PermissionError:
+            pass  # another user's process, alive
+
+
+class PeerSegment:
+    """Another node's send segment, mapped read-only."""
+
+    def __init__(self, path: str) -> None:
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            self._memory = mmap.mmap(descriptor, SLOTS * SLOT_BYTES, prot=mmap.PROT_READ)
+        finally:
+            os.close(descriptor)
+
+    def view(self, slot: Any, nbytes: int, dtype: np.dtype[Any]) -> np.ndarray | None:
+        """The staged chunk, or None when ``slot`` / ``nbytes`` are out of range."""
+        if not isinstance(slot, int) or not 0 <= slot < SLOTS or not 0 <= nbytes <= SLOT_BYTES:
+            return None
+        if nbytes % dtype.itemsize:
+            return None
+        return np.frombuffer(self._memory, dtype, nbytes // dtype.itemsize, slot * SLOT_BYTES)
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError):
+            self._memory.close()
