@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from collections.abc import Sequence
@@ -10,6 +11,8 @@ from typing import IO
 
 from algorithms.strategies import parse_strategy
 from bench.multinode import run_gloo, run_nodes, torch_available
+from bench.plot import MISSING as PLOT_MISSING
+from bench.plot import plot_rows
 from bench.report import format_size, parse_size, print_summary, print_table, write_json
 from bench.sweep import OPS, Case, Row, resolve_dtype, run_case
 from collective.errors import ConfigError
@@ -115,6 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", metavar="FILE", help="write every row, the machine and the command as JSON")
     parser.add_argument(
+        "--plot", metavar="FILE.png", help="draw bus bandwidth and time against size (needs matplotlib)"
+    )
+    parser.add_argument(
         "--timeout", type=float, default=120.0, help="seconds one collective may take (default 120)"
     )
 
@@ -166,6 +172,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
         parser.error(
             "argument --compare: the trivial baseline runs in one process; with --nodes use --compare gloo"
         )
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error(f"argument --plot: {PLOT_MISSING}")
     if args.compare == "gloo" and not torch_available():
         parser.error(
             "argument --compare: gloo needs torch (pip install torch==2.13.0 installs the CPU build)"
@@ -220,6 +228,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
     print(f"\n# {len(rows)} rows in {time.monotonic() - started:.1f} s; wrong elements: {wrong}", file=out)
     if args.json:
         write_json(args.json, rows, argv)
+    if args.plot and rows:
+        plot_rows(rows, args.plot, f"collective bench: {where}, {args.dtype}")
+        print(f"# plot written to {args.plot}", file=out)
     if wrong:
         print(f"collective bench: {wrong} wrong result elements (see the #wrong column)", file=sys.stderr)
         return 1

@@ -138,3 +138,57 @@ def test_trivial_baseline_matches_numpy() -> None:
     run_peers(3, lambda p: group.all_reduce(p, xs[p], outs[p], ReduceOp.SUM))
     for out in outs:
         np.testing.assert_array_equal(out, sum(xs))
+
+
+def test_a_tiny_sweep_across_two_nodes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out_json = tmp_path / "nodes.json"
+    argv = ["bench", "--nodes", "2", "--peers", "2", "-b", "8", "-e", "1M", "-f", "131072", "-w", "1",
+            "-n", "3", "--strategy", "ring", "--strategy", "tree:2", "--json", str(out_json)]  # fmt: skip
+    status, out, _ = run_cli(argv, capsys)
+    assert status == 0, out
+    assert "# collective bench: 2 nodes x 2 local peers" in out
+    assert "# all_reduce  strategy ring  peers=4" in out and "# broadcast  strategy tree:2  peers=4" in out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert len(rows) == 2 * 3 * 2  # 2 strategies x 3 ops x 2 sizes (root 0)
+    for row in rows:
+        assert row["wrong"] == 0 and row["peers"] == 4
+        assert row["busbw"] == pytest.approx(row["algbw"] * busbw_factor(row["op"], 4))
+
+
+def test_plot_is_written(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")  # part of the test extra; the message without it is tested below
+    png = tmp_path / "sweep.png"
+    status, out, _ = run_cli(
+        ["bench", "-b", "8", "-e", "1K", "-f", "32", "-w", "0", "-n", "2", "--plot", str(png)], capsys
+    )
+    assert status == 0 and f"# plot written to {png}" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_missing_optional_packages_are_clear_errors(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(bench_cli, "torch_available", lambda: False)
+    status, _, err = run_cli(["bench", "--compare", "gloo"], capsys)
+    assert status == 2 and "gloo needs torch (pip install torch==2.13.0" in err
+    real_find_spec = bench_cli.importlib.util.find_spec
+    monkeypatch.setattr(
+        bench_cli.importlib.util,
+        "find_spec",
+        lambda name: None if name == "matplotlib" else real_find_spec(name),
+    )
+    status, _, err = run_cli(["bench", "--plot", str(tmp_path / "x.png")], capsys)
+    assert status == 2 and "--plot needs matplotlib" in err
+    status, _, err = run_cli(["bench", "--nodes", "2", "--compare", "trivial"], capsys)
+    assert status == 2 and "the trivial baseline runs in one process" in err
+
+
+def test_gloo_comparison_when_torch_is_installed(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip(
+        "torch"
+    )  # an optional extra (several hundred MB); the message without it is tested above
+    argv = ["bench", "--op", "all_reduce", "--strategy", "ring", "--nodes", "2", "--peers", "1",
+            "-b", "8", "-e", "8", "-w", "1", "-n", "3", "--compare", "gloo"]  # fmt: skip
+    status, out, _ = run_cli(argv, capsys)
+    assert status == 0, out
+    assert "# all_reduce  torch.distributed gloo  peers=2" in out and "speedup vs gloo" in out
