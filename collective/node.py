@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from transport.zmq_link import ZmqLink
 if TYPE_CHECKING:
     from collective.server import LocalJob, Plan
 
-__all__ = ["SMALL_BYTES", "NodeJob", "run_three_phases"]
+__all__ = ["SMALL_BYTES", "NodeJob", "PeerCall", "run_three_phases"]
 
 log = logging.getLogger(__name__)
 
@@ -254,25 +255,37 @@ def _verdict_error(step: int, verdicts: list[tuple[int, dict[str, Any]]], descri
     return cls(f"step {step} failed: {text}")
 
 
-def run_three_phases(
-    node: NodeJob,
-    job: LocalJob,
-    peer: int,
-    plan: Plan,
-    src: Array | None,
-    device: Device,
-    shape: tuple[int, ...] | None,
-    dtype: Any,
-    out: Array | None,
-    deadline: float,
-) -> Array | None:
+@dataclass(frozen=True)
+class PeerCall:
+    """One local peer's side of one multi-node collective, as the runtime prepared it."""
+
+    peer: int
+    plan: Plan
+    src: Array | None  # flat input (None for a broadcast receiver)
+    device: Device
+    shape: tuple[int, ...] | None  # of the input (None for broadcast: the agreed call says)
+    dtype: Any
+    out: Array | None
+    deadline: float
+
+
+def run_three_phases(node: NodeJob, job: LocalJob, mine: PeerCall) -> Array | None:
     """This peer's part of one multi-node collective: the result (None off a reduce's root)."""
+    peer, plan, src, device, out, deadline = (
+        mine.peer,
+        mine.plan,
+        mine.src,
+        mine.device,
+        mine.out,
+        mine.deadline,
+    )
+    shape, dtype = mine.shape, mine.dtype
     step, call = plan.step, plan.call
     if plan.error is not None:  # this peer reports the step's local failure to the other nodes
         node.agree(step, plan.error, None, deadline)
         raise plan.error  # not reached: agree() raises the shared verdict
     if plan.exchange is None:  # the only local peer: no local phases
-        return _alone(node, peer, step, call, src, device, shape, dtype, out, deadline)
+        return _alone(node, mine)
     exchange = plan.exchange
     local = InProcessLink(exchange, job.index[peer], deadline)
     leader = call.root if call.root in job.index else job.peer_ids[0]
@@ -319,19 +332,10 @@ def run_three_phases(
         raise
 
 
-def _alone(
-    node: NodeJob,
-    peer: int,
-    step: int,
-    call: CallSpec,
-    src: Array | None,
-    device: Device,
-    shape: tuple[int, ...] | None,
-    dtype: Any,
-    out: Array | None,
-    deadline: float,
-) -> Array | None:
+def _alone(node: NodeJob, mine: PeerCall) -> Array | None:
     """Phase 2 only, for a node with one peer (phases 1 and 3 would only copy)."""
+    src, device, out, deadline = mine.src, mine.device, mine.out, mine.deadline
+    step, call = mine.plan.step, mine.plan.call
     if call.kind == "broadcast":
         small = src if src is not None and src.nbytes <= SMALL_BYTES else None
         agreed, payloads = node.agree(step, call, small, deadline)
@@ -341,9 +345,10 @@ def _alone(
         if src is not None:
             flat(result)[...] = src
         return result
-    assert src is not None and shape is not None
-    wanted = call.kind == "all_reduce" or call.root == peer
-    result = new_result(device, shape, dtype, out) if wanted else None
+    assert src is not None
+    wanted = call.kind == "all_reduce" or call.root == mine.peer
+    assert mine.shape is not None
+    result = new_result(device, mine.shape, mine.dtype, out) if wanted else None
     acc = src  # a node that is not the root only reads its input
     if result is not None:
         acc = flat(result)

@@ -26,7 +26,7 @@ from collective.errors import (
     PeerLostError,
     RegistrationError,
 )
-from collective.node import NodeJob, run_three_phases
+from collective.node import NodeJob, PeerCall, run_three_phases
 from collective.server import DEFAULT_FUSE_BELOW, LocalJob, Plan
 from transport.inproc import InProcessLink
 
@@ -169,7 +169,8 @@ class Runtime:
         spec = CallSpec("all_reduce", reduce_op, None, *_shape_dtype(x, problem), error=problem)
         plan, src, deadline = self._meet(job, peer_id, spec, None if problem else x)
         if job.node is not None:
-            result = self._three_phases(job, peer_id, plan, src, device, x.shape, x.dtype, out, deadline)
+            mine = PeerCall(peer_id, plan, src, device, x.shape, x.dtype, out, deadline)
+            result = self._three_phases(job, mine)
         elif plan.result is not None:
             result = self._copy_fused(job, peer_id, plan.result, device, x.shape, x.dtype, out)
         else:
@@ -202,9 +203,8 @@ class Runtime:
         plan, src, deadline = self._meet(job, peer_id, spec, None if problem else x)
         on_root = peer_id == root
         if job.node is not None:
-            result = self._three_phases(
-                job, peer_id, plan, src, device, x.shape, x.dtype, out if on_root else None, deadline
-            )
+            mine = PeerCall(peer_id, plan, src, device, x.shape, x.dtype, out if on_root else None, deadline)
+            result = self._three_phases(job, mine)
         elif plan.result is not None:
             result = self._copy_fused(job, peer_id, plan.result, device, x.shape, x.dtype, out, on_root)
         else:
@@ -238,7 +238,7 @@ class Runtime:
         spec = CallSpec("broadcast", None, None, *_shape_dtype(described, problem), x is not None, problem)
         plan, src, deadline = self._meet(job, peer_id, spec, None if problem else x)
         if job.node is not None:
-            multi = self._three_phases(job, peer_id, plan, src, device, None, None, out, deadline)
+            multi = self._three_phases(job, PeerCall(peer_id, plan, src, device, None, None, out, deadline))
             assert multi is not None
             return multi
         call = plan.call
@@ -287,30 +287,20 @@ class Runtime:
         src = None if data is None else flat(data)
         return job.rendezvous(peer_id, spec, src, deadline), src, deadline
 
-    def _three_phases(
-        self,
-        job: LocalJob,
-        peer_id: int,
-        plan: Plan,
-        src: Array | None,
-        device: Device,
-        shape: tuple[int, ...] | None,
-        dtype: Any,
-        out: Array | None,
-        deadline: float,
-    ) -> Array | None:
+    def _three_phases(self, job: LocalJob, mine: PeerCall) -> Array | None:
         """A multi-node collective on this peer (collective.node); failures reach every local peer."""
         assert job.node is not None
         try:
-            return run_three_phases(job.node, job, peer_id, plan, src, device, shape, dtype, out, deadline)
+            return run_three_phases(job.node, job, mine)
         except CollectiveError:
             raise
         except BaseException as exc:
-            if plan.exchange is not None:
-                plan.exchange.abort(PeerLostError(f"{plan.label}: peer {peer_id} failed: {exc!r}", [peer_id]))
+            if mine.plan.exchange is not None:
+                error = PeerLostError(f"{mine.plan.label}: peer {mine.peer} failed: {exc!r}", [mine.peer])
+                mine.plan.exchange.abort(error)
             raise
         finally:
-            job.done(peer_id)
+            job.done(mine.peer)
 
     def _copy_fused(
         self,

@@ -45,32 +45,42 @@ class Network:
 
     def run(self, body: Callable[[RecordingLink], Any]) -> list[Any]:
         """Run ``body(link)`` for every peer in its own thread; re-raise the first failure."""
-        results: list[Any] = [None] * self.size
-        errors: list[BaseException | None] = [None] * self.size
-
-        def target(link: RecordingLink) -> None:
-            try:
-                results[link.rank] = body(link)
-                link.flush()
-            except BaseException as exc:
-                errors[link.rank] = exc
-            finally:
-                with self.cv:
-                    self.running[link.rank] = False
-                    self.cv.notify_all()
-
-        threads = [threading.Thread(target=target, args=(link,), daemon=True) for link in self.links()]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(WAIT + 5)
-        assert not any(t.is_alive() for t in threads), "simulated peers hung"
-        for rank, error in enumerate(errors):
-            if error is not None:
-                raise AssertionError(f"simulated peer {rank} failed: {error!r}") from error
+        results = run_links(self.links(), body)
         leftover = {pair: len(box) for pair, box in self.boxes.items() if box}
         assert not leftover, f"messages never received: {leftover}"
         return results
+
+
+def run_links(links: list[Any], body: Callable[[Any], Any]) -> list[Any]:
+    """Run ``body(link)`` and then ``link.flush()`` for each link in its own thread.
+
+    Returns the results by rank; re-raises the first failure tagged with its rank; a thread still
+    running after the wait fails the test. A link with ``finished()`` is told when its peer is done.
+    """
+    results: list[Any] = [None] * len(links)
+    errors: list[BaseException | None] = [None] * len(links)
+
+    def target(link: Any) -> None:
+        try:
+            results[link.rank] = body(link)
+            link.flush()
+        except BaseException as exc:
+            errors[link.rank] = exc
+        finally:
+            finished = getattr(link, "finished", None)
+            if finished is not None:
+                finished()
+
+    threads = [threading.Thread(target=target, args=(link,), daemon=True) for link in links]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(WAIT + 5)
+    assert not any(t.is_alive() for t in threads), "peers hung"
+    for rank, error in enumerate(errors):
+        if error is not None:
+            raise AssertionError(f"peer {rank} failed: {error!r}") from error
+    return results
 
 
 class RecordingLink:
@@ -132,6 +142,12 @@ class RecordingLink:
             combine(op, data, operand, out)
 
         self._consume(src, use)
+
+    def finished(self) -> None:
+        """This peer's thread is done: it counts as blocked (it will never write a buffer again)."""
+        with self.network.cv:
+            self.network.running[self._rank] = False
+            self.network.cv.notify_all()
 
     def flush(self) -> None:
         net = self.network

@@ -16,7 +16,7 @@ import pytest
 
 from algorithms.ops import ReduceOp
 from collective.errors import CollectiveTimeout, PeerLostError
-from tests.recording import Network
+from tests.recording import Network, run_links
 from transport.inproc import COPY_BELOW, Exchange, InProcessLink
 
 
@@ -30,34 +30,6 @@ LINKS: dict[str, Callable[[int], list[Any]]] = {
     "inproc": inproc_links,
     "recording": lambda n: Network(n).links(),
 }
-
-
-def run(links: list[Any], body: Callable[[Any], Any]) -> list[Any]:
-    results: list[Any] = [None] * len(links)
-
-    def target(link: Any) -> None:
-        try:
-            results[link.rank] = body(link)
-            link.flush()
-        except BaseException as exc:
-            results[link.rank] = exc
-        finally:
-            network = getattr(link, "network", None)
-            if network is not None:  # the recording network counts a finished peer as blocked
-                with network.cv:
-                    network.running[link.rank] = False
-                    network.cv.notify_all()
-
-    threads = [threading.Thread(target=target, args=(link,), daemon=True) for link in links]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(20)
-    assert not any(t.is_alive() for t in threads), "a link operation hung"
-    for result in results:
-        if isinstance(result, BaseException):
-            raise result
-    return results
 
 
 @pytest.fixture(params=list(LINKS))
@@ -81,7 +53,7 @@ def test_messages_between_a_pair_arrive_in_order(make_links: Any, length: int) -
             received.append(out)
         return received
 
-    received = run(make_links(2), body)[1]
+    received = run_links(make_links(2), body)[1]
     for got, want in zip(received, sent, strict=True):
         np.testing.assert_array_equal(got, want)
 
@@ -106,7 +78,7 @@ def test_recv_reduce_combines_message_and_operand(make_links: Any, op: ReduceOp)
             link.send(1, a)
         return body(link)
 
-    out, in_place = run(make_links(2), twice)[1]
+    out, in_place = run_links(make_links(2), twice)[1]
     np.testing.assert_array_equal(out, ufunc(a, b))
     np.testing.assert_array_equal(in_place, ufunc(a, b))
 
@@ -122,7 +94,7 @@ def test_every_peer_sends_and_receives_in_the_same_step(make_links: Any) -> None
         link.recv_into((link.rank - 1) % n, out)
         return out
 
-    for rank, out in enumerate(run(make_links(n), body)):
+    for rank, out in enumerate(run_links(make_links(n), body)):
         assert (out == (rank - 1) % n).all()
 
 
@@ -139,7 +111,7 @@ def test_flush_returns_only_after_the_receiver_consumed(make_links: Any) -> None
         link.recv_into(0, np.empty(COPY_BELOW))
         return None
 
-    flushed = run(make_links(2), body)[0]
+    flushed = run_links(make_links(2), body)[0]
     assert flushed >= started_receiving[0]
 
 
