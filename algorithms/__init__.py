@@ -6,6 +6,6 @@ values and the one table that dispatches to them.
 
 from algorithms.link import Link
 from algorithms.ops import ReduceOp
-from algorithms.strategies import Centralized, Ring, Strategy, Tree, parse_strategy
+from algorithms.strategies import Centralized, Direct, Ring, Strategy, Tree, parse_strategy
 
-__all__ = ["Centralized", "Link", "ReduceOp", "Ring", "Strategy", "Tree", "parse_strategy"]
+__all__ = ["Centralized", "Direct", "Link", "ReduceOp", "Ring", "Strategy", "Tree", "parse_strategy"]

@@ -19,7 +19,7 @@ from collective.errors import ConfigError
 
 __all__ = ["add_arguments", "main", "run"]
 
-ALL_STRATEGIES = ("centralized", "tree:2", "ring")
+ALL_STRATEGIES = ("centralized", "tree:2", "ring", "direct")
 DTYPES = ("float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64",
           "uint8", "uint16", "uint32", "uint64")  # fmt: skip
 REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
@@ -77,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategy",
         type=_strategy,
         action="append",
-        help="centralized, tree:K, ring or all (repeatable; default all = centralized, tree:2, ring)",
+        help="centralized, tree:K, ring, direct or all (repeatable; default: all, with tree:2)",
     )
     parser.add_argument(
         "--peers", type=_positive, default=4, help="local peers (threads) per node, default 4"

@@ -32,7 +32,7 @@ import numpy as np
 from collective.config import CollectiveConfig
 from collective.runtime import Runtime
 
-STRATEGIES = ("centralized", "tree:2", "ring")
+STRATEGIES = ("centralized", "tree:2", "ring", "direct")
 
 
 def _load_reference(directory: Path) -> tuple[ModuleType, ModuleType]:

@@ -21,6 +21,7 @@ __all__ = [
     "CollectiveError",
     "CollectiveTimeout",
     "ConfigError",
+    "Direct",
     "InvalidArgumentError",
     "JobClosedError",
     "MismatchError",
@@ -47,6 +48,7 @@ _LOCATIONS = {
     "Centralized": "algorithms.strategies",
     "Tree": "algorithms.strategies",
     "Ring": "algorithms.strategies",
+    "Direct": "algorithms.strategies",
     "ReduceOp": "algorithms.ops",
     "CollectiveConfig": "collective.config",
     "Runtime": "collective.runtime",
@@ -71,7 +73,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:
     from algorithms.ops import ReduceOp
-    from algorithms.strategies import Centralized, Ring, Tree
+    from algorithms.strategies import Centralized, Direct, Ring, Tree
     from collective.api import all_reduce, broadcast, default_runtime, finish, reduce, register, reset
     from collective.config import CollectiveConfig
     from collective.errors import (

@@ -11,12 +11,12 @@ import pytest
 from algorithms import ring, strategies
 from algorithms.ops import ReduceOp, chunk_bounds
 from algorithms.ring import DEFAULT_SEGMENT_BYTES
-from algorithms.strategies import Centralized, Ring, Strategy, Tree, resolve_all_reduce
+from algorithms.strategies import Centralized, Direct, Ring, Strategy, Tree, resolve_all_reduce
 from algorithms.tree import children
 from tests.conftest import peer_input, reference
 from tests.recording import Network, RecordingLink
 
-STRATEGIES = [Centralized(), Tree(1), Tree(2), Tree(3), Tree(5), Ring()]
+STRATEGIES = [Centralized(), Tree(1), Tree(2), Tree(3), Tree(5), Ring(), Direct()]
 SIZES = [1, 2, 3, 4, 5, 8]
 LENGTHS = [0, 1, 3, 17, 1000]
 
@@ -49,6 +49,9 @@ def _expected_all_reduce_traffic(
             if n == 1:
                 return [(0, 0)]
             return [(2 * (n - 1), 2 * nbytes - chunk[(r + 1) % n] - chunk[(r + 2) % n]) for r in range(n)]
+        case Direct():  # n-1 chunks out in each phase: every other peer's chunk, then (n-1) x its own
+            chunk = [(hi - lo) * itemsize for lo, hi in chunk_bounds(length, n)]
+            return [(2 * (n - 1), nbytes - chunk[r] + (n - 1) * chunk[r]) for r in range(n)]
     raise AssertionError(strategy)
 
 
@@ -140,6 +143,10 @@ def test_reduce_every_root(strategy: Strategy, n: int, op: str) -> None:
                     position = (rank - root - 1) % n
                     assert sent[rank] == (0 if position == n - 1 else 1)
                     assert received[rank] == (0 if position == 0 else 1)
+            case Direct():  # reduce-scatter (n-1 out, n-1 in), then every owner sends its chunk to the root
+                for rank in range(n):
+                    assert sent[rank] == (n - 1) + (0 if rank == root else 1)
+                    assert received[rank] == (n - 1) + (n - 1 if rank == root else 0)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -159,9 +166,13 @@ def test_broadcast_every_root(strategy: Strategy, n: int) -> None:
             assert buffer.tobytes() == data.tobytes()
         assert network.violations == []
         received = [t.received_messages for t in network.traffic]
-        assert received == [0 if rank == root else 1 for rank in range(n)]
         sent_total = sum(t.sent_messages for t in network.traffic)
-        assert sent_total == n - 1
+        if isinstance(strategy, Direct):  # scatter, then all-gather: a non-root gets its chunk + n-1 chunks
+            assert received == [0 if rank == root else n for rank in range(n)]
+            assert sent_total == 2 * (n - 1) + (n - 1) * (n - 2)
+        else:  # the whole array once to every other peer
+            assert received == [0 if rank == root else 1 for rank in range(n)]
+            assert sent_total == n - 1
 
 
 def test_ring_reduce_and_broadcast_pipeline_in_segments() -> None:

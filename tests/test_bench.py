@@ -40,7 +40,7 @@ def test_tiny_sweep_prints_nccl_tables_and_a_summary(
     status, out, _ = run_cli(argv, capsys)
     assert status == 0, out
     for op in ("all_reduce", "reduce", "broadcast"):
-        for strategy in ("centralized", "tree:2", "ring"):
+        for strategy in ("centralized", "tree:2", "ring", "direct"):
             assert f"# {op}  strategy {strategy}  peers=3  dtype=float32" in out
         assert f"# {op}  trivial baseline" in out
         assert f"#   {op}: 8 B .. 1 KiB: small-array fast path (any strategy); 128 KiB: " in out
@@ -51,8 +51,8 @@ def test_tiny_sweep_prints_nccl_tables_and_a_summary(
     record = json.loads(out_json.read_text())
     assert record["command"][:2] == ["collective", "bench"] and record["machine"]["cpus"] >= 1
     rows = record["rows"]
-    # 3 sizes; all_reduce has one row per size, reduce and broadcast one per root; 4 systems
-    assert len(rows) == 4 * (3 + 3 * 3 + 3 * 3)
+    # 3 sizes; all_reduce has one row per size, reduce and broadcast one per root; 5 systems
+    assert len(rows) == 5 * (3 + 3 * 3 + 3 * 3)
     for row in rows:
         assert row["wrong"] == 0 and row["count"] == row["size"] // 4
         assert row["algbw"] == pytest.approx(row["size"] / (row["time_us"] * 1e-6) / 1e9)

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import collective as col
-from collective import Centralized, Ring, Tree
+from collective import Centralized, Direct, Ring, Tree
 from tests.conftest import assert_matches, peer_input, reference, run_peers
 
-STRATEGIES = [Centralized(), Tree(1), Tree(2), Tree(3), Tree(5), Ring()]
+STRATEGIES = [Centralized(), Tree(1), Tree(2), Tree(3), Tree(5), Ring(), Direct()]
 PEERS = [1, 2, 3, 4, 5, 8]
 OPS = ["sum", "mean", "max", "min", "prod"]
 

@@ -265,7 +265,7 @@ def test_registration_timeout_names_the_missing_peers(runtime: col.Runtime) -> N
         ),
         ({"local_reduce_strategy": "tree:x"}, "the tree arity must be an integer"),
         ({"local_broadcast_strategy": "butterfly"}, "unknown strategy 'butterfly'"),
-        ({"global_all_reduce_strategy": 3}, "a strategy must be Centralized(), Tree(k), Ring() or a string"),
+        ({"global_all_reduce_strategy": 3}, "must be Centralized(), Tree(k), Ring(), Direct() or a string"),
         ({"num_nodes": 2}, "must be all set or all unset: num_nodes set but global_address, node_address"),
         (
             {"num_nodes": 2, "global_address": "h:1", "node_address": "h:2", "data_service_port": 70000},

@@ -14,7 +14,7 @@ import collective
 DOCUMENTED = {
     "register", "all_reduce", "reduce", "broadcast", "finish", "reset", "default_runtime", "Runtime",
     "peer_ids_from_env",
-    "CollectiveConfig", "Centralized", "Tree", "Ring", "ReduceOp",
+    "CollectiveConfig", "Centralized", "Tree", "Ring", "Direct", "ReduceOp",
     "CollectiveError", "ConfigError", "InvalidArgumentError", "RegistrationError", "MismatchError",
     "PeerLostError", "JobClosedError", "CollectiveTimeout",
 }  # fmt: skip
