@@ -25,7 +25,7 @@ elements than peers: the dispatcher falls back to Tree(2), as for Ring.
 from __future__ import annotations
 
 from algorithms.link import Link
-from algorithms.ops import Array, ReduceOp, chunk_bounds, copy_into
+from algorithms.ops import Array, ReduceOp, array_module, chunk_bounds, copy_into
 
 __all__ = ["all_reduce", "broadcast", "reduce"]
 
@@ -36,8 +36,8 @@ def _chunks(length: int, peers: int) -> list[slice]:
     return [slice(lo, hi) for lo, hi in chunk_bounds(length, peers)]
 
 
-def _reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp, chunk: list[slice]) -> None:
-    """dst[chunk r] = op over every peer's chunk r (r = this peer)."""
+def _reduce_scatter(link: Link, src: Array, mine: Array, op: ReduceOp, chunk: list[slice]) -> None:
+    """mine = op over every peer's chunk r (r = this peer); ``mine`` has the size of chunk r."""
     n, r = link.size, link.rank
     for peer in range(n):
         if peer != r:
@@ -45,10 +45,10 @@ def _reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp, chunk: lis
     operand = src[chunk[r]]
     for peer in range(n):
         if peer != r:
-            link.recv_reduce(peer, operand, dst[chunk[r]], op)
-            operand = dst[chunk[r]]
+            link.recv_reduce(peer, operand, mine, op)
+            operand = mine
     if n == 1:
-        copy_into(dst, src)
+        copy_into(mine, src)
 
 
 def _all_gather(link: Link, dst: Array, chunk: list[slice]) -> None:
@@ -65,7 +65,7 @@ def _all_gather(link: Link, dst: Array, chunk: list[slice]) -> None:
 def all_reduce(link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
     """``dst = op(src of every peer)`` on every peer; needs ``src.size >= link.size``."""
     chunk = _chunks(src.size, link.size)
-    _reduce_scatter(link, src, dst, op, chunk)
+    _reduce_scatter(link, src, dst[chunk[link.rank]], op, chunk)
     _all_gather(link, dst, chunk)
 
 
@@ -73,18 +73,16 @@ def reduce(link: Link, root: int, src: Array, dst: Array | None, op: ReduceOp) -
     """``dst = op(src of every peer)`` on ``root``; other peers reduce their chunk in a scratch buffer."""
     n, r = link.size, link.rank
     chunk = _chunks(src.size, n)
-    if r == root:
-        assert dst is not None, "the root needs a result buffer"
-        acc = dst
-    else:
-        acc = src.copy()  # this peer's finished chunk is sent from here (src itself is never written)
-    _reduce_scatter(link, src, acc, op, chunk)
-    if r != root:
-        link.send(root, acc[chunk[r]])
+    if r != root:  # reduce this peer's chunk in a chunk-sized buffer and send it to the root
+        mine = array_module(src).empty_like(src[chunk[r]])
+        _reduce_scatter(link, src, mine, op, chunk)
+        link.send(root, mine)
         return
+    assert dst is not None, "the root needs a result buffer"
+    _reduce_scatter(link, src, dst[chunk[r]], op, chunk)
     for peer in range(n):
         if peer != r:
-            link.recv_into(peer, acc[chunk[peer]])
+            link.recv_into(peer, dst[chunk[peer]])
 
 
 def broadcast(link: Link, root: int, buf: Array) -> None:

@@ -102,9 +102,15 @@ def print_summary(rows: Sequence[Row], out: IO[str], fused_below: int = DEFAULT_
 def machine() -> dict[str, Any]:
     import os
 
+    import msgpack
+    import zmq
+
     import collective
 
     return {
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "msgpack": ".".join(map(str, msgpack.version)),
         "platform": platform.platform(),
         "machine": platform.machine(),
         "processor": platform.processor(),

@@ -50,6 +50,7 @@ def test_tiny_sweep_prints_nccl_tables_and_a_summary(
     assert "speedup vs trivial" in out
     record = json.loads(out_json.read_text())
     assert record["command"][:2] == ["collective", "bench"] and record["machine"]["cpus"] >= 1
+    assert {"python", "numpy", "pyzmq", "collective"} <= set(record["machine"])
     rows = record["rows"]
     # 3 sizes; all_reduce has one row per size, reduce and broadcast one per root; 5 systems
     assert len(rows) == 5 * (3 + 3 * 3 + 3 * 3)
