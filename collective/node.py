@@ -33,7 +33,7 @@ from collective.config import CollectiveConfig
 from collective.errors import CollectiveError, MismatchError, PeerLostError
 from transport.inproc import InProcessLink, clone_error
 from transport.network import NodeNetwork
-from transport.orchestrator import OrchestratorClient, Topology
+from transport.orchestrator_client import OrchestratorClient, Topology
 from transport.wire import SMALL_BYTES, WireError, spec_from_header, spec_to_header
 from transport.zmq_link import ZmqLink
 

@@ -22,7 +22,8 @@ from algorithms.ops import ReduceOp
 from collective.calls import CallSpec
 from collective.errors import MismatchError, RegistrationError
 from transport.network import NodeNetwork
-from transport.orchestrator import Orchestrator, OrchestratorClient
+from transport.orchestrator import Orchestrator
+from transport.orchestrator_client import OrchestratorClient
 from transport.shm import SLOT_BYTES, SLOTS
 from transport.wire import MAX_MESSAGE_BYTES, encode_header
 from transport.zmq_link import ZmqLink

@@ -8,6 +8,8 @@ node -> orchestrator                       orchestrator -> node
   heartbeat                                  pong
   leave                                      lost     {node, peers, reason} (to the other nodes)
 
+The node side (registration, heartbeats) is transport.orchestrator_client.
+
 A job forms when ``num_nodes`` nodes registered with the same ``num_nodes``, disjoint peer ids
 that together are 0..world-1, and distinct addresses. Node indices follow the nodes' lowest peer
 id, so the same nodes get the same indices whatever order they arrive in. A node that sends
@@ -26,28 +28,35 @@ from typing import Any, TypeGuard
 
 import msgpack
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from collective.calls import describe_peers
-from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError, RegistrationError
-from transport.auth import HANDSHAKE_FAILED, handshake_failure, secure, watch_refusals
+from collective.errors import RegistrationError
+from transport.auth import secure, watch_refusals
 
-__all__ = ["HEARTBEAT_INTERVAL", "LOST_AFTER", "Orchestrator", "OrchestratorClient", "Topology"]
+__all__ = [
+    "HEARTBEAT_INTERVAL",
+    "LOST_AFTER",
+    "MAX_MESSAGE",
+    "Orchestrator",
+    "is_peer_list",
+    "pack",
+    "unpack",
+]
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 0.25
 LOST_AFTER = 2.0
-_MAX_MESSAGE = 1 << 20
+MAX_MESSAGE = 1 << 20
 
 
-def _pack(message: dict[str, Any]) -> bytes:
+def pack(message: dict[str, Any]) -> bytes:
     return msgpack.packb(message, use_bin_type=True)  # type: ignore[no-any-return]
 
 
-def _unpack(frame: bytes) -> dict[str, Any] | None:
+def unpack(frame: bytes) -> dict[str, Any] | None:
     """A bounded msgpack map with a string ``t`` and ``job``, or None for anything else."""
-    if len(frame) > _MAX_MESSAGE:
+    if len(frame) > MAX_MESSAGE:
         return None
     try:
         message = msgpack.unpackb(
@@ -64,7 +73,7 @@ def _unpack(frame: bytes) -> dict[str, Any] | None:
     return message
 
 
-def _is_peer_list(value: Any) -> TypeGuard[list[int]]:
+def is_peer_list(value: Any) -> TypeGuard[list[int]]:
     return (
         isinstance(value, list)
         and bool(value)
@@ -100,7 +109,7 @@ class Orchestrator:
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         secure(self._socket, token, server=True)
         try:
             self.port = self._socket.bind_to_random_port(f"tcp://{host}") if port == 0 else port
@@ -141,12 +150,12 @@ class Orchestrator:
 
     def _send(self, identity: bytes, message: dict[str, Any]) -> None:
         try:
-            self._socket.send_multipart([identity, _pack(message)], zmq.NOBLOCK)
+            self._socket.send_multipart([identity, pack(message)], zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             log.debug("could not answer %r: %s", identity, exc)
 
     def _handle(self, identity: bytes, frames: list[bytes]) -> None:
-        message = _unpack(frames[0]) if len(frames) == 1 else None
+        message = unpack(frames[0]) if len(frames) == 1 else None
         if message is None:
             log.warning("orchestrator %s refused a malformed message from %r", self.address, identity[:32])
             return
@@ -179,7 +188,7 @@ class Orchestrator:
             not isinstance(num_nodes, int)
             or num_nodes < 1
             or not isinstance(address, str)
-            or not _is_peer_list(peers)
+            or not is_peer_list(peers)
         ):
             self._refuse(identity, name, "malformed registration")
             return
@@ -275,167 +284,3 @@ class Orchestrator:
                     self._gone(job, node, f"stopped sending heartbeats ({self._lost_after:g}s)")
                     if job.name not in self._jobs:
                         break
-
-
-@dataclass(frozen=True)
-class Topology:
-    index: int
-    addresses: list[str]
-    peers: list[list[int]]
-    world: int
-    infos: list[dict[str, Any]] = field(default_factory=list)  # per node: host identity, shared memory
-
-    def describe(self, node: int) -> str:
-        return f"node {node} ({describe_peers(self.peers[node])})"
-
-
-class OrchestratorClient:
-    """A node's connection to the orchestrator: register, then heartbeats on a background thread."""
-
-    def __init__(
-        self,
-        context: zmq.Context[Any],
-        address: str,
-        job: str,
-        lost_after: float = LOST_AFTER,
-        token: str | None = None,
-    ) -> None:
-        self.address = address
-        self.job = job
-        self._lost_after = lost_after
-        self._socket = context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 500)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)
-        secure(self._socket, token, server=False)
-        self._monitor: zmq.Socket[Any] | None = self._socket.get_monitor_socket(HANDSHAKE_FAILED)
-        self._socket.connect(f"tcp://{address}")
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._lost: CollectiveError | None = None
-        self._left: dict[int, tuple[str, float]] = {}  # node index -> (reason, when)
-        self.topology: Topology | None = None
-
-    def register(
-        self,
-        num_nodes: int,
-        address: str,
-        peers: list[int],
-        deadline: float,
-        info: dict[str, Any] | None = None,
-    ) -> Topology:
-        """Register this node and wait for the topology (CollectiveTimeout, RegistrationError)."""
-        self._socket.send(
-            _pack(
-                {
-                    "t": "register",
-                    "job": self.job,
-                    "num_nodes": num_nodes,
-                    "address": address,
-                    "peers": peers,
-                    "info": info or {},
-                }
-            )
-        )
-        try:
-            return self._await_topology(num_nodes, deadline)
-        finally:
-            self._stop_monitor()
-
-    def _stop_monitor(self) -> None:
-        if self._monitor is not None:
-            self._socket.disable_monitor()
-            self._monitor.close(0)
-            self._monitor = None
-
-    def _await_topology(self, num_nodes: int, deadline: float) -> Topology:
-        assert self._monitor is not None
-        monitor = self._monitor
-        poller = zmq.Poller()
-        poller.register(self._socket, zmq.POLLIN)
-        poller.register(monitor, zmq.POLLIN)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._socket.send(_pack({"t": "leave", "job": self.job}))
-                raise CollectiveTimeout(
-                    f"register: no topology from the orchestrator at {self.address} for job {self.job!r}: "
-                    f"it is not running, or not all {num_nodes} nodes registered"
-                )
-            ready = dict(poller.poll(int(1000 * min(remaining, 0.1))))
-            if monitor in ready and handshake_failure(recv_monitor_message(monitor)):
-                raise RegistrationError(
-                    f"the orchestrator at {self.address} refused this node: the connection handshake failed "
-                    f"(the job token is wrong or missing on one side)"
-                )
-            if self._socket not in ready:
-                continue
-            message = _unpack(self._socket.recv())
-            if message is None or message["job"] != self.job:
-                continue
-            if message["t"] == "refused":
-                raise RegistrationError(
-                    f"the orchestrator at {self.address} refused this node: {message.get('message')}"
-                )
-            if message["t"] == "topology":
-                nodes = message["nodes"]
-                self.topology = Topology(
-                    message["index"],
-                    [n["address"] for n in nodes],
-                    [n["peers"] for n in nodes],
-                    message["world"],
-                    [n.get("info") or {} for n in nodes],
-                )
-                self._thread = threading.Thread(
-                    target=self._heartbeat, name="collective-heartbeat", daemon=True
-                )
-                self._thread.start()
-                return self.topology
-
-    def lost(self) -> CollectiveError | None:
-        """The error that broke the job (a node or the orchestrator lost), if any."""
-        return self._lost
-
-    def left(self, node: int) -> tuple[str, float] | None:
-        """(reason, when) if ``node`` left the job or was lost."""
-        return self._left.get(node)
-
-    def _heartbeat(self) -> None:
-        last_heard = time.monotonic()
-        next_beat = 0.0
-        while not self._stop.is_set():
-            now = time.monotonic()
-            if now >= next_beat:
-                self._socket.send(_pack({"t": "heartbeat", "job": self.job}))
-                next_beat = now + HEARTBEAT_INTERVAL
-            if self._socket.poll(int(1000 * HEARTBEAT_INTERVAL / 2)):
-                message = _unpack(self._socket.recv())
-                if message is not None and message["job"] == self.job:
-                    last_heard = time.monotonic()
-                    if message["t"] == "lost":
-                        self._node_gone(message)
-            elif time.monotonic() - last_heard > self._lost_after and self._lost is None:
-                self._lost = PeerLostError(
-                    f"the orchestrator at {self.address} stopped answering ({self._lost_after:g}s)"
-                )
-                log.error("%s", self._lost)
-        self._socket.send(_pack({"t": "leave", "job": self.job}))
-        self._socket.close()
-
-    def _node_gone(self, message: dict[str, Any]) -> None:
-        node, raw_peers, reason = message.get("node"), message.get("peers"), message.get("reason")
-        if not isinstance(node, int) or not _is_peer_list(raw_peers):
-            return
-        peers = raw_peers
-        self._left[node] = (str(reason), time.monotonic())
-        if "left" not in str(reason) and self._lost is None:
-            self._lost = PeerLostError(f"node {node} ({describe_peers(peers)}) {reason}", peers)
-            log.error("%s", self._lost)
-
-    def close(self) -> None:
-        """Leave the job (tell the orchestrator) and stop the heartbeats."""
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(5)
-        else:
-            self._stop_monitor()
-            self._socket.close(0)
