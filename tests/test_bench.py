@@ -193,3 +193,56 @@ def test_gloo_comparison_when_torch_is_installed(capsys: pytest.CaptureFixture[s
     status, out, _ = run_cli(argv, capsys)
     assert status == 0, out
     assert "# all_reduce  torch.distributed gloo  peers=2" in out and "speedup vs gloo" in out
+
+
+def test_progress_bar_only_on_a_terminal() -> None:
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    shown, hidden = Terminal(), io.StringIO()
+    for stream in (shown, hidden):
+        progress = bench_cli.Progress(4, stream)
+        progress.step("all_reduce ring 8 B")
+        progress.step("all_reduce ring 32 B")
+        progress.close()
+    assert "[#######.......................] 1/4 all_reduce ring 32 B" in shown.getvalue()
+    assert hidden.getvalue() == ""
+
+
+def test_ctrl_c_prints_what_was_measured_and_exits_130(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = bench_cli.run_case
+    calls = []
+
+    def interrupted_on_the_third(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(bench_cli, "run_case", interrupted_on_the_third)
+    argv = [
+        "bench",
+        "--op",
+        "all_reduce",
+        "--strategy",
+        "ring",
+        "-b",
+        "8",
+        "-e",
+        "8K",
+        "-f",
+        "4",
+        "-w",
+        "0",
+        "-n",
+        "2",
+    ]
+    status, out, _ = run_cli(argv, capsys)
+    assert status == 130
+    assert "# interrupted: the rows above are what was measured" in out
+    assert "# 2 rows in" in out

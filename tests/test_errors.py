@@ -398,3 +398,20 @@ def test_a_failure_inside_one_peer_fails_the_collective_for_all(monkeypatch: pyt
     for peer in (0, 2, 3):
         assert isinstance(outcomes[peer], col.PeerLostError), outcomes[peer]
         assert "peer 1 failed: MemoryError('simulated')" in str(outcomes[peer])
+
+
+def test_config_from_the_environment() -> None:
+    env = {"COLLECTIVE_NUM_DEVICES": "3", "COLLECTIVE_LOCAL_ALL_REDUCE_STRATEGY": "direct",
+           "COLLECTIVE_TIMEOUT": "2.5", "COLLECTIVE_JOB": "j", "UNRELATED": "x"}  # fmt: skip
+    config = col.CollectiveConfig.from_env(env, timeout=4)
+    assert (config.num_devices, config.local_all_reduce_strategy, config.timeout, config.job) == (
+        3,
+        col.Direct(),
+        4,
+        "j",
+    )
+    with pytest.raises(col.ConfigError, match="COLLECTIVE_NUM_NODES='two' is not a number"):
+        col.CollectiveConfig.from_env({"COLLECTIVE_NUM_NODES": "two"})
+    with pytest.raises(col.ConfigError, match="from the environment: num_devices must be >= 1, got 0"):
+        col.CollectiveConfig.from_env({"COLLECTIVE_NUM_DEVICES": "0"})
+    assert "s3cret" not in repr(col.CollectiveConfig(token="s3cret"))
