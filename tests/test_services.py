@@ -312,7 +312,7 @@ def test_segments_of_dead_processes_are_removed(tmp_path: Any) -> None:
     stale = f"/dev/shm/collective-{int(dead.stdout)}-feedbeef"
     with open(stale, "wb") as handle:
         handle.write(b"x")
-    segment = shm.SendSegment.create("job")
+    segment = shm.SendSegment.create()
     assert segment is not None
     try:
         assert not os.path.exists(stale) and os.path.exists(segment.path)

@@ -77,7 +77,7 @@ class NodeNetwork:
         self.address = f"{host}:{self.port}"
         self._stop_watching = watch_refusals(self._router, f"data service {self.address}") if token else None
         self.index = -1
-        self._segment = SendSegment.create(job)
+        self._segment = SendSegment.create()
         self.info = {"host": host_identity(), "shm": self._segment.path if self._segment else None}
         self._peer_segments: dict[int, PeerSegment] = {}
         self._dealers: dict[int, zmq.Socket[Any]] = {}

@@ -47,7 +47,7 @@ class SendSegment:
         self._owner: dict[int, int] = {}  # slot -> the node it was lent to
 
     @classmethod
-    def create(cls, job: str) -> SendSegment | None:
+    def create(cls) -> SendSegment | None:
         if not os.path.isdir(_DIRECTORY):
             return None
         _remove_stale()
