@@ -16,6 +16,8 @@ from bench.plot import plot_rows
 from bench.report import format_size, parse_size, print_summary, print_table, write_json
 from bench.sweep import OPS, Case, Row, resolve_dtype, run_case
 from collective.errors import ConfigError
+from collective.fastpath import DEFAULT_SHARE_BELOW
+from transport.wire import SMALL_BYTES
 
 __all__ = ["add_arguments", "main", "run"]
 
@@ -223,7 +225,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
         print_table(block, baseline if args.compare and block[0].case.system != args.compare else None, out)
     if interrupted:
         print("\n# interrupted: the rows above are what was measured", file=out)
-    print_summary(rows, out)
+    print_summary(rows, out, DEFAULT_SHARE_BELOW if args.nodes == 1 else SMALL_BYTES)
     wrong = sum(row.wrong for row in rows)
     print(f"\n# {len(rows)} rows in {time.monotonic() - started:.1f} s; wrong elements: {wrong}", file=out)
     if args.json:

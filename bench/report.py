@@ -11,7 +11,6 @@ from typing import IO, Any
 import numpy as np
 
 from bench.sweep import Row
-from collective.server import DEFAULT_FUSE_BELOW
 
 __all__ = ["format_size", "parse_size", "print_summary", "print_table", "write_json"]
 
@@ -67,7 +66,7 @@ def print_table(rows: Sequence[Row], baseline: dict[tuple[str, int, int], Row] |
         print(line, file=out)
 
 
-def print_summary(rows: Sequence[Row], out: IO[str], fused_below: int = DEFAULT_FUSE_BELOW) -> None:
+def print_summary(rows: Sequence[Row], out: IO[str], fused_below: int) -> None:
     """Per op, the fastest strategy for each run of consecutive sizes it wins.
 
     Sizes up to ``fused_below`` complete in one round whatever the strategy (at the rendezvous
@@ -85,9 +84,7 @@ def print_summary(rows: Sequence[Row], out: IO[str], fused_below: int = DEFAULT_
                 by_size[row.case.size] = row
         runs: list[tuple[int, int, str]] = []
         for size in sorted(by_size):
-            winner = (
-                "small-array fast path (any strategy)" if size <= fused_below else by_size[size].case.strategy
-            )
+            winner = "fast path (any strategy)" if size <= fused_below else by_size[size].case.strategy
             if runs and runs[-1][2] == winner:
                 runs[-1] = (runs[-1][0], size, winner)
             else:

@@ -26,8 +26,9 @@ from collective.errors import (
     PeerLostError,
     RegistrationError,
 )
+from collective.fastpath import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW
 from collective.node import NodeJob, PeerCall, run_three_phases
-from collective.server import DEFAULT_FUSE_BELOW, LocalJob, Plan
+from collective.server import LocalJob, Plan
 from transport.inproc import InProcessLink
 
 __all__ = ["Runtime"]
@@ -49,9 +50,15 @@ def _shape_dtype(array: Any, problem: str | None) -> tuple[tuple[int, ...] | Non
 class Runtime:
     """The collective API for the peers (threads) of this process. Usable as a context manager."""
 
-    def __init__(self, fuse_below: int = DEFAULT_FUSE_BELOW) -> None:
-        """``fuse_below``: arrays of at most this many bytes complete at the rendezvous (0: never)."""
+    def __init__(self, fuse_below: int = DEFAULT_FUSE_BELOW, share_below: int = DEFAULT_SHARE_BELOW) -> None:
+        """The in-process fast paths (collective.fastpath) for numpy arrays, 0 to turn one off.
+
+        ``fuse_below``: arrays of at most this many bytes complete at the rendezvous;
+        ``share_below``: arrays of at most this many bytes are combined slice by slice by all peers.
+        ``Runtime(0, 0)`` runs the configured strategy for every size.
+        """
         self._fuse_below = fuse_below
+        self._share_below = share_below
         self._lock = threading.Lock()
         self._job: LocalJob | None = None
         self._devices: dict[int, Device] = {}
@@ -115,7 +122,11 @@ class Runtime:
     def _new_job(self, config: CollectiveConfig) -> LocalJob:
         if not config.is_multi_node:
             return LocalJob(
-                config, config.num_devices, self._fuse_below, expected=tuple(range(config.num_devices))
+                config,
+                config.num_devices,
+                self._fuse_below,
+                expected=tuple(range(config.num_devices)),
+                share_below=self._share_below,
             )
         job = LocalJob(config, config.num_devices, fuse_below=0, report_errors=True)
         job.node = NodeJob(config)
@@ -173,6 +184,9 @@ class Runtime:
             result = self._three_phases(job, mine)
         elif plan.result is not None:
             result = self._copy_fused(job, peer_id, plan.result, device, x.shape, x.dtype, out)
+        elif plan.shared is not None:
+            result = new_result(device, x.shape, x.dtype, out)
+            self._run_shared(job, peer_id, plan, result, deadline)
         else:
             with self._running(job, peer_id, plan, deadline) as link:
                 result = new_result(device, x.shape, x.dtype, out)
@@ -207,6 +221,9 @@ class Runtime:
             result = self._three_phases(job, mine)
         elif plan.result is not None:
             result = self._copy_fused(job, peer_id, plan.result, device, x.shape, x.dtype, out, on_root)
+        elif plan.shared is not None:
+            result = new_result(device, x.shape, x.dtype, out) if on_root else None
+            self._run_shared(job, peer_id, plan, result, deadline)
         else:
             with self._running(job, peer_id, plan, deadline) as link:
                 result = new_result(device, x.shape, x.dtype, out) if on_root else None
@@ -250,6 +267,10 @@ class Runtime:
             fused = self._copy_fused(job, peer_id, plan.result, device, call.shape, call.dtype, out)
             assert fused is not None
             return fused
+        if plan.shared is not None:
+            shared_result = new_result(device, call.shape, call.dtype, out)
+            self._run_shared(job, peer_id, plan, None if shared_result is x else shared_result, deadline)
+            return shared_result
         with self._running(job, peer_id, plan, deadline) as link:
             result = new_result(device, call.shape, call.dtype, out)
             source = src if src is not None else flat(result)
@@ -301,6 +322,24 @@ class Runtime:
             raise
         finally:
             job.done(mine.peer)
+
+    def _run_shared(
+        self, job: LocalJob, peer_id: int, plan: Plan, result: Array | None, deadline: float
+    ) -> None:
+        """This peer's part of a shared-path collective; ``result`` (if any) receives the outcome."""
+        work, exchange = plan.shared, plan.exchange
+        assert work is not None and exchange is not None
+        index = job.index[peer_id]
+        with self._running(job, peer_id, plan, deadline):
+            if work.call.kind == "broadcast":  # copy the root's array, then let the root go
+                if result is not None:
+                    flat(result)[...] = work.inputs[job.index[work.call.root]]  # type: ignore[index]
+                exchange.barrier(index, deadline)
+                return
+            work.combine_slice(index)
+            exchange.barrier(index, deadline)
+            if result is not None:
+                flat(result)[...] = work.result
 
     def _copy_fused(
         self,

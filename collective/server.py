@@ -7,11 +7,11 @@ peer will raise. Peers count their collectives, so step k of every peer meets at
 peer that arrives after the others timed out at slot k gets the same timeout and moves on to
 k+1 with them, which is why the job stays usable after a timeout or a mismatch.
 
-Small arrays skip the algorithms: when every array of an all_reduce / reduce / broadcast
-holds at most ``fuse_below`` bytes (and all are numpy), the last peer to arrive computes the
-result at the rendezvous itself, combining the inputs in peer order (the Centralized rule),
-and every peer copies it. In process the peers share memory, so for small arrays the whole
-cost is waking threads; this path wakes each peer once instead of once per algorithm step.
+Small and mid-size numpy arrays skip the algorithms (collective.fastpath): the decider either
+computes the result at the rendezvous (up to ``fuse_below``) or hands every peer its share of
+the arithmetic (up to ``share_below``). In process the peers share memory, so for these sizes
+the cost is waking threads, and these paths wake each peer once or twice instead of once per
+algorithm step.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
-
-from algorithms.ops import Array, ReduceOp, combine
+from algorithms.ops import Array
 from collective.calls import CallSpec, agree, describe_peers
 from collective.config import CollectiveConfig
 from collective.errors import (
@@ -35,14 +33,13 @@ from collective.errors import (
     PeerLostError,
     RegistrationError,
 )
+from collective.fastpath import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW, SharedWork, reduce_all, usable
 from transport.inproc import Doorbell, Exchange, clone_error, ring_claimed
 
 if TYPE_CHECKING:
     from collective.node import NodeJob
 
-__all__ = ["DEFAULT_FUSE_BELOW", "LocalJob", "Plan"]
-
-DEFAULT_FUSE_BELOW = 64 * 1024
+__all__ = ["LocalJob", "Plan"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +56,7 @@ class Plan(NamedTuple):
     label: str
     result: Array | None = None
     step: int = 0
+    shared: SharedWork | None = None  # the shared fast path: every peer does its part of this
     error: CollectiveError | None = None  # set for the one peer that reports a failed step to other nodes
 
 
@@ -104,6 +102,7 @@ class LocalJob:
         fuse_below: int = DEFAULT_FUSE_BELOW,
         expected: tuple[int, ...] | None = None,
         report_errors: bool = False,
+        share_below: int = DEFAULT_SHARE_BELOW,
     ) -> None:
         self.config = config
         self.size = size
@@ -111,6 +110,7 @@ class LocalJob:
         self.peer_ids: tuple[int, ...] = ()
         self.index: dict[int, int] = {}
         self.fuse_below = fuse_below
+        self.share_below = 0 if report_errors else share_below
         self.report_errors = report_errors
         self._guard = _Guard()
         self._lock = self._guard.lock
@@ -321,31 +321,21 @@ class LocalJob:
             log.warning("%s", exc)
             return exc
         label = f"{call.kind} #{step}"
-        if self.fuse_below and self._fusable(slot.data):
+        inputs = [slot.data[peer] for peer in self.peer_ids]
+        if self.fuse_below and usable(slot.data, self.fuse_below):
             if call.kind == "broadcast":
                 result = slot.data[call.root].copy()  # type: ignore[index, union-attr]  # root may reuse x at once
             else:
-                result = self._reduce_all(call, slot.data)
+                assert call.op is not None
+                result = reduce_all(call.op, inputs)
             return Plan(call, None, label, result, step)
         if self.report_errors and len(self.peer_ids) == 1:
             return Plan(call, None, label, step=step)  # a node with one peer has no local phases
         exchange = Exchange(self.peer_ids, label)
         self._exchanges.add(exchange)
+        if self.share_below and usable(slot.data, self.share_below):
+            return Plan(call, exchange, label, step=step, shared=SharedWork.plan(call, inputs))
         return Plan(call, exchange, label, step=step)
-
-    def _fusable(self, data: dict[int, Array | None]) -> bool:
-        limit = self.fuse_below
-        return all(a is None or (type(a) is np.ndarray and a.nbytes <= limit) for a in data.values())
-
-    def _reduce_all(self, call: CallSpec, data: dict[int, Array | None]) -> Array:
-        """The reduction of every peer's input, in peer order."""
-        assert call.op is not None
-        op: ReduceOp = call.op
-        inputs = [data[peer] for peer in self.peer_ids]
-        result = inputs[0].copy()  # type: ignore[union-attr]
-        for other in inputs[1:]:
-            combine(op, result, other, result)
-        return result
 
     # -- helpers (lock held) ------------------------------------------------------------------
 

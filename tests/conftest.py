@@ -23,8 +23,8 @@ def runtime() -> Iterator[col.Runtime]:
 
 @pytest.fixture
 def link_runtime() -> Iterator[col.Runtime]:
-    """A Runtime that runs the strategies' algorithms for every size (no rendezvous fast path)."""
-    with col.Runtime(fuse_below=0) as rt:
+    """A Runtime that runs the strategies' algorithms for every size (no in-process fast path)."""
+    with col.Runtime(fuse_below=0, share_below=0) as rt:
         yield rt
 
 

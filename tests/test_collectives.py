@@ -118,16 +118,18 @@ DTYPE_SHAPE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("path", ["tree:2", "ring", "fused"])
+@pytest.mark.parametrize("path", ["tree:2", "ring", "direct", "fused", "shared"])
 @pytest.mark.parametrize(("dtype_name", "shape_name"), DTYPE_SHAPE_CASES)
 def test_dtypes_and_shapes(dtype_name: str, shape_name: str, path: str) -> None:
     """all_reduce (sum, and max or for complex prod), reduce mean, broadcast; inputs never written.
 
-    "tree:2" and "ring" run those algorithms at every size; "fused" is the default runtime, where
-    arrays up to 64 KiB complete at the rendezvous.
+    "tree:2", "ring" and "direct" run those algorithms at every size; "fused" is the default
+    runtime (arrays up to 64 KiB complete at the rendezvous, up to 4 MiB on the shared path);
+    "shared" takes the shared path for every array up to 4 MiB.
     """
-    runtime = col.Runtime() if path == "fused" else col.Runtime(fuse_below=0)
-    strategy = "tree:2" if path == "fused" else path
+    fast_paths = {"fused": {}, "shared": {"fuse_below": 0}}
+    runtime = col.Runtime(**fast_paths.get(path, {"fuse_below": 0, "share_below": 0}))
+    strategy = "tree:2" if path in fast_paths else path
     dtype = _dtype(dtype_name)
     n = 4
     xs = _inputs(shape_name, dtype, n, small=False)

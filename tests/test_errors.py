@@ -54,10 +54,11 @@ def run_failing_step(
     return [outcome for outcome, _ in results]
 
 
-@pytest.fixture(params=["fused", "link"])
+@pytest.fixture(params=["fused", "shared", "link"])
 def rt(request: pytest.FixtureRequest) -> Any:
-    """Errors must be the same whether small arrays take the rendezvous fast path or not."""
-    with col.Runtime(fuse_below=0 if request.param == "link" else 64 * 1024) as runtime:
+    """Errors must be the same on the in-process fast paths and over the algorithms."""
+    limits = {"fused": {}, "shared": {"fuse_below": 0}, "link": {"fuse_below": 0, "share_below": 0}}
+    with col.Runtime(**limits[request.param]) as runtime:
         yield runtime
 
 
@@ -390,7 +391,7 @@ def test_a_failure_inside_one_peer_fails_the_collective_for_all(monkeypatch: pyt
         real(*args)
 
     monkeypatch.setattr(transport.inproc, "combine", flaky)
-    with col.Runtime(fuse_below=0) as rt:
+    with col.Runtime(fuse_below=0, share_below=0) as rt:
         outcomes = outcomes_of_peers(
             4, lambda p: (rt.register(p, "cpu", cfg(4)), rt.all_reduce(p, np.ones(8))), rt
         )

@@ -13,16 +13,18 @@ from tests.conftest import run_peers
 
 
 @pytest.mark.parametrize(
-    ("fuse_below", "iterations"), [(64 * 1024, 10_000), (0, 2_000)], ids=["fused", "link"]
+    ("limits", "iterations"),
+    [({}, 10_000), ({"fuse_below": 0}, 2_000), ({"fuse_below": 0, "share_below": 0}, 2_000)],
+    ids=["fused", "shared", "link"],
 )
-def test_consecutive_small_all_reduces_do_not_grow(fuse_below: int, iterations: int) -> None:
+def test_consecutive_small_all_reduces_do_not_grow(limits: dict[str, int], iterations: int) -> None:
     n = 4
     threads_before = threading.active_count()
     config = col.CollectiveConfig(num_devices=n, local_all_reduce_strategy="ring", timeout=30)
     traced: dict[str, int] = {}
     tracemalloc.start()
     try:
-        with col.Runtime(fuse_below=fuse_below) as rt:
+        with col.Runtime(**limits) as rt:
 
             def body(peer: int) -> np.ndarray:
                 rt.register(peer, "cpu", config)

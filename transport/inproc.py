@@ -101,10 +101,25 @@ class Exchange:
         self._lent = [0] * size
         self._error: CollectiveError | None = None
         self._announcement: Any = None
+        self._at_barrier = 0
 
     @property
     def size(self) -> int:
         return len(self.peer_ids)
+
+    def barrier(self, index: int, deadline: float) -> None:
+        """Wait until every peer of this collective has called ``barrier`` (once per collective)."""
+        with self._lock:
+            self._at_barrier += 1
+            claimed = [bell for bell in self._bells if bell.claim()] if self._at_barrier == self.size else []
+        ring_claimed(claimed)
+        self._wait_for(
+            index,
+            deadline,
+            lambda: True if self._at_barrier >= self.size else None,
+            "the other peers' part",
+            (),
+        )
 
     def announce(self, value: Any) -> None:
         """Publish ``value`` (not None) to every peer of this collective (see ``announcement``)."""
