@@ -18,6 +18,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +74,7 @@ class NodeJob:
         self._join_lock = threading.Lock()
         self._join_error: CollectiveError | None = None
         self._closed = False
+        self._agreed_step = -1  # the last step whose calls every node agreed on
 
     # -- membership -----------------------------------------------------------------------------
 
@@ -113,6 +116,22 @@ class NodeJob:
         self._client.close()
         self._network.close()
         self._context.destroy(linger=0)
+
+    @contextmanager
+    def giving_up(self, step: int) -> Iterator[None]:
+        """Around this node's global phase: if it fails, the other nodes hear of it at once.
+
+        Without this, a leader that raised (say MemoryError) while its process lived on would leave
+        the other nodes waiting until their timeout.
+        """
+        try:
+            yield
+        except BaseException as exc:
+            # A verdict of the call exchange (a mismatch, a timeout) is reached by every node on its
+            # own: an abort would only race it. Anything else, or a failure once data moves, is not.
+            if self._agreed_step == step or not isinstance(exc, CollectiveError):
+                self._network.abort(step, f"{type(exc).__name__}: {exc}")
+            raise
 
     def _lost(self, src: int) -> CollectiveError | None:
         error = self._client.lost()
@@ -183,6 +202,7 @@ class NodeJob:
         assert not isinstance(mine, CollectiveError)
         calls[me] = mine
         agreed = agree(calls, f"#{step}", who=self._who)
+        self._agreed_step = step
         return agreed, payloads
 
     def move(
@@ -294,16 +314,15 @@ def run_three_phases(node: NodeJob, job: LocalJob, mine: PeerCall) -> Array | No
     try:
         if call.kind == "broadcast":
             if leading:
-                small = src if src is not None and src.nbytes <= SMALL_BYTES else None
-                agreed, payloads = node.agree(step, call, small, deadline)
-                exchange.announce(agreed)
-                assert agreed.shape is not None  # the global agreement found the root's array
-                result = new_result(device, agreed.shape, agreed.dtype, out)
+                with node.giving_up(step):
+                    small = src if src is not None and src.nbytes <= SMALL_BYTES else None
+                    agreed, payloads = node.agree(step, call, small, deadline)
+                    exchange.announce(agreed)
+                    assert agreed.shape is not None  # the global agreement found the root's array
+                    result = new_result(device, agreed.shape, agreed.dtype, out)
+                    node.move(step, agreed, src if src is not None else flat(result), payloads, deadline)
                 if src is not None:
-                    node.move(step, agreed, src, payloads, deadline)
                     flat(result)[...] = src
-                else:
-                    node.move(step, agreed, flat(result), payloads, deadline)
             else:
                 agreed = exchange.announcement(job.index[peer], deadline, f"the leader of {plan.label}")
                 assert agreed.shape is not None
@@ -320,9 +339,11 @@ def run_three_phases(node: NodeJob, job: LocalJob, mine: PeerCall) -> Array | No
         strategies.reduce(config.local_reduce_strategy, local, lead, src, acc, call.op)  # phase 1
         if leading:
             assert acc is not None
-            small = acc if acc.nbytes <= SMALL_BYTES else None
-            agreed, payloads = node.agree(step, call, small, deadline)  # phase 2
-            node.move(step, agreed, acc, payloads, deadline)
+            with node.giving_up(step):  # phase 2
+                agreed, payloads = node.agree(
+                    step, call, acc if acc.nbytes <= SMALL_BYTES else None, deadline
+                )
+                node.move(step, agreed, acc, payloads, deadline)
         done = flat(result) if call.kind == "all_reduce" else np.empty(0, np.uint8)
         strategies.broadcast(config.local_broadcast_strategy, local, lead, done)  # phase 3
         local.flush()
@@ -334,6 +355,11 @@ def run_three_phases(node: NodeJob, job: LocalJob, mine: PeerCall) -> Array | No
 
 def _alone(node: NodeJob, mine: PeerCall) -> Array | None:
     """Phase 2 only, for a node with one peer (phases 1 and 3 would only copy)."""
+    with node.giving_up(mine.plan.step):
+        return _global_only(node, mine)
+
+
+def _global_only(node: NodeJob, mine: PeerCall) -> Array | None:
     src, device, out, deadline = mine.src, mine.device, mine.out, mine.deadline
     step, call = mine.plan.step, mine.plan.call
     if call.kind == "broadcast":

@@ -98,7 +98,20 @@ def mismatch(peer: int, world: int, how: str) -> int:
     return 1
 
 
-MODES = {"matrix": matrix, "loop": loop, "mismatch": mismatch}
+def crash(peer: int, world: int) -> int:
+    """Node 0 fails inside the global step with a plain exception while its process lives on."""
+    if peer == 0:
+        import transport.zmq_link
+
+        def broken(*args: Any) -> None:
+            raise MemoryError("simulated")
+
+        transport.zmq_link.combine = broken  # type: ignore[assignment]
+    col.all_reduce(peer, np.ones(1 << 18))  # 2 MiB: moved by the Ring over ZeroMQ
+    return 1
+
+
+MODES = {"matrix": matrix, "loop": loop, "mismatch": mismatch, "crash": crash}
 
 
 def main() -> int:

@@ -205,3 +205,18 @@ def test_nodes_holding_the_token_run_and_others_are_refused_at_once() -> None:
     finally:
         proc.terminate()
     assert "refused a connection" in proc.output() and "wrong or missing job token" in proc.output()
+
+
+def test_a_node_failing_inside_a_step_fails_the_others_at_once(orchestrator: str) -> None:
+    """Not a dead process (heartbeats go on): the node tells the others it gave up the step."""
+    nodes = start_nodes(orchestrator, job_name(), 3, 1, "crash", timeout=60)
+    started = time.monotonic()
+    codes = finish_all(nodes, 60)
+    assert time.monotonic() - started < 30, "the others must not wait for their 60 s timeout"
+    assert codes == [3, 3, 3]
+    assert "ERROR MemoryError - simulated" in nodes[0].output()
+    for node in nodes[1:]:
+        assert (
+            "ERROR PeerLostError" in node.output()
+            and "node 0 gave up step 0: MemoryError: simulated" in node.output()
+        )

@@ -26,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from collective.errors import CollectiveError, CollectiveTimeout, RegistrationError
+from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError, RegistrationError
 from transport.auth import secure, watch_refusals
 from transport.shm import PeerSegment, SendSegment, host_identity
 from transport.wire import MAX_MESSAGE_BYTES, WireError, decode_header, encode_header
@@ -83,6 +83,7 @@ class NodeNetwork:
         self._dealers: dict[int, zmq.Socket[Any]] = {}
         self._sources: dict[bytes, int] = {}
         self._queues: dict[int, deque[Received]] = {}
+        self._aborted: dict[int, tuple[int, str]] = {}  # step -> (node, why) for steps another node gave up
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
 
@@ -141,6 +142,11 @@ class NodeNetwork:
         segment = self._peer_segments.get(src)
         return None if segment is None else segment.view(slot, nbytes, dtype)
 
+    def abort(self, seq: int, why: str) -> None:
+        """Tell every other node that this node gave up step ``seq`` (their waits in it fail at once)."""
+        for other in self._dealers:
+            self.send(other, {"t": "abort", "seq": seq, "why": why[:1000]})
+
     def release(self, src: int, seq: int, slot: int) -> None:
         """Tell node ``src`` its ``slot`` has been read."""
         self.send(src, {"t": "ack", "seq": seq, "slot": slot})
@@ -158,6 +164,9 @@ class NodeNetwork:
             error = self._lost(src)
             if error is not None:
                 raise error
+            if seq in self._aborted:
+                node, why = self._aborted[seq]
+                raise PeerLostError(f"node {node} gave up step {seq}: {why}", ())
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CollectiveTimeout(f"node {self.index} timed out waiting for {waiting_for}", ())
@@ -186,6 +195,9 @@ class NodeNetwork:
                 raise WireError(f"job {header['job']!r} / source {header['src']} does not match")
         except WireError as exc:
             log.warning("data service %s refused a message: %s", self.address, exc)
+            return
+        if header["t"] == "abort":  # handled here, never queued: every wait in that step fails
+            self._aborted[header["seq"]] = (source, str(header.get("why")))
             return
         if header["t"] == "ack":  # a slot of our send segment was read: handled here, never queued
             if self._segment is None or not self._segment.release(source, header.get("slot")):
