@@ -27,12 +27,13 @@ import numpy as np
 import zmq
 
 from algorithms import strategies
-from algorithms.ops import Array, ReduceOp, array_module, combine
+from algorithms.ops import Array, ReduceOp, array_module
 from collective import errors
 from collective.arrays import Device, flat, new_result
 from collective.calls import CallSpec, agree
 from collective.config import CollectiveConfig
 from collective.errors import CollectiveError, MismatchError, PeerLostError
+from collective.fastpath import reduce_all
 from transport.inproc import InProcessLink, clone_error
 from transport.network import NodeNetwork
 from transport.orchestrator_client import OrchestratorClient, Topology
@@ -243,16 +244,13 @@ class NodeJob:
         op = agreed.op or ReduceOp.SUM
         host = acc if isinstance(acc, np.ndarray) else acc.get()
         arrays = [host if node == me else _view(payloads[node], host) for node in range(self._network.size)]
-        total = np.array(arrays[0], copy=True)
-        for other in arrays[1:]:
-            combine(op, total, other, total)
-        _copy_payload(acc, total)
+        _copy_payload(acc, reduce_all(op, arrays))
 
 
 def _view(payload: Any, like: Array) -> np.ndarray:
-    """A payload frame as a flat array of ``like``'s dtype and size (its byte length checked first)."""
+    """A small array (bytes from a call header) as ``like``'s dtype and size, its length checked first."""
     dtype = np.dtype(like.dtype)
-    data = memoryview(payload.buffer if hasattr(payload, "buffer") else payload).cast("B")
+    data = memoryview(payload).cast("B")
     if len(data) != like.size * dtype.itemsize:
         raise MismatchError(f"a small array of {len(data)} bytes arrived for {like.size} elements of {dtype}")
     return np.frombuffer(data, dtype) if like.size else np.empty(0, dtype)

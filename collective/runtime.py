@@ -311,17 +311,8 @@ class Runtime:
     def _three_phases(self, job: LocalJob, mine: PeerCall) -> Array | None:
         """A multi-node collective on this peer (collective.node); failures reach every local peer."""
         assert job.node is not None
-        try:
+        with self._running(job, mine.peer, mine.plan, mine.deadline):
             return run_three_phases(job.node, job, mine)
-        except CollectiveError:
-            raise
-        except BaseException as exc:
-            if mine.plan.exchange is not None:
-                error = PeerLostError(f"{mine.plan.label}: peer {mine.peer} failed: {exc!r}", [mine.peer])
-                mine.plan.exchange.abort(error)
-            raise
-        finally:
-            job.done(mine.peer)
 
     def _run_shared(
         self, job: LocalJob, peer_id: int, plan: Plan, result: Array | None, deadline: float
