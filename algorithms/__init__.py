@@ -4,8 +4,8 @@
 values and the one table that dispatches to them.
 """
 
-from algorithms.link import Link
-from algorithms.ops import ReduceOp
-from algorithms.strategies import Centralized, Direct, Ring, Strategy, Tree, parse_strategy
+from collective.algorithms.link import Link
+from collective.algorithms.ops import ReduceOp
+from collective.algorithms.strategies import Centralized, Direct, Ring, Strategy, Tree, parse_strategy
 
 __all__ = ["Centralized", "Direct", "Link", "ReduceOp", "Ring", "Strategy", "Tree", "parse_strategy"]

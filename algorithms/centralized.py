@@ -15,8 +15,8 @@ The center reduces in peer-index order, so the result does not depend on arrival
 
 from __future__ import annotations
 
-from algorithms.link import Link
-from algorithms.ops import Array, ReduceOp, copy_into
+from collective.algorithms.link import Link
+from collective.algorithms.ops import Array, ReduceOp, copy_into
 
 __all__ = ["all_reduce", "broadcast", "reduce"]
 

@@ -24,8 +24,8 @@ elements than peers: the dispatcher falls back to Tree(2), as for Ring.
 
 from __future__ import annotations
 
-from algorithms.link import Link
-from algorithms.ops import Array, ReduceOp, array_module, chunk_bounds, copy_into
+from collective.algorithms.link import Link
+from collective.algorithms.ops import Array, ReduceOp, array_module, chunk_bounds, copy_into
 
 __all__ = ["all_reduce", "broadcast", "reduce"]
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from algorithms.ops import Array, ReduceOp
+from collective.algorithms.ops import Array, ReduceOp
 
 __all__ = ["Link"]
 

@@ -22,8 +22,8 @@ ceil(N / segment) messages; latency n-1 + segments - 1 segment-steps.
 
 from __future__ import annotations
 
-from algorithms.link import Link
-from algorithms.ops import Array, ReduceOp, array_module, chunk_bounds, copy_into
+from collective.algorithms.link import Link
+from collective.algorithms.ops import Array, ReduceOp, array_module, chunk_bounds, copy_into
 
 __all__ = ["DEFAULT_SEGMENT_BYTES", "all_reduce", "broadcast", "reduce", "segments"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from algorithms import centralized, direct, ring, tree
-from algorithms.link import Link
-from algorithms.ops import Array, ReduceOp
+from collective.algorithms import centralized, direct, ring, tree
+from collective.algorithms.link import Link
+from collective.algorithms.ops import Array, ReduceOp
 from collective.errors import ConfigError
 
 __all__ = [

@@ -17,8 +17,8 @@ Tree(1) is a chain. Children are combined in position order, so results are dete
 
 from __future__ import annotations
 
-from algorithms.link import Link
-from algorithms.ops import Array, ReduceOp, array_module, copy_into
+from collective.algorithms.link import Link
+from collective.algorithms.ops import Array, ReduceOp, array_module, copy_into
 
 __all__ = ["all_reduce", "broadcast", "children", "parent", "reduce"]
 

@@ -9,15 +9,15 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from algorithms.strategies import parse_strategy
-from bench.multinode import run_gloo, run_nodes, torch_available
-from bench.plot import MISSING as PLOT_MISSING
-from bench.plot import plot_rows
-from bench.report import format_size, parse_size, print_summary, print_table, write_json
-from bench.sweep import OPS, Case, Row, resolve_dtype, run_case
+from collective.algorithms.strategies import parse_strategy
+from collective.bench.multinode import run_gloo, run_nodes, torch_available
+from collective.bench.plot import MISSING as PLOT_MISSING
+from collective.bench.plot import plot_rows
+from collective.bench.report import format_size, parse_size, print_summary, print_table, write_json
+from collective.bench.sweep import OPS, Case, Row, resolve_dtype, run_case
 from collective.errors import ConfigError
 from collective.fastpath import DEFAULT_SHARE_BELOW
-from transport.wire import SMALL_BYTES
+from collective.transport.wire import SMALL_BYTES
 
 __all__ = ["add_arguments", "main", "run"]
 

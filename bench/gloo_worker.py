@@ -18,8 +18,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from bench.harness import Measurement
-from bench.sweep import Case, count_wrong, expected_value, input_value, resolve_dtype, row_from
+from collective.bench.harness import Measurement
+from collective.bench.sweep import Case, count_wrong, expected_value, input_value, resolve_dtype, row_from
 
 OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
        "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}  # fmt: skip

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from transport.inproc import Doorbell, ring_claimed
+from collective.transport.inproc import Doorbell, ring_claimed
 
 __all__ = ["Measurement", "PeerStep", "QuickBarrier", "measure_threads"]
 

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import IO
 
-from bench.sweep import Case, Row
+from collective.bench.sweep import Case, Row
 from collective.launch import node_environment, start_orchestrator, stop_processes
 
 __all__ = ["run_gloo", "run_nodes", "torch_available"]
@@ -75,7 +75,12 @@ def run_nodes(
     try:
         for rank in range(nodes):
             env = node_environment(address, job, rank, nodes, devices)
-            argv = [sys.executable, "-m", "bench.node_worker", _plan(cases, warmup, iters, timeout)]
+            argv = [
+                sys.executable,
+                "-m",
+                "collective.bench.node_worker",
+                _plan(cases, warmup, iters, timeout),
+            ]
             processes.append(
                 subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             )
@@ -98,7 +103,12 @@ def run_gloo(cases: Sequence[Case], world: int, warmup: int, iters: int, timeout
         for rank in range(world):
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                        WORLD_SIZE=str(world), OMP_NUM_THREADS="1")  # fmt: skip
-            argv = [sys.executable, "-m", "bench.gloo_worker", _plan(cases, warmup, iters, timeout)]
+            argv = [
+                sys.executable,
+                "-m",
+                "collective.bench.gloo_worker",
+                _plan(cases, warmup, iters, timeout),
+            ]
             processes.append(
                 subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             )

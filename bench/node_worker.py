@@ -18,9 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from algorithms.ops import ReduceOp
-from bench.harness import Measurement
-from bench.sweep import Case, count_wrong, expected_value, input_value, resolve_dtype, row_from
+from collective.algorithms.ops import ReduceOp
+from collective.bench.harness import Measurement
+from collective.bench.sweep import Case, count_wrong, expected_value, input_value, resolve_dtype, row_from
 from collective.config import CollectiveConfig
 from collective.launch import peer_ids_from_env
 from collective.runtime import Runtime

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bench.sweep import Row
+from collective.bench.sweep import Row
 
 __all__ = ["MISSING", "plot_rows"]
 

@@ -10,7 +10,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from bench.sweep import Row
+from collective.bench.sweep import Row
 
 __all__ = ["format_size", "parse_size", "print_summary", "print_table", "write_json"]
 

@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
-from algorithms.ops import ReduceOp
-from bench.harness import Measurement, PeerStep, measure_threads
-from bench.trivial import TrivialGroup
+from collective.algorithms.ops import ReduceOp
 from collective.arrays import scale_for_mean
+from collective.bench.harness import Measurement, PeerStep, measure_threads
+from collective.bench.trivial import TrivialGroup
 from collective.config import CollectiveConfig
 from collective.runtime import Runtime
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from algorithms.ops import ReduceOp, chunk_bounds
+from collective.algorithms.ops import ReduceOp, chunk_bounds
 from collective.arrays import scale_for_mean
 
 __all__ = ["TrivialGroup"]

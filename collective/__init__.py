@@ -45,11 +45,11 @@ _API = ("all_reduce", "broadcast", "default_runtime", "finish", "reduce", "regis
 _ERRORS = ("CollectiveError", "CollectiveTimeout", "ConfigError", "InvalidArgumentError", "JobClosedError",
            "MismatchError", "PeerLostError", "RegistrationError")  # fmt: skip
 _LOCATIONS = {
-    "Centralized": "algorithms.strategies",
-    "Tree": "algorithms.strategies",
-    "Ring": "algorithms.strategies",
-    "Direct": "algorithms.strategies",
-    "ReduceOp": "algorithms.ops",
+    "Centralized": "collective.algorithms.strategies",
+    "Tree": "collective.algorithms.strategies",
+    "Ring": "collective.algorithms.strategies",
+    "Direct": "collective.algorithms.strategies",
+    "ReduceOp": "collective.algorithms.ops",
     "CollectiveConfig": "collective.config",
     "Runtime": "collective.runtime",
     "peer_ids_from_env": "collective.launch",
@@ -72,8 +72,8 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from algorithms.ops import ReduceOp
-    from algorithms.strategies import Centralized, Direct, Ring, Tree
+    from collective.algorithms.ops import ReduceOp
+    from collective.algorithms.strategies import Centralized, Direct, Ring, Tree
     from collective.api import all_reduce, broadcast, default_runtime, finish, reduce, register, reset
     from collective.config import CollectiveConfig
     from collective.errors import (

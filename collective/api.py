@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from algorithms.ops import Array, ReduceOp
+from collective.algorithms.ops import Array, ReduceOp
 from collective.arrays import Device
 from collective.config import CollectiveConfig
 from collective.runtime import Runtime

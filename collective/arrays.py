@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from algorithms.ops import Array, ReduceOp, array_module
+from collective.algorithms.ops import Array, ReduceOp, array_module
 from collective.errors import InvalidArgumentError, RegistrationError
 
 __all__ = ["Device", "as_array", "check_array", "check_out", "flat", "new_result", "scale_for_mean"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
-from algorithms.ops import ReduceOp
+from collective.algorithms.ops import ReduceOp
 from collective.errors import InvalidArgumentError, MismatchError
 
 __all__ = ["CallSpec", "agree", "describe_peers"]

@@ -62,7 +62,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from bench import cli as bench_cli
+    from collective.bench import cli as bench_cli
 
     parser = argparse.ArgumentParser(
         prog="collective", description="Collective communication for numpy and CuPy arrays."

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from algorithms.strategies import Ring, Strategy, Tree, parse_strategy
+from collective.algorithms.strategies import Ring, Strategy, Tree, parse_strategy
 from collective.errors import ConfigError
 
 __all__ = ["DEFAULT_TIMEOUT", "CollectiveConfig"]

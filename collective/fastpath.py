@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from algorithms.ops import Array, ReduceOp, chunk_bounds, combine
+from collective.algorithms.ops import Array, ReduceOp, chunk_bounds, combine
 from collective.calls import CallSpec
 
 __all__ = ["DEFAULT_FUSE_BELOW", "DEFAULT_SHARE_BELOW", "SharedWork", "reduce_all", "usable"]

@@ -100,7 +100,7 @@ def add_orchestrator_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_orchestrator(args: argparse.Namespace) -> int:
     """Run the daemon until SIGINT or SIGTERM; print the address it listens on first."""
-    from transport.orchestrator import LOST_AFTER, Orchestrator
+    from collective.transport.orchestrator import LOST_AFTER, Orchestrator
 
     token = os.environ.get("COLLECTIVE_TOKEN") or None  # from the environment: never on the command line
     orchestrator = Orchestrator(args.host, args.port, args.lost_after or LOST_AFTER, token)

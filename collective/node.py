@@ -26,19 +26,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import zmq
 
-from algorithms import strategies
-from algorithms.ops import Array, ReduceOp, array_module
 from collective import errors
+from collective.algorithms import strategies
+from collective.algorithms.ops import Array, ReduceOp, array_module
 from collective.arrays import Device, flat, new_result
 from collective.calls import CallSpec, agree
 from collective.config import CollectiveConfig
 from collective.errors import CollectiveError, MismatchError, PeerLostError
 from collective.fastpath import reduce_all
-from transport.inproc import InProcessLink, clone_error
-from transport.network import NodeNetwork
-from transport.orchestrator_client import OrchestratorClient, Topology
-from transport.wire import SMALL_BYTES, WireError, spec_from_header, spec_to_header
-from transport.zmq_link import ZmqLink
+from collective.transport.inproc import InProcessLink, clone_error
+from collective.transport.network import NodeNetwork
+from collective.transport.orchestrator_client import OrchestratorClient, Topology
+from collective.transport.wire import SMALL_BYTES, WireError, spec_from_header, spec_to_header
+from collective.transport.zmq_link import ZmqLink
 
 if TYPE_CHECKING:
     from collective.server import LocalJob, Plan

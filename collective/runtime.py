@@ -13,8 +13,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from algorithms import strategies
-from algorithms.ops import Array, ReduceOp
+from collective.algorithms import strategies
+from collective.algorithms.ops import Array, ReduceOp
 from collective.arrays import Device, as_array, check_array, check_out, flat, new_result, scale_for_mean
 from collective.calls import CallSpec
 from collective.config import CollectiveConfig
@@ -29,7 +29,7 @@ from collective.errors import (
 from collective.fastpath import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW
 from collective.node import NodeJob, PeerCall, run_three_phases
 from collective.server import LocalJob, Plan
-from transport.inproc import InProcessLink
+from collective.transport.inproc import InProcessLink
 
 __all__ = ["Runtime"]
 

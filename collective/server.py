@@ -23,7 +23,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
-from algorithms.ops import Array
+from collective.algorithms.ops import Array
 from collective.calls import CallSpec, agree, describe_peers
 from collective.config import CollectiveConfig
 from collective.errors import (
@@ -34,7 +34,7 @@ from collective.errors import (
     RegistrationError,
 )
 from collective.fastpath import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW, SharedWork, reduce_all, usable
-from transport.inproc import Doorbell, Exchange, clone_error, ring_claimed
+from collective.transport.inproc import Doorbell, Exchange, clone_error, ring_claimed
 
 if TYPE_CHECKING:
     from collective.node import NodeJob

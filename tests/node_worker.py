@@ -101,12 +101,12 @@ def mismatch(peer: int, world: int, how: str) -> int:
 def crash(peer: int, world: int) -> int:
     """Node 0 fails inside the global step with a plain exception while its process lives on."""
     if peer == 0:
-        import transport.zmq_link
+        import collective.transport.zmq_link
 
         def broken(*args: Any) -> None:
             raise MemoryError("simulated")
 
-        transport.zmq_link.combine = broken  # type: ignore[assignment]
+        collective.transport.zmq_link.combine = broken  # type: ignore[assignment]
     col.all_reduce(peer, np.ones(1 << 18))  # 2 MiB: moved by the Ring over ZeroMQ
     return 1
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from algorithms.ops import ReduceOp, combine
+from collective.algorithms.ops import ReduceOp, combine
 
 WAIT = 20.0
 

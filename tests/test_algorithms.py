@@ -8,11 +8,11 @@ import math
 import numpy as np
 import pytest
 
-from algorithms import ring, strategies
-from algorithms.ops import ReduceOp, chunk_bounds
-from algorithms.ring import DEFAULT_SEGMENT_BYTES
-from algorithms.strategies import Centralized, Direct, Ring, Strategy, Tree, resolve_all_reduce
-from algorithms.tree import children
+from collective.algorithms import ring, strategies
+from collective.algorithms.ops import ReduceOp, chunk_bounds
+from collective.algorithms.ring import DEFAULT_SEGMENT_BYTES
+from collective.algorithms.strategies import Centralized, Direct, Ring, Strategy, Tree, resolve_all_reduce
+from collective.algorithms.tree import children
 from tests.conftest import peer_input, reference
 from tests.recording import Network, RecordingLink
 
@@ -200,7 +200,7 @@ def test_ring_reduce_and_broadcast_pipeline_in_segments() -> None:
 
 
 def test_ring_falls_back_to_tree_below_one_element_per_peer(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level("DEBUG", logger="algorithms.strategies")
+    caplog.set_level("DEBUG", logger="collective.algorithms.strategies")
     assert resolve_all_reduce(Ring(), 3, 4) == Tree(2)
     assert "falling back to tree:2" in caplog.text
     assert resolve_all_reduce(Ring(), 4, 4) == Ring()

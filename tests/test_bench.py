@@ -12,12 +12,12 @@ from typing import Any
 import numpy as np
 import pytest
 
-from algorithms.ops import ReduceOp
-from bench import cli as bench_cli
-from bench.report import parse_size
-from bench.sweep import busbw_factor
-from bench.trivial import TrivialGroup
 from collective import cli
+from collective.algorithms.ops import ReduceOp
+from collective.bench import cli as bench_cli
+from collective.bench.report import parse_size
+from collective.bench.sweep import busbw_factor
+from collective.bench.trivial import TrivialGroup
 from collective.runtime import Runtime
 from tests.conftest import run_peers
 

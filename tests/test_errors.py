@@ -381,16 +381,16 @@ def test_one_peer_driven_by_two_threads_is_refused(rt: col.Runtime) -> None:
 
 
 def test_a_failure_inside_one_peer_fails_the_collective_for_all(monkeypatch: pytest.MonkeyPatch) -> None:
-    import transport.inproc
+    import collective.transport.inproc
 
-    real = transport.inproc.combine
+    real = collective.transport.inproc.combine
 
     def flaky(*args: Any) -> None:
         if threading.current_thread().name == "peer-1":
             raise MemoryError("simulated")
         real(*args)
 
-    monkeypatch.setattr(transport.inproc, "combine", flaky)
+    monkeypatch.setattr(collective.transport.inproc, "combine", flaky)
     with col.Runtime(fuse_below=0, share_below=0) as rt:
         outcomes = outcomes_of_peers(
             4, lambda p: (rt.register(p, "cpu", cfg(4)), rt.all_reduce(p, np.ones(8))), rt

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from algorithms.ops import ReduceOp
+from collective.algorithms.ops import ReduceOp
 from collective.errors import CollectiveTimeout, PeerLostError
+from collective.transport.inproc import COPY_BELOW, Exchange, InProcessLink
 from tests.recording import Network, run_links
-from transport.inproc import COPY_BELOW, Exchange, InProcessLink
 
 
 def inproc_links(n: int, timeout: float = 10.0) -> list[Any]:

@@ -33,11 +33,11 @@ def test_all_is_exactly_the_documented_api() -> None:
 def test_every_package_imports_on_its_own() -> None:
     """No import cycle: each package can be the first one imported (in a fresh interpreter)."""
     for module in (
-        "algorithms",
-        "transport.inproc",
-        "transport.zmq_link",
+        "collective.algorithms",
+        "collective.transport.inproc",
+        "collective.transport.zmq_link",
         "collective.errors",
-        "bench.sweep",
+        "collective.bench.sweep",
     ):
         result = subprocess.run(
             [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=60

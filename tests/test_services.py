@@ -18,15 +18,15 @@ import numpy as np
 import pytest
 import zmq
 
-from algorithms.ops import ReduceOp
+from collective.algorithms.ops import ReduceOp
 from collective.calls import CallSpec
 from collective.errors import MismatchError, RegistrationError
-from transport.network import NodeNetwork
-from transport.orchestrator import Orchestrator
-from transport.orchestrator_client import OrchestratorClient
-from transport.shm import SLOT_BYTES, SLOTS
-from transport.wire import MAX_MESSAGE_BYTES, encode_header
-from transport.zmq_link import ZmqLink
+from collective.transport.network import NodeNetwork
+from collective.transport.orchestrator import Orchestrator
+from collective.transport.orchestrator_client import OrchestratorClient
+from collective.transport.shm import SLOT_BYTES, SLOTS
+from collective.transport.wire import MAX_MESSAGE_BYTES, encode_header
+from collective.transport.zmq_link import ZmqLink
 
 _jobs = itertools.count()
 
@@ -304,7 +304,7 @@ def test_forged_slots_and_acks_are_refused(
 
 
 def test_segments_of_dead_processes_are_removed(tmp_path: Any) -> None:
-    from transport import shm
+    from collective.transport import shm
 
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True

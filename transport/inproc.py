@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from algorithms.ops import Array, ReduceOp, combine, copy_into
+from collective.algorithms.ops import Array, ReduceOp, combine, copy_into
 from collective.errors import CollectiveError, CollectiveTimeout
 
 __all__ = ["COPY_BELOW", "Doorbell", "Exchange", "InProcessLink", "clone_error", "ring_claimed"]

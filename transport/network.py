@@ -27,9 +27,9 @@ from typing import Any
 import zmq
 
 from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError, RegistrationError
-from transport.auth import secure, watch_refusals
-from transport.shm import PeerSegment, SendSegment, host_identity
-from transport.wire import MAX_MESSAGE_BYTES, WireError, decode_header, encode_header
+from collective.transport.auth import secure, watch_refusals
+from collective.transport.shm import PeerSegment, SendSegment, host_identity
+from collective.transport.wire import MAX_MESSAGE_BYTES, WireError, decode_header, encode_header
 
 __all__ = ["POLL_SLICE", "NodeNetwork", "Received"]
 

@@ -31,7 +31,7 @@ import zmq
 
 from collective.calls import describe_peers
 from collective.errors import RegistrationError
-from transport.auth import secure, watch_refusals
+from collective.transport.auth import secure, watch_refusals
 
 __all__ = [
     "HEARTBEAT_INTERVAL",

@@ -19,8 +19,15 @@ from zmq.utils.monitor import recv_monitor_message
 
 from collective.calls import describe_peers
 from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError, RegistrationError
-from transport.auth import HANDSHAKE_FAILED, handshake_failure, secure
-from transport.orchestrator import HEARTBEAT_INTERVAL, LOST_AFTER, MAX_MESSAGE, is_peer_list, pack, unpack
+from collective.transport.auth import HANDSHAKE_FAILED, handshake_failure, secure
+from collective.transport.orchestrator import (
+    HEARTBEAT_INTERVAL,
+    LOST_AFTER,
+    MAX_MESSAGE,
+    is_peer_list,
+    pack,
+    unpack,
+)
 
 __all__ = ["OrchestratorClient", "Topology"]
 

@@ -24,7 +24,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from algorithms.ops import ReduceOp
+from collective.algorithms.ops import ReduceOp
 from collective.calls import CallSpec
 
 __all__ = [

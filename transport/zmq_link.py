@@ -16,12 +16,12 @@ from typing import Any
 import numpy as np
 import zmq
 
-from algorithms.ops import Array, ReduceOp, combine, copy_into
+from collective.algorithms.ops import Array, ReduceOp, combine, copy_into
 from collective.calls import CallSpec
 from collective.errors import CollectiveTimeout, MismatchError
-from transport.inproc import on_device_of
-from transport.network import NodeNetwork
-from transport.wire import CHUNK_BYTES, SMALL_BYTES, spec_to_header
+from collective.transport.inproc import on_device_of
+from collective.transport.network import NodeNetwork
+from collective.transport.wire import CHUNK_BYTES, SMALL_BYTES, spec_to_header
 
 __all__ = ["ZmqLink"]
 
