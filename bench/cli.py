@@ -16,7 +16,7 @@ from collective.bench.plot import plot_rows
 from collective.bench.report import format_size, parse_size, print_summary, print_table, write_json
 from collective.bench.sweep import OPS, Case, Row, resolve_dtype, run_case
 from collective.errors import ConfigError
-from collective.fastpath import DEFAULT_SHARE_BELOW
+from collective.executors import DEFAULT_SHARE_BELOW
 from collective.transport.wire import SMALL_BYTES
 
 __all__ = ["add_arguments", "main", "run"]

@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import Any
+
 from collective.algorithms.ops import Array, ReduceOp
 from collective.arrays import Device
 from collective.config import CollectiveConfig
+from collective.groups import Group
+from collective.groups import new_group as _new_group
 from collective.runtime import Runtime
 
-__all__ = ["all_reduce", "broadcast", "default_runtime", "finish", "reduce", "register", "reset"]
+__all__ = [
+    "all_gather", "all_reduce", "all_reduce_coalesced", "all_to_all", "barrier", "broadcast",
+    "default_runtime", "finish", "gather", "new_group", "recv", "reduce", "reduce_scatter", "register",
+    "reset", "scatter", "send", "world_size",
+]  # fmt: skip
 
+Op = ReduceOp | str
 _default = Runtime()
 
 
@@ -22,23 +32,6 @@ def register(peer_id: int, device: Device | str | int, config: CollectiveConfig)
     _default.register(peer_id, device, config)
 
 
-def all_reduce(peer_id: int, x: Array, op: ReduceOp | str = "sum", *, out: Array | None = None) -> Array:
-    """``op`` over ``x`` of every peer, on every peer (see Runtime.all_reduce)."""
-    return _default.all_reduce(peer_id, x, op, out=out)
-
-
-def reduce(
-    peer_id: int, x: Array, op: ReduceOp | str = "sum", root: int = 0, *, out: Array | None = None
-) -> Array | None:
-    """``op`` over ``x`` of every peer, on ``root`` only (see Runtime.reduce)."""
-    return _default.reduce(peer_id, x, op, root, out=out)
-
-
-def broadcast(peer_id: int, x: Array | None, *, out: Array | None = None) -> Array:
-    """The array of the one peer that passes one, on every peer (see Runtime.broadcast)."""
-    return _default.broadcast(peer_id, x, out=out)
-
-
 def finish(peer_id: int) -> None:
     """Leave the job; the last local peer to leave ends it."""
     _default.finish(peer_id)
@@ -47,3 +40,110 @@ def finish(peer_id: int) -> None:
 def reset() -> None:
     """Drop every job of the default runtime; blocked peers wake with JobClosedError (for tests)."""
     _default.reset()
+
+
+def world_size(group: Group | None = None) -> int:
+    """The number of peers in the job, or in ``group``."""
+    return _default.world_size(group)
+
+
+def new_group(ranks: Iterable[int]) -> Group:
+    """A group of the job's peers ``ranks`` (see collective.groups); no call on the other peers."""
+    try:
+        world: int | None = _default.world_size()
+    except Exception:  # no job yet: the ranks are checked when the group is used
+        world = None
+    return _new_group(ranks, world)
+
+
+def all_reduce(
+    peer_id: int, x: Array, op: Op = "sum", *, group: Group | None = None, timeout: float | None = None,
+    async_op: bool = False, out: Array | None = None,
+) -> Any:  # fmt: skip
+    """``op`` over ``x`` of every peer, on every peer (see Runtime.all_reduce)."""
+    return _default.all_reduce(peer_id, x, op, group=group, timeout=timeout, async_op=async_op, out=out)
+
+
+def reduce(
+    peer_id: int, x: Array, op: Op = "sum", root: int = 0, *, group: Group | None = None,
+    timeout: float | None = None, async_op: bool = False, out: Array | None = None,
+) -> Any:  # fmt: skip
+    """``op`` over ``x`` of every peer, on ``root`` only; None elsewhere."""
+    return _default.reduce(peer_id, x, op, root, group=group, timeout=timeout, async_op=async_op, out=out)
+
+
+def broadcast(
+    peer_id: int, x: Array | None, *, group: Group | None = None, timeout: float | None = None,
+    async_op: bool = False, out: Array | None = None,
+) -> Any:  # fmt: skip
+    """The array of the one peer that passes one, on every peer."""
+    return _default.broadcast(peer_id, x, group=group, timeout=timeout, async_op=async_op, out=out)
+
+
+def all_gather(
+    peer_id: int, x: Array, *, group: Group | None = None, timeout: float | None = None,
+    async_op: bool = False, out: Array | None = None,
+) -> Any:  # fmt: skip
+    """Every peer's ``x``, stacked in group-rank order: shape (group size, *x.shape)."""
+    return _default.all_gather(peer_id, x, group=group, timeout=timeout, async_op=async_op, out=out)
+
+
+def reduce_scatter(
+    peer_id: int, x: Array, op: Op = "sum", *, group: Group | None = None, timeout: float | None = None,
+    async_op: bool = False, out: Array | None = None,
+) -> Any:  # fmt: skip
+    """x.shape[0] = size*k: rank i gets ``op`` over every peer's rows i*k..(i+1)*k-1."""
+    return _default.reduce_scatter(peer_id, x, op, group=group, timeout=timeout, async_op=async_op, out=out)
+
+
+def all_to_all(
+    peer_id: int, x: Array, *, group: Group | None = None, timeout: float | None = None,
+    async_op: bool = False, out: Array | None = None,
+) -> Any:  # fmt: skip
+    """x.shape[0] = size*k: block i goes to rank i; block j of the result came from rank j."""
+    return _default.all_to_all(peer_id, x, group=group, timeout=timeout, async_op=async_op, out=out)
+
+
+def gather(
+    peer_id: int, x: Array, root: int = 0, *, group: Group | None = None, timeout: float | None = None,
+    async_op: bool = False, out: Array | None = None,
+) -> Any:  # fmt: skip
+    """Every peer's ``x`` stacked on ``root``; None elsewhere."""
+    return _default.gather(peer_id, x, root, group=group, timeout=timeout, async_op=async_op, out=out)
+
+
+def scatter(
+    peer_id: int, x: Array | None, root: int = 0, *, group: Group | None = None,
+    timeout: float | None = None, async_op: bool = False, out: Array | None = None,
+) -> Any:  # fmt: skip
+    """The root passes (group size, ...); each peer gets its row."""
+    return _default.scatter(peer_id, x, root, group=group, timeout=timeout, async_op=async_op, out=out)
+
+
+def barrier(
+    peer_id: int, *, group: Group | None = None, timeout: float | None = None, async_op: bool = False
+) -> Any:
+    """Return once every peer of the group has entered the barrier."""
+    return _default.barrier(peer_id, group=group, timeout=timeout, async_op=async_op)
+
+
+def send(peer_id: int, x: Array, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
+    """Hand ``x`` to peer ``dst`` (buffered: returns without waiting for the matching recv)."""
+    _default.send(peer_id, x, dst, tag, timeout=timeout)
+
+
+def recv(
+    peer_id: int, src: int, tag: int = 0, *, timeout: float | None = None, out: Array | None = None
+) -> Array:
+    """The next array peer ``src`` sent to this peer with ``tag``."""
+    return _default.recv(peer_id, src, tag, timeout=timeout, out=out)
+
+
+def all_reduce_coalesced(
+    peer_id: int, xs: Sequence[Array], op: Op = "sum", *, group: Group | None = None,
+    timeout: float | None = None, async_op: bool = False, out: Sequence[Array] | None = None,
+) -> Any:  # fmt: skip
+    """One all_reduce over many arrays; a list of results in the same order."""
+    return _default.all_reduce_coalesced(
+        peer_id, xs, op, group=group, timeout=timeout, async_op=async_op, out=out
+    )

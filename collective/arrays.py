@@ -56,6 +56,15 @@ class Device:
         with cupy.cuda.Device(self.index):
             return cupy.empty(shape, dtype)
 
+    def adopt(self, array: Array) -> Array:
+        """``array`` on this device (a copy only when it lives elsewhere)."""
+        if self.kind == "cpu":
+            return array if isinstance(array, np.ndarray) else array.get()
+        import cupy
+
+        with cupy.cuda.Device(self.index):
+            return cupy.asarray(array)
+
 
 def _device_of(array: Array) -> Device:
     if isinstance(array, np.ndarray):

@@ -1,113 +1,508 @@
-"""What each peer asked for in one collective step, and the check that all peers agree.
+"""Call objects: one per collective, each owning its checks, agreement rules, results and work.
 
-Before any data moves, every peer's ``CallSpec`` is compared (in process at the rendezvous of
-the in-process server). Disagreement is a MismatchError naming which peers differ and how; a
-peer whose own arguments were unusable turns into an InvalidArgumentError for everyone. So a
-mismatched or bad call fails on every peer at once instead of hanging some of them.
+A peer's call (``AllReduce(x, op)``, ``Gather(x, root)``, ...) is made by the API, checked here
+(``prepare``: a problem becomes the signature's ``error``, so every peer fails together), agreed
+at the rendezvous (``RULES``), then run by an executor (collective.executors), which asks the call
+for what only the call knows:
+
+* ``result_shape``: the shape of this peer's result (None: this peer gets none, e.g. off the root);
+* ``fuse``: every peer's flat result from every peer's flat input, computed in one place (small
+  arrays, in one process);
+* ``part`` / ``after``: this peer's share of the work when all inputs are in shared memory and the
+  peers meet at one barrier in between (in one process, or between processes of a host);
+* ``run_link``: the schedule of the configured strategy over a Link (collective.algorithms);
+* ``finish``: the last touch (mean divides by the group's size).
+
+Flat arrays are 1-D C-contiguous views; a collective of a group of ``n`` peers sees its blocks in
+group-rank order. Adding a collective means adding one class here (and its schedule in algorithms/).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, ClassVar
 
-from collective.algorithms.ops import ReduceOp
-from collective.errors import InvalidArgumentError, MismatchError
+import numpy as np
 
-__all__ = ["CallSpec", "agree", "describe_peers"]
+from collective.algorithms import strategies
+from collective.algorithms.link import Link
+from collective.algorithms.ops import Array, ReduceOp, array_module, combine, copy_into
+from collective.arrays import Device, as_array, check_array, check_out, flat, scale_for_mean
+from collective.errors import InvalidArgumentError
+from collective.signature import Rules, Signature, describe_peers
 
+__all__ = [
+    "RULES",
+    "AllGather",
+    "AllReduce",
+    "AllToAll",
+    "Barrier",
+    "Broadcast",
+    "Call",
+    "Gather",
+    "Reduce",
+    "ReduceScatter",
+    "Scatter",
+    "reduce_all",
+    "rules_of",
+]
 
-class CallSpec(NamedTuple):
-    """One peer's call. ``shape``/``dtype`` are None for a broadcast receiver that gave no ``out``.
-
-    A NamedTuple: made on every call by every peer, so it must be cheap to build and compare.
-    """
-
-    kind: str
-    op: ReduceOp | None = None
-    root: int | None = None
-    shape: tuple[int, ...] | None = None
-    dtype: Any = None  # numpy dtype
-    has_data: bool = True
-    error: str | None = None
-
-
-def describe_peers(peers: list[int]) -> str:
-    """[3] -> 'peer 3'; [0, 1, 2, 5] -> 'peers 0-2, 5'."""
-    peers = sorted(peers)
-    runs: list[str] = []
-    start = previous = peers[0]
-    for peer in [*peers[1:], None]:
-        if peer is not None and peer == previous + 1:
-            previous = peer
-            continue
-        runs.append(str(start) if start == previous else f"{start}-{previous}")
-        if peer is not None:
-            start = previous = peer
-    return ("peer " if len(peers) == 1 else "peers ") + ", ".join(runs)
+Strategies = Callable[[str], Any]  # collective kind -> the strategy configured for it
 
 
-def _disagreement(
-    specs: Mapping[int, CallSpec], name: str, show: Callable[[Any], str], who: Callable[[list[int]], str]
-) -> str | None:
-    """'shape: peers 0-2 passed (4, 8), peer 3 passed (4, 9)' or None when all agree."""
-    groups: dict[Any, list[int]] = {}
-    for peer in sorted(specs):
-        groups.setdefault(getattr(specs[peer], name), []).append(peer)
-    if len(groups) <= 1:
+def reduce_all(op: ReduceOp, inputs: list[Any], out: Array | None = None) -> Array:
+    """The reduction of ``inputs`` in their order (peer order) into ``out`` (a new array if None)."""
+    result = out if out is not None else inputs[0].copy()
+    if out is not None:
+        copy_into(out, inputs[0])
+    for other in inputs[1:]:
+        combine(op, result, other, result)
+    return result
+
+
+def _parse_op(op: Any) -> tuple[ReduceOp | None, str | None]:
+    try:
+        return ReduceOp.parse(op), None
+    except InvalidArgumentError as exc:
+        return None, str(exc)
+
+
+def _blocks(array: Array, n: int) -> list[Array]:
+    """``n`` equal contiguous blocks of a flat array."""
+    k = array.size // n if n else 0
+    return [array[i * k : (i + 1) * k] for i in range(n)]
+
+
+class Call:
+    """One peer's side of one collective. Subclasses set ``kind`` and override what differs."""
+
+    kind: ClassVar[str]
+    rules: ClassVar[Rules] = Rules(("op", "shape", "dtype"))
+    reduces: ClassVar[bool] = True  # takes an op
+    rooted: ClassVar[bool] = False  # takes a root
+    alias_safe: ClassVar[bool] = True  # its schedules may write ``out`` while it is also ``x``
+
+    def __init__(self, x: Any = None, op: Any = "sum", root: Any = None, out: Any = None) -> None:
+        self.x = as_array(x)
+        self.op_arg = op
+        self.root = root
+        self.out = out
+        self.root_peer = root  # the root as the caller named it (a peer id); ``root`` becomes its rank
+        self.src: Array | None = None  # this peer's flat input, once prepared
+        self.device = Device("cpu")
+        self.signature = Signature(self.kind)
+
+    # -- before the rendezvous: this peer's own checks ------------------------------------------
+
+    def prepare(self, device: Device, members: tuple[int, ...], rank: int) -> Signature:
+        """Check this peer's arguments; its signature carries the problem if there is one.
+
+        ``members`` are the group's peer ids in rank order and this peer is ``rank``. A root is
+        given as a peer id; from here on ``root`` is its rank in the group.
+        """
+        self.device = device
+        op, problem = _parse_op(self.op_arg) if self.reduces else (None, None)
+        self.root_peer = self.root
+        if self.rooted:
+            valid = isinstance(self.root, int) and not isinstance(self.root, bool) and self.root in members
+            if problem is None and not valid:
+                problem = f"root {self.root!r} is not a peer of the group ({describe_peers(list(members))})"
+            self.root = members.index(self.root) if valid else None
+        if problem is None:
+            problem = self.check(device, len(members), rank)
+        self.signature = self.describe(op, problem)
+        if problem is None and self.x is not None:
+            self.src = flat(self.x)
+        return self.signature
+
+    def check(self, device: Device, size: int, rank: int) -> str | None:
+        """Why this peer's arrays cannot be used (None if they can)."""
+        op = ReduceOp.parse(self.op_arg) if self.reduces else None
+        problem = check_array(self.x, device, op)
+        if problem is None and self.out is not None:
+            problem = check_out(self.out, device, self.own_shape(size), self.x.dtype, self.x)
+        return problem
+
+    def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:
+        if problem is not None:
+            return Signature(self.kind, op, self.root, error=problem)
+        return Signature(self.kind, op, self.root, tuple(self.x.shape), self.x.dtype)
+
+    def own_shape(self, size: int) -> tuple[int, ...]:
+        """The shape of this peer's result, computed from its own input."""
+        return tuple(self.x.shape)
+
+    # -- after agreement ------------------------------------------------------------------------
+
+    def result_shape(self, agreed: Signature, size: int, rank: int) -> tuple[int, ...] | None:
+        assert agreed.shape is not None
+        return agreed.shape
+
+    def new_result(self, device: Device, agreed: Signature, size: int, rank: int) -> Array | None:
+        """``out`` when given, else a new array for the result; None when this peer gets none."""
+        shape = self.result_shape(agreed, size, rank)
+        if shape is None:
+            return None
+        return self.out if self.out is not None else device.empty(shape, agreed.dtype)
+
+    def finish(self, result: Array | None, agreed: Signature, size: int) -> Any:
+        if result is not None and agreed.op is ReduceOp.MEAN:
+            scale_for_mean(result, size)
+        return result
+
+    # -- the work, by executor ------------------------------------------------------------------
+
+    @classmethod
+    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
+        """Every rank's flat result (None for a rank that gets none) from every rank's flat input."""
+        raise NotImplementedError
+
+    @classmethod
+    def shared(cls, agreed: Signature, inputs: list[Any]) -> Any:
+        """State shared by the ranks of one shared-memory collective (e.g. a result buffer)."""
         return None
-    parts = [f"{who(peers)} passed {show(value)}" for value, peers in groups.items()]
-    return f"{name}: " + ", ".join(parts)
+
+    def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
+        """This rank's work before the barrier (it reads the others' inputs directly)."""
+        fused = self.fuse_one(agreed, inputs, rank)
+        if dst is not None and fused is not None:
+            copy_into(dst, fused)
+
+    def after(self, agreed: Signature, state: Any, rank: int, dst: Array | None) -> None:
+        """This rank's work after the barrier (the inputs may no longer be read)."""
+
+    def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
+        return self.fuse(agreed, inputs)[rank]
+
+    def run_link(
+        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
+    ) -> None:
+        raise NotImplementedError
 
 
-def _show_op(op: ReduceOp | None) -> str:
-    return op.value if op is not None else "-"
+class AllReduce(Call):
+    kind = "all_reduce"
+
+    @classmethod
+    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
+        assert agreed.op is not None
+        return [reduce_all(agreed.op, inputs)] * len(inputs)
+
+    @classmethod
+    def shared(cls, agreed: Signature, inputs: list[Any]) -> Any:
+        return np.empty_like(inputs[0])
+
+    def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
+        assert agreed.op is not None
+        piece = _slice(state.size, len(inputs), rank)
+        reduce_all(agreed.op, [x[piece] for x in inputs], state[piece])
+
+    def after(self, agreed: Signature, state: Any, rank: int, dst: Array | None) -> None:
+        if dst is not None:
+            copy_into(dst, state)
+
+    def run_link(
+        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
+    ) -> None:
+        assert agreed.op is not None and dst is not None
+        strategies.all_reduce(strategy_for(self.kind), link, src, dst, agreed.op)
 
 
-def agree(
-    specs: Mapping[int, CallSpec],
-    label: str,
-    who: Callable[[list[int]], str] = describe_peers,
-    source_elsewhere: bool = False,
-) -> CallSpec:
-    """The call every participant agreed on (a broadcast's ``root`` filled in); raises otherwise.
+def _slice(length: int, parts: int, index: int) -> slice:
+    return slice(index * length // parts, (index + 1) * length // parts)
 
-    ``specs`` maps participants (peers, or nodes with ``who`` naming them) to their calls;
-    ``label`` names the step in messages, e.g. "#12". With ``source_elsewhere`` a broadcast
-    with no local source is fine (the root is on another node). Raises InvalidArgumentError
-    when a participant's own arguments were unusable, MismatchError when they disagree.
-    """
-    first = specs[min(specs)]
-    if first.kind != "broadcast" and first.error is None and all(spec == first for spec in specs.values()):
-        return first  # the common case, checked cheaply
-    if len({spec.kind for spec in specs.values()}) == 1:
-        label = f"{first.kind} {label}"
-    invalid = [f"{who([peer])}: {spec.error}" for peer, spec in sorted(specs.items()) if spec.error]
-    if invalid:
-        raise InvalidArgumentError(f"{label}: invalid arguments, so no peer ran it: " + "; ".join(invalid))
-    kinds = _disagreement(specs, "kind", str, who)
-    if kinds:
-        raise MismatchError(f"{label}: peers called different collectives: {kinds.removeprefix('kind: ')}")
-    checks: list[tuple[str, Callable[[Any], str]]] = [("shape", str), ("dtype", str)]
-    if first.kind != "broadcast":
-        checks = [("op", _show_op), *checks]
-    if first.kind == "reduce":
-        checks.insert(1, ("root", str))
-    if first.kind == "broadcast":
-        sources = [peer for peer, spec in specs.items() if spec.has_data]
-        if len(sources) > 1 or (not sources and not source_elsewhere):
-            passed = "no peer passed one" if not sources else f"{who(sorted(sources))} passed one"
-            raise MismatchError(f"{label}: exactly one peer (the root) must pass an array; {passed}")
-        # Receivers without an ``out`` buffer state no shape or dtype: compare the others only.
-        specs = {peer: spec for peer, spec in specs.items() if spec.shape is not None}
-        if sources:
-            source = specs[sources[0]]
-            first = source if source.root is not None else source._replace(root=sources[0])
-        elif specs:
-            first = next(iter(specs.values()))._replace(has_data=False, root=None)
-        else:
-            first = first._replace(has_data=False, root=None, shape=None, dtype=None)
-    problems = [text for name, show in checks if (text := _disagreement(specs, name, show, who))]
-    if problems:
-        raise MismatchError(f"{label}: peers disagree on " + "; ".join(problems))
-    return first
+
+class Reduce(AllReduce):
+    kind = "reduce"
+    rules = Rules(("op", "root", "shape", "dtype"))
+    rooted = True
+
+    def check(self, device: Device, size: int, rank: int) -> str | None:
+        if rank != self.root:
+            return check_array(self.x, device, ReduceOp.parse(self.op_arg))  # ``out`` is the root's only
+        return super().check(device, size, rank)
+
+    def result_shape(self, agreed: Signature, size: int, rank: int) -> tuple[int, ...] | None:
+        return agreed.shape if rank == agreed.root else None
+
+    @classmethod
+    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
+        assert agreed.op is not None and agreed.root is not None
+        results: list[Any] = [None] * len(inputs)
+        results[agreed.root] = reduce_all(agreed.op, inputs)
+        return results
+
+    def after(self, agreed: Signature, state: Any, rank: int, dst: Array | None) -> None:
+        if dst is not None:
+            copy_into(dst, state)
+
+    def run_link(
+        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
+    ) -> None:
+        assert agreed.op is not None and agreed.root is not None
+        strategies.reduce(strategy_for(self.kind), link, agreed.root, src, dst, agreed.op)
+
+
+class Broadcast(Call):
+    """The one peer that passes an array is the root; the others pass None (and maybe ``out``)."""
+
+    kind = "broadcast"
+    rules = Rules(("shape", "dtype"), sourced=True)
+    reduces = False
+
+    def check(self, device: Device, size: int, rank: int) -> str | None:
+        if self.x is not None:
+            return super().check(device, size, rank)
+        if self.out is None:
+            return None
+        return check_out(self.out, device, tuple(self.out.shape), self.out.dtype, None)
+
+    def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:
+        stated = self.x if self.x is not None else self.out
+        if problem is not None or stated is None:
+            return Signature(self.kind, None, None, has_data=self.x is not None, error=problem)
+        return Signature(self.kind, None, None, tuple(stated.shape), stated.dtype, self.x is not None)
+
+    @classmethod
+    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
+        assert agreed.root is not None
+        return [inputs[agreed.root].copy()] * len(inputs)  # a copy: the root may reuse x at once
+
+    def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
+        assert agreed.root is not None
+        return None if self.out is not None and self.out is self.x else inputs[agreed.root]
+
+    def run_link(
+        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
+    ) -> None:
+        assert agreed.root is not None and dst is not None
+        strategies.broadcast(strategy_for(self.kind), link, agreed.root, src if src is not None else dst)
+        if src is not None:
+            copy_into(dst, src)
+
+
+class AllGather(Call):
+    """Result (group size, *x.shape): block i is rank i's x."""
+
+    kind = "all_gather"
+    rules = Rules(("shape", "dtype"))
+    reduces = False
+
+    def own_shape(self, size: int) -> tuple[int, ...]:
+        return (size, *self.x.shape)
+
+    def result_shape(self, agreed: Signature, size: int, rank: int) -> tuple[int, ...] | None:
+        assert agreed.shape is not None
+        return (size, *agreed.shape)
+
+    @classmethod
+    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
+        return [array_module(inputs[0]).concatenate(inputs)] * len(inputs)
+
+    def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
+        return None  # ``part`` copies the blocks straight into the result
+
+    def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
+        assert dst is not None
+        for block, x in zip(_blocks(dst, len(inputs)), inputs, strict=True):
+            copy_into(block, x)
+
+    def run_link(
+        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
+    ) -> None:
+        strategies.all_gather(strategy_for(self.kind), link, src, dst)
+
+
+class Gather(AllGather):
+    """All-gather onto the root only."""
+
+    kind = "gather"
+    rules = Rules(("root", "shape", "dtype"))
+    rooted = True
+
+    def check(self, device: Device, size: int, rank: int) -> str | None:
+        if rank != self.root:
+            return check_array(self.x, device, None)
+        return super().check(device, size, rank)
+
+    def result_shape(self, agreed: Signature, size: int, rank: int) -> tuple[int, ...] | None:
+        return super().result_shape(agreed, size, rank) if rank == agreed.root else None
+
+    @classmethod
+    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
+        assert agreed.root is not None
+        results: list[Any] = [None] * len(inputs)
+        results[agreed.root] = array_module(inputs[0]).concatenate(inputs)
+        return results
+
+    def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
+        if dst is not None:
+            super().part(agreed, inputs, state, rank, dst)
+
+    def run_link(
+        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
+    ) -> None:
+        assert agreed.root is not None
+        strategies.gather(strategy_for(self.kind), link, agreed.root, src, dst)
+
+
+class _Blocked(Call):
+    """A call whose x.shape[0] is the group size times k (reduce_scatter, all_to_all)."""
+
+    def check(self, device: Device, size: int, rank: int) -> str | None:
+        problem = check_array(self.x, device, None)
+        if problem is None and (self.x.ndim == 0 or self.x.shape[0] % size):
+            first = "a 0-d array" if self.x.ndim == 0 else f"shape {self.x.shape}"
+            return (
+                f"{self.kind} needs x.shape[0] divisible by the group size {size}, got {first}: "
+                f"pass size*k rows, rank i's share being rows i*k..(i+1)*k-1"
+            )
+        return problem or super().check(device, size, rank)
+
+
+class ReduceScatter(_Blocked):
+    """Rank i gets op over every rank of rows i*k..(i+1)*k of x (x.shape[0] = size*k)."""
+
+    kind = "reduce_scatter"
+
+    def own_shape(self, size: int) -> tuple[int, ...]:
+        return (self.x.shape[0] // size, *self.x.shape[1:])
+
+    def result_shape(self, agreed: Signature, size: int, rank: int) -> tuple[int, ...] | None:
+        assert agreed.shape is not None
+        return (agreed.shape[0] // size, *agreed.shape[1:])
+
+    @classmethod
+    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
+        assert agreed.op is not None
+        return _blocks(reduce_all(agreed.op, inputs), len(inputs))
+
+    def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
+        return None
+
+    def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
+        assert agreed.op is not None and dst is not None
+        reduce_all(agreed.op, [_blocks(x, len(inputs))[rank] for x in inputs], dst)
+
+    def run_link(
+        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
+    ) -> None:
+        assert agreed.op is not None
+        strategies.reduce_scatter(strategy_for(self.kind), link, src, dst, agreed.op)
+
+
+class AllToAll(_Blocked):
+    """Block j of x goes to rank j; block i of the result came from rank i."""
+
+    kind = "all_to_all"
+    rules = Rules(("shape", "dtype"))
+    reduces = False
+    alias_safe = False  # peers read x's blocks while the result is written: out=x needs a scratch
+
+    @classmethod
+    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
+        n, xp = len(inputs), array_module(inputs[0])
+        return [xp.concatenate([_blocks(x, n)[rank] for x in inputs]) for rank in range(n)]
+
+    def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
+        return None
+
+    def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
+        assert dst is not None
+        n = len(inputs)
+        for block, x in zip(_blocks(dst, n), inputs, strict=True):
+            copy_into(block, _blocks(x, n)[rank])
+
+    def run_link(
+        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
+    ) -> None:
+        strategies.all_to_all(strategy_for(self.kind), link, src, dst)
+
+
+class Scatter(Call):
+    """The root passes (group size, *shape); rank i gets row i. The others pass None."""
+
+    kind = "scatter"
+    rules = Rules(("root", "shape", "dtype"), sourced=True)
+    reduces = False
+    rooted = True
+
+    def check(self, device: Device, size: int, rank: int) -> str | None:
+        if rank != self.root:
+            if self.x is not None:
+                return f"only the root (peer {self.root_peer}) passes an array to scatter; pass None"
+            if self.out is None:
+                return None
+            return check_out(self.out, device, tuple(self.out.shape), self.out.dtype, None)
+        if self.x is None:
+            return (
+                f"the root (peer {self.root_peer}) must pass an array of shape (group size, ...) to scatter"
+            )
+        problem = check_array(self.x, device, None)
+        if problem is None and (self.x.ndim == 0 or self.x.shape[0] != size):
+            return f"scatter needs x.shape[0] == the group size {size}, got shape {self.x.shape}"
+        if problem is None and self.out is not None:
+            problem = check_out(self.out, device, tuple(self.x.shape[1:]), self.x.dtype, self.x)
+        return problem
+
+    def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:
+        if problem is not None:
+            return Signature(self.kind, None, self.root, has_data=self.x is not None, error=problem)
+        if self.x is not None:
+            return Signature(self.kind, None, self.root, tuple(self.x.shape[1:]), self.x.dtype)
+        if self.out is not None:
+            return Signature(self.kind, None, self.root, tuple(self.out.shape), self.out.dtype, False)
+        return Signature(self.kind, None, self.root, has_data=False)
+
+    @classmethod
+    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
+        assert agreed.root is not None
+        return [block.copy() for block in _blocks(inputs[agreed.root], len(inputs))]
+
+    def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
+        assert agreed.root is not None
+        return _blocks(inputs[agreed.root], len(inputs))[rank]
+
+    def run_link(
+        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
+    ) -> None:
+        assert agreed.root is not None
+        strategies.scatter(strategy_for(self.kind), link, agreed.root, src, dst)
+
+
+class Barrier(Call):
+    """No data: every peer returns once every peer has entered."""
+
+    kind = "barrier"
+    rules = Rules(())
+    reduces = False
+
+    def check(self, device: Device, size: int, rank: int) -> str | None:
+        return None
+
+    def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:
+        return Signature(self.kind, error=problem)
+
+    def result_shape(self, agreed: Signature, size: int, rank: int) -> tuple[int, ...] | None:
+        return None
+
+    @classmethod
+    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
+        return [None] * len(inputs)
+
+    def run_link(
+        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
+    ) -> None:
+        strategies.barrier(strategy_for(self.kind), link)
+
+
+CALLS: dict[str, type[Call]] = {
+    cls.kind: cls for cls in (AllReduce, Reduce, Broadcast, AllGather, Gather, ReduceScatter, AllToAll,
+                              Scatter, Barrier)
+}  # fmt: skip
+RULES: dict[str, Rules] = {kind: cls.rules for kind, cls in CALLS.items()}
+
+
+def rules_of(kind: str) -> Rules:
+    """The agreement rules of ``kind`` (an unknown kind compares nothing: the kinds differ anyway)."""
+    return RULES.get(kind, Rules(()))

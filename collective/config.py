@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from collective.algorithms.strategies import Ring, Strategy, Tree, parse_strategy
+from collective.algorithms.strategies import Direct, Ring, Strategy, Tree, parse_strategy
 from collective.errors import ConfigError
 
 __all__ = ["DEFAULT_TIMEOUT", "CollectiveConfig"]
@@ -21,14 +21,17 @@ __all__ = ["DEFAULT_TIMEOUT", "CollectiveConfig"]
 DEFAULT_TIMEOUT = 300.0
 
 _GLOBAL_FIELDS = ("num_nodes", "global_address", "node_address", "data_service_port")
-_STRATEGY_FIELDS = (
-    "local_all_reduce_strategy",
-    "local_reduce_strategy",
-    "local_broadcast_strategy",
-    "global_all_reduce_strategy",
-    "global_reduce_strategy",
-    "global_broadcast_strategy",
+KINDS = (
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "gather",
+    "scatter",
 )
+_STRATEGY_FIELDS = tuple(f"{scope}_{kind}_strategy" for scope in ("local", "global") for kind in KINDS)
 
 
 @dataclass(frozen=True)
@@ -36,12 +39,15 @@ class CollectiveConfig:
     """The configuration every peer of a job registers with (all peers of a process pass equal ones).
 
     num_devices: local peers (threads) in this process, >= 1.
-    local_*_strategy: algorithm among the local peers (default Tree(2)).
+    local_<kind>_strategy: algorithm among the local peers, per collective kind (all_reduce,
+        reduce, broadcast, gather, scatter: Tree(2); all_gather, reduce_scatter: Ring();
+        all_to_all: Direct()). A barrier follows all_reduce's.
     num_nodes, global_address, node_address, data_service_port: multi-node fields, all set or
         all unset. global_address is the orchestrator's "host:port". The data service listens on
         node_address's host at data_service_port (0: a free port) and other nodes are told that
         host and the port it got.
-    global_*_strategy: algorithm among node leaders (all_reduce default Ring(), others Tree(2)).
+    global_<kind>_strategy: algorithm among node leaders (all_reduce, all_gather, reduce_scatter:
+        Ring(); all_to_all: Direct(); the others Tree(2)).
     timeout: seconds one collective (and registration) may take before CollectiveTimeout.
     job: the job's name: an orchestrator serves many jobs, told apart by name.
     token: a shared secret; when set, the orchestrator and every data service refuse
@@ -60,6 +66,16 @@ class CollectiveConfig:
     global_all_reduce_strategy: Strategy | str = field(default_factory=Ring)
     global_reduce_strategy: Strategy | str = field(default_factory=Tree)
     global_broadcast_strategy: Strategy | str = field(default_factory=Tree)
+    local_all_gather_strategy: Strategy | str = field(default_factory=Ring)
+    local_reduce_scatter_strategy: Strategy | str = field(default_factory=Ring)
+    local_all_to_all_strategy: Strategy | str = field(default_factory=Direct)
+    local_gather_strategy: Strategy | str = field(default_factory=Tree)
+    local_scatter_strategy: Strategy | str = field(default_factory=Tree)
+    global_all_gather_strategy: Strategy | str = field(default_factory=Ring)
+    global_reduce_scatter_strategy: Strategy | str = field(default_factory=Ring)
+    global_all_to_all_strategy: Strategy | str = field(default_factory=Direct)
+    global_gather_strategy: Strategy | str = field(default_factory=Tree)
+    global_scatter_strategy: Strategy | str = field(default_factory=Tree)
     timeout: float = DEFAULT_TIMEOUT
     job: str = "default"
     token: str | None = field(default=None, repr=False)
@@ -116,6 +132,14 @@ class CollectiveConfig:
             return cls(**values)
         except ConfigError as exc:
             raise ConfigError(f"from the environment: {exc}") from None
+
+    def local_strategy(self, kind: str) -> Strategy:
+        """The strategy among a process's peers for ``kind`` (a barrier follows all_reduce's)."""
+        return getattr(self, f"local_{kind if kind in KINDS else 'all_reduce'}_strategy")  # type: ignore[no-any-return]
+
+    def global_strategy(self, kind: str) -> Strategy:
+        """The strategy among node leaders for ``kind`` (a barrier follows all_reduce's)."""
+        return getattr(self, f"global_{kind if kind in KINDS else 'all_reduce'}_strategy")  # type: ignore[no-any-return]
 
     @property
     def node_host(self) -> str:

@@ -35,6 +35,7 @@ __all__ = [
     "MismatchError",
     "PeerLostError",
     "RegistrationError",
+    "describe_peers",
 ]
 
 
@@ -76,3 +77,18 @@ class CollectiveTimeout(CollectiveError, TimeoutError):
     def __init__(self, message: str, missing: Iterable[int] = ()) -> None:
         super().__init__(message)
         self.missing: tuple[int, ...] = tuple(missing)
+
+
+def describe_peers(peers: list[int]) -> str:
+    """[3] -> 'peer 3'; [0, 1, 2, 5] -> 'peers 0-2, 5'."""
+    peers = sorted(peers)
+    runs: list[str] = []
+    start = previous = peers[0]
+    for peer in [*peers[1:], None]:
+        if peer is not None and peer == previous + 1:
+            previous = peer
+            continue
+        runs.append(str(start) if start == previous else f"{start}-{previous}")
+        if peer is not None:
+            start = previous = peer
+    return ("peer " if len(peers) == 1 else "peers ") + ", ".join(runs)

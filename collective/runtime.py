@@ -1,57 +1,78 @@
-"""Runtime: one process's side of the collective API, over the in-process server.
+"""Runtime: one process's side of the collective API.
 
 A Runtime owns at most one job at a time (the peers of this process) and everything that job
-started; ``reset()``/``close()`` fail every waiting peer and drop it. The module-level
-functions of ``collective`` use one default Runtime; tests and embedders may create their own.
+started; ``reset()``/``close()`` fail every waiting peer and drop it. The module-level functions of
+``collective`` use one default Runtime; tests and embedders may create their own.
+
+Every collective takes the same road: the API method builds a call object (collective.calls), the
+peer's sequencer for the group keeps its calls in order (collective.work), the group's rendezvous
+agrees on the call and hands out a Step (collective.rendezvous), whose executor runs it
+(collective.executors).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Sequence
 from typing import Any
 
-from collective.algorithms import strategies
 from collective.algorithms.ops import Array, ReduceOp
-from collective.arrays import Device, as_array, check_array, check_out, flat, new_result, scale_for_mean
-from collective.calls import CallSpec
+from collective.arrays import Device, as_array, check_array
+from collective.calls import (
+    AllGather,
+    AllReduce,
+    AllToAll,
+    Barrier,
+    Broadcast,
+    Call,
+    Gather,
+    Reduce,
+    ReduceScatter,
+    Scatter,
+)
+from collective.coalesced import coalesced_all_reduce
 from collective.config import CollectiveConfig
 from collective.errors import (
     CollectiveError,
-    CollectiveTimeout,
     ConfigError,
     InvalidArgumentError,
-    PeerLostError,
+    JobClosedError,
     RegistrationError,
 )
-from collective.fastpath import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW
-from collective.node import NodeJob, PeerCall, run_three_phases
-from collective.server import LocalJob, Plan
-from collective.transport.inproc import InProcessLink
+from collective.executors import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW
+from collective.groups import Group
+from collective.job import LocalJob
+from collective.p2p import Mailbox, left_error
+from collective.work import Sequencer
 
 __all__ = ["Runtime"]
 
-
-def _parse_op(op: Any) -> tuple[ReduceOp | None, str | None]:
-    try:
-        return ReduceOp.parse(op), None
-    except InvalidArgumentError as exc:
-        return None, str(exc)
+Op = ReduceOp | str
 
 
-def _shape_dtype(array: Any, problem: str | None) -> tuple[tuple[int, ...] | None, Any]:
-    if problem is not None or array is None:
-        return None, None
-    return tuple(array.shape), array.dtype
+class _Peer:
+    """This process's record of one registered peer: its device and its sequencers per group."""
+
+    def __init__(self, peer: int, device: Device) -> None:
+        self.peer = peer
+        self.device = device
+        self.sequencers: dict[tuple[int, ...], Sequencer] = {}
+        self.lock = threading.Lock()
+
+    def sequencer(self, members: tuple[int, ...]) -> Sequencer:
+        found = self.sequencers.get(members)
+        if found is None:
+            with self.lock:
+                found = self.sequencers.setdefault(members, Sequencer(f"peer{self.peer}"))
+        return found
 
 
 class Runtime:
     """The collective API for the peers (threads) of this process. Usable as a context manager."""
 
     def __init__(self, fuse_below: int = DEFAULT_FUSE_BELOW, share_below: int = DEFAULT_SHARE_BELOW) -> None:
-        """The in-process fast paths (collective.fastpath) for numpy arrays, 0 to turn one off.
+        """The in-process fast paths (collective.executors) for numpy arrays, 0 to turn one off.
 
         ``fuse_below``: arrays of at most this many bytes complete at the rendezvous;
         ``share_below``: arrays of at most this many bytes are combined slice by slice by all peers.
@@ -61,8 +82,9 @@ class Runtime:
         self._share_below = share_below
         self._lock = threading.Lock()
         self._job: LocalJob | None = None
-        self._devices: dict[int, Device] = {}
+        self._peers: dict[int, _Peer] = {}
         self._finished: set[int] = set()
+        self._mailbox = Mailbox()
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -70,8 +92,9 @@ class Runtime:
         """Join ``peer_id`` to the job described by ``config``; blocks until every peer has joined.
 
         Raises ConfigError (not a CollectiveConfig), RegistrationError (peer outside the job,
-        registered twice, a config that differs from the running job's) and CollectiveTimeout
-        (some peers did not register within ``config.timeout``; names them).
+        registered twice, a config that differs from the running job's, an unusable device) and
+        CollectiveTimeout (some peers did not register within ``config.timeout``; names them).
+        A refused registration changes nothing for the peers already in the job.
         """
         if not isinstance(config, CollectiveConfig):
             raise ConfigError(f"config must be a CollectiveConfig, got {type(config).__name__}")
@@ -89,26 +112,27 @@ class Runtime:
         deadline = time.monotonic() + config.timeout
         with self._lock:
             job = self._job
+            created = job is None
             if job is None:
-                job = self._job = self._new_job(config)
+                job = self._new_job(config)
             elif job.config != config:
                 raise RegistrationError(
                     f"peer {peer_id} passed a config that differs from the running job's "
                     f"({'; '.join(config.differences(job.config))}): every peer of a job passes an equal "
                     f"CollectiveConfig, and a new job starts only after every peer of the old one finished"
                 )
-            self._devices[peer_id] = parsed
+            job.reserve(peer_id)  # raises, changing nothing, for a peer that cannot join
+            if created:
+                self._job = job
+                self._mailbox = Mailbox()
+            self._peers[peer_id] = _Peer(peer_id, parsed)
             self._finished.discard(peer_id)
         try:
-            job.join(peer_id, deadline)
+            job.wait_joined(peer_id, deadline)
             if job.node is not None:
                 job.node.join(job.peer_ids, deadline)
-        except CollectiveTimeout:
-            self._drop(job)  # registration failed for every waiting peer: the job is dead
-            raise
         except CollectiveError:
-            if job.active:  # the local peers joined but the node could not join the global job
-                self._drop(job)
+            self._drop(job)  # registration failed for every waiting peer: the job is dead
             raise
 
     def _drop(self, job: LocalJob) -> None:
@@ -125,12 +149,17 @@ class Runtime:
                 config,
                 config.num_devices,
                 self._fuse_below,
+                self._share_below,
                 expected=tuple(range(config.num_devices)),
-                share_below=self._share_below,
             )
-        job = LocalJob(config, config.num_devices, fuse_below=0, report_errors=True)
-        job.node = NodeJob(config)
+        from collective.node import NodeJob
+
+        job = LocalJob(config, config.num_devices)
+        job.node = NodeJob(config, self._mailbox_of)
         return job
+
+    def _mailbox_of(self) -> Mailbox:
+        return self._mailbox
 
     def finish(self, peer_id: int) -> None:
         """Leave the job; the last peer to leave ends it. Raises RegistrationError if not registered."""
@@ -138,8 +167,10 @@ class Runtime:
         empty = job.leave(peer_id)  # checks membership under the job's lock
         with self._lock:
             self._finished.add(peer_id)
+            self._peers.pop(peer_id, None)
             if empty and self._job is job:
                 self._job = None
+        self._mailbox.wake()
         if empty and job.node is not None:
             job.node.close()  # the last local peer leaves: so does this node
 
@@ -147,9 +178,10 @@ class Runtime:
         """Drop the job: every peer blocked in it wakes with JobClosedError (for tests)."""
         with self._lock:
             job, self._job = self._job, None
-            self._devices.clear()
+            self._peers.clear()
             self._finished.clear()
         if job is not None:
+            self._mailbox.close(JobClosedError("the job was reset"))
             job.close("the job was reset")
 
     close = reset
@@ -160,127 +192,185 @@ class Runtime:
     def __exit__(self, *exc_info: object) -> None:
         self.reset()
 
+    def world_size(self, group: Group | None = None) -> int:
+        """The number of peers in the job (or in ``group``)."""
+        if group is not None:
+            return group.size
+        job = self._job
+        if job is None:
+            raise RegistrationError("world_size(): no job: register a peer (or call init()) first")
+        return job.world
+
     # -- collectives --------------------------------------------------------------------------
 
     def all_reduce(
-        self, peer_id: int, x: Array, op: ReduceOp | str = "sum", *, out: Array | None = None
-    ) -> Array:
+        self, peer_id: int, x: Array, op: Op = "sum", *, group: Group | None = None,
+        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
+    ) -> Any:  # fmt: skip
         """Combine ``x`` of every peer with ``op``; every peer gets the same bits.
 
         Returns a new array of ``x``'s shape and dtype, or ``out`` (which may be ``x``) filled.
         Raises RegistrationError, InvalidArgumentError, MismatchError, CollectiveTimeout,
         PeerLostError, JobClosedError (see docs/api.md).
         """
-        job, device = self._member_device(peer_id)
-        x = as_array(x)
-        reduce_op, problem = _parse_op(op)
-        problem = problem or check_array(x, device, reduce_op)
-        if problem is None and out is not None:
-            problem = check_out(out, device, tuple(x.shape), x.dtype, x)
-        spec = CallSpec("all_reduce", reduce_op, None, *_shape_dtype(x, problem), error=problem)
-        plan, src, deadline = self._meet(job, peer_id, spec, None if problem else x)
-        if job.node is not None:
-            mine = PeerCall(peer_id, plan, src, device, x.shape, x.dtype, out, deadline)
-            result = self._three_phases(job, mine)
-        elif plan.result is not None:
-            result = self._copy_fused(job, peer_id, plan.result, device, x.shape, x.dtype, out)
-        elif plan.shared is not None:
-            result = new_result(device, x.shape, x.dtype, out)
-            self._run_shared(job, peer_id, plan, result, deadline)
-        else:
-            with self._running(job, peer_id, plan, deadline) as link:
-                result = new_result(device, x.shape, x.dtype, out)
-                strategy = job.config.local_all_reduce_strategy
-                strategies.all_reduce(strategy, link, src, flat(result), plan.call.op)  # type: ignore[arg-type]
-                link.flush()
-        if plan.call.op is ReduceOp.MEAN:
-            scale_for_mean(result, job.world)
-        return result
+        return self._start(peer_id, AllReduce(x, op, out=out), group, timeout, async_op)
 
     def reduce(
-        self, peer_id: int, x: Array, op: ReduceOp | str = "sum", root: int = 0, *, out: Array | None = None
-    ) -> Array | None:
-        """Combine ``x`` of every peer with ``op`` onto ``root``: the result there, None elsewhere.
+        self, peer_id: int, x: Array, op: Op = "sum", root: int = 0, *, group: Group | None = None,
+        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
+    ) -> Any:  # fmt: skip
+        """Combine ``x`` of every peer with ``op`` onto ``root``: the result there, None elsewhere."""
+        return self._start(peer_id, Reduce(x, op, root, out), group, timeout, async_op)
 
-        ``out`` (used on the root only) receives the result instead of a new array.
-        Raises as all_reduce does.
-        """
-        job, device = self._member_device(peer_id)
-        x = as_array(x)
-        reduce_op, problem = _parse_op(op)
-        problem = problem or check_array(x, device, reduce_op)
-        if problem is None and not job.is_peer(root):
-            problem = f"root {root!r} is not a peer of this job (peers 0..{job.world - 1})"
-        if problem is None and out is not None and peer_id == root:
-            problem = check_out(out, device, tuple(x.shape), x.dtype, x)
-        spec = CallSpec("reduce", reduce_op, root, *_shape_dtype(x, problem), error=problem)
-        plan, src, deadline = self._meet(job, peer_id, spec, None if problem else x)
-        on_root = peer_id == root
-        if job.node is not None:
-            mine = PeerCall(peer_id, plan, src, device, x.shape, x.dtype, out if on_root else None, deadline)
-            result = self._three_phases(job, mine)
-        elif plan.result is not None:
-            result = self._copy_fused(job, peer_id, plan.result, device, x.shape, x.dtype, out, on_root)
-        elif plan.shared is not None:
-            result = new_result(device, x.shape, x.dtype, out) if on_root else None
-            self._run_shared(job, peer_id, plan, result, deadline)
-        else:
-            with self._running(job, peer_id, plan, deadline) as link:
-                result = new_result(device, x.shape, x.dtype, out) if on_root else None
-                target = None if result is None else flat(result)
-                strategy = job.config.local_reduce_strategy
-                strategies.reduce(strategy, link, job.index[root], src, target, plan.call.op)  # type: ignore[arg-type]
-                link.flush()
-        if result is not None and plan.call.op is ReduceOp.MEAN:
-            scale_for_mean(result, job.world)
-        return result
-
-    def broadcast(self, peer_id: int, x: Array | None, *, out: Array | None = None) -> Array:
+    def broadcast(
+        self, peer_id: int, x: Array | None, *, group: Group | None = None,
+        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
+    ) -> Any:  # fmt: skip
         """Copy the array of the one peer that passes one (the root) to every peer.
 
-        Other peers pass None (and optionally ``out`` to receive into). Every peer, the root
-        included, gets a new array (or ``out``). No array or several -> MismatchError everywhere.
-        Raises as all_reduce does.
+        Other peers pass None (and optionally ``out`` to receive into). No array or several is a
+        MismatchError on every peer.
         """
-        job, device = self._member_device(peer_id)
-        x = as_array(x)
-        problem = None if x is None else check_array(x, device, None)
-        described = x
-        if problem is None and out is not None:
-            if x is not None:
-                problem = check_out(out, device, tuple(x.shape), x.dtype, x)
-            else:
-                problem = check_out(out, device, tuple(out.shape), out.dtype, None)
-                described = out
-        spec = CallSpec("broadcast", None, None, *_shape_dtype(described, problem), x is not None, problem)
-        plan, src, deadline = self._meet(job, peer_id, spec, None if problem else x)
-        if job.node is not None:
-            multi = self._three_phases(job, PeerCall(peer_id, plan, src, device, None, None, out, deadline))
-            assert multi is not None
-            return multi
-        call = plan.call
-        assert call.root is not None and call.shape is not None
-        if plan.result is not None:
-            if out is not None and out is x:  # an in-place root already holds the data
-                job.done(peer_id)
-                return out
-            fused = self._copy_fused(job, peer_id, plan.result, device, call.shape, call.dtype, out)
-            assert fused is not None
-            return fused
-        if plan.shared is not None:
-            shared_result = new_result(device, call.shape, call.dtype, out)
-            self._run_shared(job, peer_id, plan, None if shared_result is x else shared_result, deadline)
-            return shared_result
-        with self._running(job, peer_id, plan, deadline) as link:
-            result = new_result(device, call.shape, call.dtype, out)
-            source = src if src is not None else flat(result)
-            strategies.broadcast(job.config.local_broadcast_strategy, link, job.index[call.root], source)
-            if src is not None and result is not x:
-                flat(result)[...] = src
-            link.flush()
-        return result
+        return self._start(peer_id, Broadcast(x, out=out), group, timeout, async_op)
 
-    # -- helpers ------------------------------------------------------------------------------
+    def all_gather(
+        self, peer_id: int, x: Array, *, group: Group | None = None,
+        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
+    ) -> Any:  # fmt: skip
+        """Every peer's ``x`` on every peer: shape (group size, *x.shape), in group-rank order."""
+        return self._start(peer_id, AllGather(x, out=out), group, timeout, async_op)
+
+    def reduce_scatter(
+        self, peer_id: int, x: Array, op: Op = "sum", *, group: Group | None = None,
+        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
+    ) -> Any:  # fmt: skip
+        """``op`` over every peer's ``x`` (x.shape[0] = size*k); rank i gets rows i*k..(i+1)*k-1."""
+        return self._start(peer_id, ReduceScatter(x, op, out=out), group, timeout, async_op)
+
+    def all_to_all(
+        self, peer_id: int, x: Array, *, group: Group | None = None,
+        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
+    ) -> Any:  # fmt: skip
+        """x.shape[0] = size*k: block i of x goes to rank i; block j of the result came from rank j."""
+        return self._start(peer_id, AllToAll(x, out=out), group, timeout, async_op)
+
+    def gather(
+        self, peer_id: int, x: Array, root: int = 0, *, group: Group | None = None,
+        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
+    ) -> Any:  # fmt: skip
+        """Every peer's ``x`` stacked (group size, *x.shape) on ``root``; None elsewhere."""
+        return self._start(peer_id, Gather(x, root=root, out=out), group, timeout, async_op)
+
+    def scatter(
+        self, peer_id: int, x: Array | None, root: int = 0, *, group: Group | None = None,
+        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
+    ) -> Any:  # fmt: skip
+        """The root passes (group size, ...); rank i gets row i. The other peers pass None."""
+        return self._start(peer_id, Scatter(x, root=root, out=out), group, timeout, async_op)
+
+    def barrier(
+        self,
+        peer_id: int,
+        *,
+        group: Group | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+    ) -> Any:
+        """Return once every peer of the group has entered the barrier."""
+        return self._start(peer_id, Barrier(), group, timeout, async_op)
+
+    def all_reduce_coalesced(
+        self, peer_id: int, xs: Sequence[Array], op: Op = "sum", *, group: Group | None = None,
+        timeout: float | None = None, async_op: bool = False, out: Sequence[Array] | None = None,
+    ) -> Any:  # fmt: skip
+        """One all_reduce over many arrays (one agreement, one schedule per dtype): a list back."""
+        member, members = self._group_of(peer_id, group)
+
+        def run() -> list[Array]:
+            return coalesced_all_reduce(
+                xs, op, out, lambda call: self._execute(member, members, call, timeout)
+            )
+
+        return self._sequence(member, members, run, "all_reduce_coalesced", async_op)
+
+    # -- point to point -------------------------------------------------------------------------
+
+    def send(self, peer_id: int, x: Array, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
+        """Hand ``x`` (copied) to peer ``dst``; returns at once, whether or not ``dst`` is receiving."""
+        job, member = self._member(peer_id), self._peer(peer_id)
+        _check_p2p(job, peer_id, dst, tag, "dst")
+        x = as_array(x)
+        problem = check_array(x, member.device, None)
+        if problem is not None:
+            raise InvalidArgumentError(f"send: peer {peer_id}: {problem}")
+        if job.node is not None and not job.node.is_local(dst, job.peer_ids):
+            job.node.send_p2p(peer_id, dst, tag, x, self._deadline(job, timeout))
+            return
+        self._mailbox.put(peer_id, dst, tag, x.copy())
+
+    def recv(
+        self, peer_id: int, src: int, tag: int = 0, *, timeout: float | None = None, out: Array | None = None
+    ) -> Array:
+        """The next array ``src`` sent to this peer with ``tag`` (its shape and dtype, or into ``out``)."""
+        job, member = self._member(peer_id), self._peer(peer_id)
+        _check_p2p(job, peer_id, src, tag, "src")
+        seconds = job.config.timeout if timeout is None else _seconds(timeout)
+
+        def gone(source: int) -> CollectiveError | None:
+            if source in self._finished or source in job.gone_among((source,)):
+                return left_error(source, peer_id)
+            return job.node.lost_peer(source) if job.node is not None else None
+
+        data = self._mailbox.take(src, peer_id, tag, time.monotonic() + seconds, seconds, gone)
+        data = member.device.adopt(data)
+        if out is None:
+            return data
+        if tuple(out.shape) != tuple(data.shape) or out.dtype != data.dtype:
+            raise InvalidArgumentError(
+                f"recv: out has shape {tuple(out.shape)} and dtype {out.dtype}; peer {src} sent "
+                f"{tuple(data.shape)} {data.dtype}"
+            )
+        out[...] = data
+        return out
+
+    # -- the one road ---------------------------------------------------------------------------
+
+    def _start(
+        self, peer_id: int, call: Call, group: Group | None, timeout: float | None, async_op: bool
+    ) -> Any:
+        member, members = self._group_of(peer_id, group)
+        return self._sequence(
+            member, members, lambda: self._execute(member, members, call, timeout), call.kind, async_op
+        )
+
+    def _sequence(self, member: _Peer, members: tuple[int, ...], run: Any, label: str, async_op: bool) -> Any:
+        sequencer = member.sequencer(members)
+        if async_op:
+            return sequencer.submit(run, label)
+        return sequencer.call(run, label)
+
+    def _execute(self, member: _Peer, members: tuple[int, ...], call: Call, timeout: float | None) -> Any:
+        job = self._member(member.peer)
+        call.prepare(member.device, members, members.index(member.peer))
+        seconds = job.config.timeout if timeout is None else _seconds(timeout)
+        deadline = time.monotonic() + seconds
+        with job.rendezvous(members).step(member.peer, call, deadline, seconds) as step:
+            return step.run()
+
+    def _deadline(self, job: LocalJob, timeout: float | None) -> float:
+        return time.monotonic() + (job.config.timeout if timeout is None else _seconds(timeout))
+
+    def _group_of(self, peer_id: int, group: Group | None) -> tuple[_Peer, tuple[int, ...]]:
+        """This peer's record and the group's members; InvalidArgumentError for a group it is not in."""
+        job = self._member(peer_id)
+        member = self._peer(peer_id)
+        if group is None:
+            return member, job.members
+        if not isinstance(group, Group):
+            raise InvalidArgumentError(f"group must be a value of new_group(), got {group!r}")
+        group.check_within(job.world)
+        group.rank(peer_id)  # raises for a peer outside the group
+        return member, group.members
 
     def _member(self, peer_id: int) -> LocalJob:
         job = self._job  # read without the lock: the job's own checks are authoritative
@@ -292,81 +382,26 @@ class Runtime:
             raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
         return job
 
-    def _member_device(self, peer_id: int) -> tuple[LocalJob, Device]:
-        job = self._member(peer_id)
-        device = self._devices.get(peer_id)
-        if device is None:
-            job.check_member(peer_id)  # raises the precise RegistrationError
+    def _peer(self, peer_id: int) -> _Peer:
+        member = self._peers.get(peer_id)
+        if member is None:
+            job = self._member(peer_id)
+            with job.guard:
+                job.check_member(peer_id)  # raises the precise RegistrationError
             raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
-        return job, device
+        return member
 
-    def _meet(
-        self, job: LocalJob, peer_id: int, spec: CallSpec, data: Array | None
-    ) -> tuple[Plan, Array, float]:
-        """Start the deadline and meet the other peers: (the plan, this peer's flat input, the deadline)."""
-        deadline = time.monotonic() + job.config.timeout
-        src = None if data is None else flat(data)
-        return job.rendezvous(peer_id, spec, src, deadline), src, deadline
 
-    def _three_phases(self, job: LocalJob, mine: PeerCall) -> Array | None:
-        """A multi-node collective on this peer (collective.node); failures reach every local peer."""
-        assert job.node is not None
-        with self._running(job, mine.peer, mine.plan, mine.deadline):
-            return run_three_phases(job.node, job, mine)
+def _seconds(timeout: Any) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise InvalidArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    return float(timeout)
 
-    def _run_shared(
-        self, job: LocalJob, peer_id: int, plan: Plan, result: Array | None, deadline: float
-    ) -> None:
-        """This peer's part of a shared-path collective; ``result`` (if any) receives the outcome."""
-        work, exchange = plan.shared, plan.exchange
-        assert work is not None and exchange is not None
-        index = job.index[peer_id]
-        with self._running(job, peer_id, plan, deadline):
-            if work.call.kind == "broadcast":  # copy the root's array, then let the root go
-                if result is not None:
-                    flat(result)[...] = work.inputs[job.index[work.call.root]]  # type: ignore[index]
-                exchange.barrier(index, deadline)
-                return
-            work.combine_slice(index)
-            exchange.barrier(index, deadline)
-            if result is not None:
-                flat(result)[...] = work.result
 
-    def _copy_fused(
-        self,
-        job: LocalJob,
-        peer_id: int,
-        fused: Array,
-        device: Device,
-        shape: tuple[int, ...],
-        dtype: Any,
-        out: Array | None,
-        wanted: bool = True,
-    ) -> Array | None:
-        """This peer's copy of a result the rendezvous computed (no other peer waits on it)."""
-        try:
-            if not wanted:
-                return None
-            result = new_result(device, tuple(shape), dtype, out)
-            result.reshape(-1)[...] = fused
-            return result
-        finally:
-            job.done(peer_id)
-
-    @contextmanager
-    def _running(self, job: LocalJob, peer_id: int, plan: Plan, deadline: float) -> Iterator[InProcessLink]:
-        """A link for this peer's part of ``plan``; a failure here fails the collective for all peers.
-
-        A plan the rendezvous already computed (``plan.result``) has no exchange: its link is unusable.
-        """
-        exchange = plan.exchange
-        try:
-            yield InProcessLink(exchange, job.index[peer_id], deadline)  # type: ignore[arg-type]
-        except CollectiveError:
-            raise
-        except BaseException as exc:
-            if exchange is not None:
-                exchange.abort(PeerLostError(f"{plan.label}: peer {peer_id} failed: {exc!r}", [peer_id]))
-            raise
-        finally:
-            job.done(peer_id)
+def _check_p2p(job: LocalJob, peer: int, other: Any, tag: Any, name: str) -> None:
+    if isinstance(other, bool) or not isinstance(other, int) or not 0 <= other < job.world:
+        raise InvalidArgumentError(f"{name}={other!r} is not a peer of the job (peers 0..{job.world - 1})")
+    if other == peer:
+        raise InvalidArgumentError(f"peer {peer} cannot send to or receive from itself")
+    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
+        raise InvalidArgumentError(f"tag must be an integer >= 0, got {tag!r}")

@@ -148,7 +148,7 @@ def test_mismatch_with_large_arrays_fails_before_any_data_moves(rt: col.Runtime)
             lambda rt, p: rt.all_reduce(p, [1.0, 2.0] if p == 2 else np.zeros(2)),
             "peer 2: x must be a numpy or CuPy array, got list",
         ),
-        (lambda rt, p: rt.reduce(p, np.zeros(3), root=7), "root 7 is not a peer of this job (peers 0..2)"),
+        (lambda rt, p: rt.reduce(p, np.zeros(3), root=7), "root 7 is not a peer of the group (peers 0-2)"),
         (
             lambda rt, p: rt.all_reduce(p, np.zeros(3), out=np.zeros(4) if p == 1 else None),
             "peer 1: out has shape (4,)",
@@ -366,18 +366,25 @@ def test_reset_wakes_blocked_peers_with_job_closed(rt: col.Runtime) -> None:
         rt.all_reduce(0, np.ones(3))
 
 
-def test_one_peer_driven_by_two_threads_is_refused(rt: col.Runtime) -> None:
+def test_one_peer_driven_by_two_threads_runs_its_calls_in_the_order_issued(rt: col.Runtime) -> None:
+    """A second thread's call on a peer waits its turn instead of being refused (or racing)."""
     run_peers(2, lambda p: rt.register(p, "cpu", cfg(2)), rt)
-    results: list[Any] = []
-    first = threading.Thread(target=lambda: results.append(rt.all_reduce(0, np.ones(2))), daemon=True)
+    results: dict[str, Any] = {}
+    first = threading.Thread(target=lambda: results.update(first=rt.all_reduce(0, np.ones(2))), daemon=True)
     first.start()
+    time.sleep(0.1)  # the first call is now waiting for peer 1 inside the rendezvous
+    second = threading.Thread(
+        target=lambda: results.update(second=rt.all_reduce(0, np.full(2, 5.0))), daemon=True
+    )
+    second.start()
     time.sleep(0.1)
-    with pytest.raises(col.RegistrationError, match="already inside a collective"):
-        rt.all_reduce(0, np.ones(2))
-    np.testing.assert_array_equal(rt.all_reduce(1, np.ones(2)), [2, 2])  # completes the first call
+    np.testing.assert_array_equal(rt.all_reduce(1, np.ones(2)), [2, 2])  # meets the first call
+    np.testing.assert_array_equal(rt.all_reduce(1, np.ones(2)), [6, 6])  # then the second
     first.join(5)
-    assert not first.is_alive()
-    np.testing.assert_array_equal(results[0], [2, 2])
+    second.join(5)
+    assert not first.is_alive() and not second.is_alive()
+    np.testing.assert_array_equal(results["first"], [2, 2])
+    np.testing.assert_array_equal(results["second"], [6, 6])
 
 
 def test_a_failure_inside_one_peer_fails_the_collective_for_all(monkeypatch: pytest.MonkeyPatch) -> None:

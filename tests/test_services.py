@@ -18,8 +18,6 @@ import numpy as np
 import pytest
 import zmq
 
-from collective.algorithms.ops import ReduceOp
-from collective.calls import CallSpec
 from collective.errors import MismatchError, RegistrationError
 from collective.transport.network import NodeNetwork
 from collective.transport.orchestrator import Orchestrator
@@ -229,7 +227,7 @@ def test_absurd_declared_sizes_fail_the_collective_without_allocating(
     mesh: tuple[NodeNetwork, NodeNetwork],
 ) -> None:
     a, b = mesh
-    call = CallSpec("all_reduce", ReduceOp.SUM, None, (4,), np.dtype("float64"))
+    call = {"kind": "all_reduce", "op": "sum", "root": None, "shape": [4], "dtype": "float64"}
     signature = {"kind": "all_reduce", "op": "sum", "root": None, "shape": [4], "dtype": "float64"}
     a.send(1, {"t": "data", "seq": 0, **signature, "off": 0, "n": 10**15}, np.zeros(4))
     link = ZmqLink(b, 0, call, time.monotonic() + 5)
@@ -273,7 +271,7 @@ def test_same_host_nodes_pass_large_chunks_through_shared_memory(
     assert a.info["shm"] and a.info["host"] == b.info["host"]
     count = (SLOTS + 4) * SLOT_BYTES // 8  # more chunks than slots: the rest go over TCP
     data = np.arange(count, dtype=np.float64)
-    call = CallSpec("broadcast", None, 0, (count,), np.dtype("float64"))
+    call = {"kind": "broadcast", "op": None, "root": 0, "shape": [count], "dtype": "float64"}
     sender = ZmqLink(a, 0, call, time.monotonic() + 30)
     sender.send(1, data)
     assert a._segment is not None and not a._segment._free  # every slot lent
@@ -292,7 +290,7 @@ def test_forged_slots_and_acks_are_refused(
     shm_mesh: tuple[NodeNetwork, NodeNetwork], caplog: pytest.LogCaptureFixture
 ) -> None:
     a, b = shm_mesh
-    call = CallSpec("all_reduce", ReduceOp.SUM, None, (4,), np.dtype("float64"))
+    call = {"kind": "all_reduce", "op": "sum", "root": None, "shape": [4], "dtype": "float64"}
     signature = {"kind": "all_reduce", "op": "sum", "root": None, "shape": [4], "dtype": "float64"}
     a.send(1, {"t": "data", "seq": 0, **signature, "off": 0, "n": 4, "shm": SLOTS + 3})
     with pytest.raises(MismatchError, match="unusable slot"):

@@ -29,8 +29,7 @@ from typing import Any, TypeGuard
 import msgpack
 import zmq
 
-from collective.calls import describe_peers
-from collective.errors import RegistrationError
+from collective.errors import RegistrationError, describe_peers
 from collective.transport.auth import secure, watch_refusals
 
 __all__ = [

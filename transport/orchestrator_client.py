@@ -17,8 +17,13 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from collective.calls import describe_peers
-from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError, RegistrationError
+from collective.errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    PeerLostError,
+    RegistrationError,
+    describe_peers,
+)
 from collective.transport.auth import HANDSHAKE_FAILED, handshake_failure, secure
 from collective.transport.orchestrator import (
     HEARTBEAT_INTERVAL,

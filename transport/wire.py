@@ -4,13 +4,13 @@ Every message is a ZeroMQ multipart message ``[header, *payload]``. The header i
 with at least ``t`` (type), ``job`` (job name), ``seq`` (collective step) and ``src`` (sending node
 index). Types:
 
-``call``  one node's CallSpec for step ``seq`` (kind, op, root, shape, dtype, has_data, error),
-          plus ``small``: the node's (already locally reduced) array as raw bytes when it holds
-          at most SMALL_BYTES, else absent; or ``verdict`` {class, message} when the node's local
-          step failed. Exchanged all-to-all among node leaders before any data moves.
 ``data``  a chunk of the array of step ``seq``: ``off`` and ``n`` (first element and element count)
-          plus the call's kind / op / root / shape / dtype, so every transfer re-checks that both
-          sides run the same collective. One payload frame of ``n`` elements.
+          plus the fields the caller asks every chunk to repeat (collective.protocol.check_fields),
+          so every transfer re-checks that both sides run the same step. One payload frame of
+          ``n`` elements, or ``shm``: the slot of the sender's shared-memory segment holding it.
+``ack``   a shared-memory slot has been read (transport.network); ``abort``: the sender gave up
+          step ``seq``. The messages about collectives (``call``, ``verdict``, ``p2p``) are
+          collective.protocol's.
 
 Nothing is unpickled: headers are msgpack with bounded sizes, payloads are raw bytes whose length
 must equal what the header declares, and declared sizes are checked against the receiver's own
@@ -24,9 +24,6 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from collective.algorithms.ops import ReduceOp
-from collective.calls import CallSpec
-
 __all__ = [
     "CHUNK_BYTES",
     "SMALL_BYTES",
@@ -36,8 +33,6 @@ __all__ = [
     "decode_header",
     "dtype_from_name",
     "encode_header",
-    "spec_from_header",
-    "spec_to_header",
 ]
 
 CHUNK_BYTES = 4 << 20  # large arrays travel in chunks of this size: ZeroMQ moves 2-8 MiB messages fastest
@@ -93,54 +88,3 @@ def dtype_from_name(name: Any) -> np.dtype[Any]:
         name = ml_dtypes.bfloat16
     dtype: np.dtype[Any] = np.dtype(name)
     return dtype
-
-
-def spec_to_header(spec: CallSpec) -> dict[str, Any]:
-    return {
-        "kind": spec.kind,
-        "op": spec.op.value if spec.op is not None else None,
-        "root": spec.root,
-        "shape": list(spec.shape) if spec.shape is not None else None,
-        "dtype": str(spec.dtype) if spec.dtype is not None else None,
-        "has_data": spec.has_data,
-        "error": spec.error,
-    }
-
-
-def spec_from_header(header: dict[str, Any]) -> CallSpec:
-    """The CallSpec a ``call`` header carries; raises WireError if any field is malformed."""
-    kind = header.get("kind")
-    if kind not in ("all_reduce", "reduce", "broadcast"):
-        raise WireError(f"unknown collective {kind!r}")
-    op_name, root, shape, dtype = (
-        header.get("op"),
-        header.get("root"),
-        header.get("shape"),
-        header.get("dtype"),
-    )
-    op = None
-    if op_name is not None:
-        try:
-            op = ReduceOp.parse(op_name)
-        except ValueError:
-            raise WireError(f"unknown reduce op {op_name!r}") from None
-    if root is not None and (not isinstance(root, int) or isinstance(root, bool) or root < 0):
-        raise WireError(f"invalid root {root!r}")
-    if shape is not None:
-        if not isinstance(shape, list) or not all(
-            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
-        ):
-            raise WireError(f"invalid shape {shape!r}")
-        shape = tuple(shape)
-    error = header.get("error")
-    if error is not None and not isinstance(error, str):
-        raise WireError("invalid error field")
-    return CallSpec(
-        kind,
-        op,
-        root,
-        shape,
-        None if dtype is None else dtype_from_name(dtype),
-        bool(header.get("has_data")),
-        error,
-    )

@@ -17,40 +17,46 @@ import numpy as np
 import zmq
 
 from collective.algorithms.ops import Array, ReduceOp, combine, copy_into
-from collective.calls import CallSpec
 from collective.errors import CollectiveTimeout, MismatchError
 from collective.transport.inproc import on_device_of
 from collective.transport.network import NodeNetwork
-from collective.transport.wire import CHUNK_BYTES, SMALL_BYTES, spec_to_header
+from collective.transport.wire import CHUNK_BYTES, SMALL_BYTES
 
 __all__ = ["ZmqLink"]
-
-_CHECKED = ("kind", "op", "root", "shape", "dtype")
 
 
 class ZmqLink:
     """This node's end of step ``seq`` among the nodes of ``network``."""
 
     def __init__(
-        self, network: NodeNetwork, seq: int, call: CallSpec, deadline: float, describe: Any = str
+        self,
+        network: NodeNetwork,
+        seq: int,
+        signature: dict[str, Any],
+        deadline: float,
+        describe: Any = str,
+        nodes: list[int] | None = None,
     ) -> None:
+        """``signature``: fields every chunk repeats; ``nodes``: the node indices of this link's ranks."""
         self._network = network
         self._seq = seq
         self._deadline = deadline
         self._describe = describe  # node index -> "node 1 (peers 2-3)"
-        spec = spec_to_header(call)
-        self._signature = {key: spec[key] for key in _CHECKED}
+        self._signature = signature
+        self._nodes = nodes if nodes is not None else list(range(network.size))
+        self._rank = self._nodes.index(network.index)
         self._trackers: list[zmq.MessageTracker] = []
 
     @property
     def rank(self) -> int:
-        return self._network.index
+        return self._rank
 
     @property
     def size(self) -> int:
-        return self._network.size
+        return len(self._nodes)
 
-    def send(self, dst: int, data: Array) -> None:
+    def send(self, rank: int, data: Array) -> None:
+        dst = self._nodes[rank]
         if not isinstance(data, np.ndarray):  # a CuPy array leaves the device once
             data = data.get()
         base = {"t": "data", "seq": self._seq, **self._signature}
@@ -115,21 +121,22 @@ class ZmqLink:
         if header["seq"] != self._seq or header["t"] != "data":
             raise MismatchError(
                 f"{self._describe(src)} sent a {header['t']} message of step {header['seq']} while node "
-                f"{self.rank} runs step {self._seq}: the nodes called different numbers of collectives"
+                f"{self._network.index} runs step {self._seq}: the nodes called different numbers of "
+                f"collectives"
             )
-        theirs = {key: header.get(key) for key in _CHECKED}
+        theirs = {key: header.get(key) for key in self._signature}
         if theirs != self._signature:
             raise MismatchError(
                 f"step {self._seq}: {self._describe(src)} runs {theirs} "
-                f"but node {self.rank} runs {self._signature}"
+                f"but node {self._network.index} runs {self._signature}"
             )
 
-    def recv_into(self, src: int, out: Array) -> None:
-        for where, view in self._chunks(src, out.size, out.dtype):
+    def recv_into(self, rank: int, out: Array) -> None:
+        for where, view in self._chunks(self._nodes[rank], out.size, out.dtype):
             copy_into(out[where], on_device_of(out, view))
 
-    def recv_reduce(self, src: int, operand: Array, out: Array, op: ReduceOp) -> None:
-        for where, view in self._chunks(src, out.size, out.dtype):
+    def recv_reduce(self, rank: int, operand: Array, out: Array, op: ReduceOp) -> None:
+        for where, view in self._chunks(self._nodes[rank], out.size, out.dtype):
             combine(op, on_device_of(out, view), operand[where], out[where])
 
     def flush(self) -> None:
@@ -139,6 +146,6 @@ class ZmqLink:
                 tracker.wait(max(0.0, remaining))
             except zmq.NotDone:
                 raise CollectiveTimeout(
-                    f"step {self._seq}: data sent by node {self.rank} was not delivered in time"
+                    f"step {self._seq}: data sent by node {self._network.index} was not delivered in time"
                 ) from None
         self._trackers.clear()

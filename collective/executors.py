@@ -1,0 +1,145 @@
+"""Executors: the ways one agreed collective runs, behind one interface, chosen in one place.
+
+* ``Fused``: small numpy arrays in one process. The last peer at the rendezvous computes every
+  peer's result (``Call.fuse``); each peer copies its own. One wake-up per peer.
+* ``Shared``: mid-size numpy arrays in one process. Every peer reads the others' inputs directly
+  and does its share (``Call.part``: e.g. its slice of a reduction), all meet at one barrier, then
+  each finishes (``Call.after``: e.g. copies the shared result out).
+* ``Linked``: anything else in one process (large arrays, CuPy): the configured strategy's
+  schedule (collective.algorithms) over the in-process Link.
+* ``ThreePhase`` (collective.three_phase): peers on several nodes.
+
+Inputs are combined in rank order on every path, so results are deterministic and bit-identical
+across peers. ``choose`` is the one place that picks the executor.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from collective.algorithms.ops import Array, array_module, copy_into
+from collective.arrays import flat
+from collective.errors import CollectiveError
+from collective.signature import Signature
+from collective.transport.inproc import Exchange, InProcessLink
+
+if TYPE_CHECKING:
+    from collective.calls import Call
+    from collective.job import LocalJob
+    from collective.step import Step
+
+__all__ = ["DEFAULT_FUSE_BELOW", "DEFAULT_SHARE_BELOW", "Executor", "Fused", "Linked", "Shared", "choose"]
+
+DEFAULT_FUSE_BELOW = 64 * 1024
+DEFAULT_SHARE_BELOW = 4 << 20
+
+
+class Executor(Protocol):
+    def run(self, step: Step) -> Array | None:
+        """This peer's part of the step: its result (None where it gets none)."""
+        ...
+
+    def abort(self, error: CollectiveError) -> None:
+        """Fail the step for every peer still inside it."""
+        ...
+
+
+def _numpy_within(inputs: list[Any], limit: int) -> bool:
+    """Every input is a numpy array of at most ``limit`` bytes (peers without one are fine)."""
+    return all(a is None or (type(a) is np.ndarray and a.nbytes <= limit) for a in inputs)
+
+
+def choose(
+    job: LocalJob, members: tuple[int, ...], agreed: Signature, calls: list[Call], label: str
+) -> Executor:
+    """How the step ``agreed`` of the group ``members`` runs, given every local peer's call."""
+    if job.node is not None:
+        from collective.three_phase import ThreePhase
+
+        return ThreePhase(job, members, agreed, calls, label)
+    inputs = [call.src for call in calls]
+    if job.fuse_below and _numpy_within(inputs, job.fuse_below):
+        return Fused(type(calls[0]).fuse(agreed, inputs))
+    exchange = Exchange(members, label)
+    job.exchanges.add(exchange)
+    if job.share_below and _numpy_within(inputs, job.share_below):
+        return Shared(exchange, inputs, type(calls[0]).shared(agreed, inputs))
+    config = job.config
+    return Linked(exchange, config.local_strategy)
+
+
+def _target(step: Step) -> tuple[Array | None, Array | None, Array | None]:
+    """(the result, the flat buffer the work writes, a scratch buffer to copy back from or None).
+
+    A scratch stands in for the result when the call's schedule may not write ``out`` while it is
+    also ``x`` (all_to_all reads x's blocks while it writes the result).
+    """
+    call, plan = step.call, step.plan
+    result = call.new_result(call.device, plan.agreed, plan.size, step.rank)
+    if result is None:
+        return None, None, None
+    buffer = flat(result)
+    if not call.alias_safe and call.x is not None and array_module(buffer).may_share_memory(buffer, call.x):
+        scratch = array_module(buffer).empty_like(buffer)
+        return result, scratch, scratch
+    return result, buffer, None
+
+
+class Fused:
+    """Every peer's result was computed at the rendezvous; each peer copies its own."""
+
+    def __init__(self, results: list[Any]) -> None:
+        self.results = results
+
+    def run(self, step: Step) -> Array | None:
+        result, buffer, _ = _target(step)
+        if buffer is not None:
+            copy_into(buffer, self.results[step.rank])
+        return result
+
+    def abort(self, error: CollectiveError) -> None:
+        """Nobody waits for anybody on this path."""
+
+
+class Shared:
+    """Each peer does its part reading the others' inputs, all meet at one barrier, each finishes."""
+
+    def __init__(self, exchange: Exchange, inputs: list[Any], state: Any) -> None:
+        self.exchange = exchange
+        self.inputs = inputs
+        self.state = state
+
+    def run(self, step: Step) -> Array | None:
+        call, agreed = step.call, step.plan.agreed
+        result, buffer, scratch = _target(step)
+        call.part(agreed, self.inputs, self.state, step.rank, buffer)
+        self.exchange.barrier(step.index, step.deadline)
+        call.after(agreed, self.state, step.rank, buffer)
+        if scratch is not None:
+            copy_into(flat(result), scratch)
+        return result
+
+    def abort(self, error: CollectiveError) -> None:
+        self.exchange.abort(error)
+
+
+class Linked:
+    """The configured strategy's schedule over the in-process Link."""
+
+    def __init__(self, exchange: Exchange, strategy_for: Any) -> None:
+        self.exchange = exchange
+        self.strategy_for = strategy_for
+
+    def run(self, step: Step) -> Array | None:
+        result, buffer, scratch = _target(step)
+        link = InProcessLink(self.exchange, step.index, step.deadline)
+        step.call.run_link(self.strategy_for, link, step.plan.agreed, step.call.src, buffer)
+        link.flush()
+        if scratch is not None:
+            copy_into(flat(result), scratch)
+        return result
+
+    def abort(self, error: CollectiveError) -> None:
+        self.exchange.abort(error)

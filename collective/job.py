@@ -1,0 +1,216 @@
+"""LocalJob: the peers of one job that live in this process, their registration and their groups.
+
+Registration waits until every local peer has joined (or the timeout names the missing ones).
+Each group the local peers call on has its own Rendezvous, made on first use: groups need no
+creation call across peers. One lock (``guard``) protects membership and every rendezvous of the
+job; threads are woken with doorbells rung after the lock is released (transport.inproc).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+from collective.config import CollectiveConfig
+from collective.errors import CollectiveTimeout, JobClosedError, PeerLostError, RegistrationError
+from collective.rendezvous import Rendezvous
+from collective.signature import describe_peers
+from collective.transport.inproc import Doorbell, Exchange, clone_error, ring_claimed
+
+if TYPE_CHECKING:
+    from collective.node import NodeJob
+
+__all__ = ["LocalJob"]
+
+
+class _Guard:
+    """``with guard:`` holds the job lock; bells claimed meanwhile are rung after it is released."""
+
+    __slots__ = ("claimed", "lock")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.claimed: list[Doorbell] = []
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        claimed, self.claimed = self.claimed, []
+        self.lock.release()
+        ring_claimed(claimed)
+
+
+class LocalJob:
+    """The ``size`` peers of one job in this process (their ids fixed once all joined).
+
+    ``expected``: the peer ids that must join (one-process jobs), to name the missing ones.
+    ``fuse_below`` / ``share_below``: the in-process fast paths (collective.executors).
+    """
+
+    def __init__(
+        self,
+        config: CollectiveConfig,
+        size: int,
+        fuse_below: int = 0,
+        share_below: int = 0,
+        expected: tuple[int, ...] | None = None,
+    ) -> None:
+        self.config = config
+        self.size = size
+        self.expected = expected
+        self.fuse_below = fuse_below
+        self.share_below = share_below
+        self.peer_ids: tuple[int, ...] = ()
+        self.node: NodeJob | None = None  # multi-node: this process's membership of the global job
+        self._guard = _Guard()
+        self.lock = self._guard.lock
+        self._bells: dict[int, Doorbell] = {}
+        self._registered: set[int] = set()
+        self._active = False
+        self._left: set[int] = set()
+        self._closed: JobClosedError | None = None
+        self._registration_failed: CollectiveTimeout | None = None
+        self._groups: dict[tuple[int, ...], Rendezvous] = {}
+        self.exchanges: weakref.WeakSet[Exchange] = weakref.WeakSet()  # live ones, aborted by close()
+
+    @property
+    def guard(self) -> _Guard:
+        return self._guard
+
+    @property
+    def active(self) -> bool:
+        """Every local peer has joined."""
+        return self._active
+
+    @property
+    def world(self) -> int:
+        """Peers in the whole job (every node's)."""
+        return self.node.world if self.node is not None else len(self.peer_ids)
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Every peer id of the job, sorted."""
+        return tuple(range(self.world)) if self.node is not None else self.peer_ids
+
+    def bell(self, peer: int) -> Doorbell:
+        return self._bells[peer]
+
+    def ring_all(self) -> None:
+        """Wake every waiting peer once the lock is released (lock held)."""
+        self._guard.claimed.extend(bell for bell in self._bells.values() if bell.claim())
+
+    # -- registration -------------------------------------------------------------------------
+
+    def reserve(self, peer: int) -> None:
+        """Claim ``peer``'s place in this job, or raise RegistrationError and change nothing."""
+        with self._guard:
+            self._raise_if_closed()
+            if peer in self._left:
+                raise RegistrationError(
+                    f"peer {peer} already finished this job; it cannot rejoin it. Once peers "
+                    f"{sorted(self._registered)} have called finish(), register again to start a new job"
+                )
+            if peer in self._registered:
+                raise RegistrationError(f"peer {peer} is already registered; call finish({peer}) first")
+            if len(self._registered) >= self.size:
+                raise RegistrationError(
+                    f"this process's job already has its num_devices={self.size} peers "
+                    f"({describe_peers(sorted(self._registered))}); "
+                    f"peer {peer} belongs to another process or job"
+                )
+            self._registered.add(peer)
+            self._bells[peer] = Doorbell()
+            if len(self._registered) == self.size:
+                self.peer_ids = tuple(sorted(self._registered))
+                self._active = True
+                self.ring_all()
+
+    def wait_joined(self, peer: int, deadline: float) -> None:
+        """Wait until every local peer of the job has registered (raises CollectiveTimeout)."""
+        while True:
+            with self._guard:
+                if self._active:
+                    return
+                self._raise_if_closed()
+                if self._registration_failed is None and time.monotonic() >= deadline:
+                    missing = sorted(set(self.expected) - self._registered) if self.expected else []
+                    who = (
+                        describe_peers(missing)
+                        if missing
+                        else f"{self.size - len(self._registered)} more peer(s)"
+                    )
+                    self._registration_failed = CollectiveTimeout(
+                        f"register: peers waited {self.config.timeout:g}s for {who} to register; "
+                        f"start every peer of the job",
+                        missing,
+                    )
+                    self.ring_all()
+                if self._registration_failed is not None:
+                    raise clone_error(self._registration_failed)
+                self._bells[peer].arm()
+            self._bells[peer].wait(deadline - time.monotonic(), self.lock)
+
+    def leave(self, peer: int) -> bool:
+        """Unregister ``peer``; peers waiting for it fail with PeerLostError. True if the job is now empty."""
+        with self._guard:
+            self._check_member(peer)
+            self._registered.discard(peer)
+            self._left.add(peer)
+            for rendezvous in self._groups.values():
+                if peer in rendezvous.local:
+                    rendezvous.fail_open(
+                        PeerLostError(f"peer {peer} called finish() while others waited for it", [peer])
+                    )
+            self.ring_all()
+            return not self._registered
+
+    def close(self, reason: str) -> None:
+        """Fail everything now and later: waiting peers wake with JobClosedError."""
+        with self._guard:
+            self._closed = JobClosedError(reason)
+            for rendezvous in self._groups.values():
+                rendezvous.fail_open(self._closed)
+            self.ring_all()
+            exchanges = list(self.exchanges)
+        for exchange in exchanges:
+            exchange.abort(JobClosedError(reason))
+        if self.node is not None:
+            self.node.close()
+
+    def check_member(self, peer: int) -> None:
+        """Raise RegistrationError (or JobClosedError) unless ``peer`` is registered (lock held)."""
+        self._check_member(peer)
+
+    def gone_among(self, peers: tuple[int, ...]) -> list[int]:
+        """The peers of ``peers`` that left the job (lock held)."""
+        return sorted(self._left.intersection(peers)) if self._left else []
+
+    # -- groups -------------------------------------------------------------------------------
+
+    def rendezvous(self, members: tuple[int, ...]) -> Rendezvous:
+        """The rendezvous of the group ``members`` (sorted peer ids) among this process's peers."""
+        found = self._groups.get(members)
+        if found is not None:
+            return found
+        with self._guard:
+            found = self._groups.get(members)
+            if found is None:
+                local = tuple(peer for peer in members if peer in self._bells)
+                found = self._groups[members] = Rendezvous(self, members, local)
+            return found
+
+    # -- helpers (lock held) ------------------------------------------------------------------
+
+    def _raise_if_closed(self) -> None:
+        if self._closed is not None:
+            raise clone_error(self._closed)
+
+    def _check_member(self, peer: int) -> None:
+        self._raise_if_closed()
+        if peer in self._left:
+            raise RegistrationError(f"peer {peer} has finished; call register() to start a new job")
+        if peer not in self._registered:
+            raise RegistrationError(f"peer {peer} is not registered: call register() first")

@@ -1,0 +1,154 @@
+"""The messages node leaders exchange about collectives: one typed class per kind.
+
+Each message encodes to a header map (the transport adds ``job`` and ``src`` and frames it with
+the bounded codec of transport.wire) and decodes from one with every field validated; a malformed
+message is a WireError, which the caller turns into the error its users see. Kinds:
+
+``call``     a node's agreed Signature for step ``seq`` (kind, op, root, shape, dtype, has_data,
+             error, parts), plus ``small``: the node's contribution as raw bytes when it holds at
+             most SMALL_BYTES (then no data messages follow: every node combines the payloads).
+``verdict``  instead of a call: the node's local step failed (error class and message).
+``p2p``      a point-to-point array from peer ``from`` to peer ``to`` with ``tag`` (payload frame).
+
+Data chunks (``data``), shared-memory acknowledgements (``ack``) and ``abort`` are the
+transport's own (transport.zmq_link, transport.network); ``check_fields`` gives the signature
+fields every data chunk repeats so a receiver can compare them with its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, TypeGuard
+
+from collective.algorithms.ops import ReduceOp
+from collective.errors import CollectiveError
+from collective.signature import Signature
+from collective.transport.wire import WireError, dtype_from_name
+
+__all__ = ["CallMessage", "P2PMessage", "VerdictMessage", "check_fields", "decode_call"]
+
+_KINDS = frozenset(
+    ["all_reduce", "reduce", "broadcast", "all_gather", "gather", "reduce_scatter", "all_to_all", "scatter",
+     "barrier", "all_reduce_coalesced"]
+)  # fmt: skip
+
+
+def _is_int(value: Any, minimum: int = 0) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or not all(_is_int(d) for d in value):
+        raise WireError(f"invalid shape {value!r}")
+    return tuple(value)
+
+
+def signature_fields(spec: Signature) -> dict[str, Any]:
+    return {
+        "kind": spec.kind,
+        "op": spec.op.value if spec.op is not None else None,
+        "root": spec.root,
+        "shape": list(spec.shape) if spec.shape is not None else None,
+        "dtype": str(spec.dtype) if spec.dtype is not None else None,
+        "has_data": spec.has_data,
+        "error": spec.error,
+        "parts": [[list(shape), dtype] for shape, dtype in spec.parts],
+    }
+
+
+def check_fields(spec: Signature) -> dict[str, Any]:
+    """The fields every data chunk of a step repeats (the receiver compares them with its own)."""
+    fields = signature_fields(spec)
+    return {key: fields[key] for key in ("kind", "op", "root", "shape", "dtype")}
+
+
+def signature_from_fields(header: dict[str, Any]) -> Signature:
+    """The Signature a ``call`` header carries; raises WireError if any field is malformed."""
+    kind = header.get("kind")
+    if kind not in _KINDS:
+        raise WireError(f"unknown collective {kind!r}")
+    op_name, root, shape, dtype, error = (header.get(k) for k in ("op", "root", "shape", "dtype", "error"))
+    op = None
+    if op_name is not None:
+        try:
+            op = ReduceOp.parse(op_name)
+        except ValueError:
+            raise WireError(f"unknown reduce op {op_name!r}") from None
+    if root is not None and not _is_int(root):
+        raise WireError(f"invalid root {root!r}")
+    if error is not None and not isinstance(error, str):
+        raise WireError("invalid error field")
+    parts = header.get("parts") or []
+    if not isinstance(parts, list) or not all(isinstance(p, list) and len(p) == 2 for p in parts):
+        raise WireError("invalid parts field")
+    return Signature(
+        kind,
+        op,
+        root,
+        None if shape is None else _shape(shape),
+        None if dtype is None else dtype_from_name(dtype),
+        bool(header.get("has_data")),
+        error,
+        tuple((_shape(shape), str(dtype_from_name(name))) for shape, name in parts),
+    )
+
+
+@dataclass(frozen=True)
+class CallMessage:
+    seq: int
+    signature: Signature
+    small: bytes | None = None
+
+    def encode(self) -> dict[str, Any]:
+        header = {"t": "call", "seq": self.seq, **signature_fields(self.signature)}
+        if self.small is not None:
+            header["small"] = self.small
+        return header
+
+
+@dataclass(frozen=True)
+class VerdictMessage:
+    seq: int
+    error_class: str
+    message: str
+
+    @classmethod
+    def of(cls, seq: int, error: CollectiveError) -> VerdictMessage:
+        return cls(seq, type(error).__name__, str(error)[:2000])
+
+    def encode(self) -> dict[str, Any]:
+        return {"t": "verdict", "seq": self.seq, "class": self.error_class, "message": self.message}
+
+
+def decode_call(header: dict[str, Any]) -> CallMessage | VerdictMessage:
+    """A ``call`` or ``verdict`` header as its message; WireError for anything else."""
+    if header.get("t") == "verdict":
+        return VerdictMessage(header["seq"], str(header.get("class")), str(header.get("message")))
+    if header.get("t") != "call":
+        raise WireError(f"expected a call, got a {header.get('t')!r} message")
+    small = header.get("small")
+    if small is not None and not isinstance(small, bytes):
+        raise WireError("invalid small payload")
+    return CallMessage(header["seq"], signature_from_fields(header), small)
+
+
+@dataclass(frozen=True)
+class P2PMessage:
+    sender: int
+    receiver: int
+    tag: int
+    shape: tuple[int, ...]
+    dtype: str
+
+    def encode(self) -> dict[str, Any]:
+        return {"t": "p2p", "seq": 0, "from": self.sender, "to": self.receiver, "tag": self.tag,
+                "shape": list(self.shape), "dtype": self.dtype}  # fmt: skip
+
+    @classmethod
+    def decode(cls, header: dict[str, Any]) -> P2PMessage:
+        sender, receiver, tag = header.get("from"), header.get("to"), header.get("tag")
+        if not (_is_int(sender) and _is_int(receiver) and _is_int(tag)):
+            raise WireError("invalid p2p addressing")
+        return cls(
+            sender, receiver, tag, _shape(header.get("shape")), str(dtype_from_name(header.get("dtype")))
+        )

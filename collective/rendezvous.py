@@ -1,0 +1,187 @@
+"""The rendezvous of one group's local peers: steps, agreement, and the Step every peer leaves with.
+
+Each local peer of a group counts its own calls on the group (its steps); the i-th call of every
+peer meets in slot i. The last peer to arrive runs the agreement over every peer's signature and
+asks ``executors.choose`` how the step runs; every waiting peer wakes with the same verdict, a
+``Step`` or the same error. Because steps are counted per peer, after a timeout or a mismatch all
+peers move on together: the group stays usable. Groups are independent: each has its own steps,
+its own busy state per peer and its own slots, so calls on different groups run concurrently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from collective.calls import Call, rules_of
+from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError, RegistrationError
+from collective.executors import Executor, choose
+from collective.signature import Signature, agree, describe_peers
+from collective.step import Plan, Step
+from collective.transport.inproc import Doorbell, clone_error
+
+if TYPE_CHECKING:
+    from collective.job import LocalJob
+
+__all__ = ["Rendezvous"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Slot:
+    number: int
+    calls: dict[int, Call] = field(default_factory=dict)  # by local index
+    outcome: Plan | CollectiveError | None = None
+    reporter: int | None = None  # multi-node: the local index that tells the other nodes it failed
+
+
+class Rendezvous:
+    """The local peers ``local`` (peer ids, sorted) of the group ``members`` in ``job``."""
+
+    def __init__(self, job: LocalJob, members: tuple[int, ...], local: tuple[int, ...]) -> None:
+        self.job = job
+        self.members = members
+        self.local = local
+        self._index = {peer: i for i, peer in enumerate(local)}
+        self._next = [0] * len(local)
+        self._busy = [threading.Lock() for _ in local]
+        self._slots: dict[int, _Slot] = {}
+        self._steps = 0  # slots decided so far (for tests of state growth)
+
+    @property
+    def open_slots(self) -> int:
+        return len(self._slots)
+
+    def step(self, peer: int, call: Call, deadline: float, timeout: float) -> Step:
+        """Post ``call`` at this peer's next step and wait for the verdict: a Step, or the shared error.
+
+        Raises MismatchError, InvalidArgumentError, CollectiveTimeout (naming the peers that never
+        arrived), PeerLostError, JobClosedError, and RegistrationError for a peer already inside a
+        collective of this group.
+        """
+        index = self._index[peer]
+        busy = self._busy[index]
+        if not busy.acquire(blocking=False):
+            raise RegistrationError(
+                f"peer {peer} is already inside a collective of this group: drive each peer's calls on a "
+                f"group from one thread, or use async_op=True"
+            )
+        try:
+            slot = self._arrive(index, peer, call)
+            outcome = self._await(slot, index, call, deadline, timeout)
+            if isinstance(outcome, CollectiveError):
+                if slot.reporter == index and self.job.node is not None:
+                    return self._reporting(slot, peer, index, call, outcome, deadline, timeout, busy)
+                raise clone_error(outcome)
+        except BaseException:
+            busy.release()
+            raise
+        return Step(outcome, peer, index, call, deadline, timeout, busy)
+
+    def _reporting(
+        self,
+        slot: _Slot,
+        peer: int,
+        index: int,
+        call: Call,
+        error: CollectiveError,
+        deadline: float,
+        timeout: float,
+        busy: threading.Lock,
+    ) -> Step:
+        """Multi-node: the one local peer that tells the other nodes this step failed here."""
+        label = f"{call.kind} #{slot.number}"
+        executor = choose(self.job, self.members, call.signature, [], label)
+        plan = Plan(slot.number, label, call.signature, [call], self.members, executor, clone_error(error))
+        return Step(plan, peer, index, call, deadline, timeout, busy)
+
+    def _arrive(self, index: int, peer: int, call: Call) -> _Slot:
+        """Post the call at this peer's next step; the last peer to arrive decides the outcome."""
+        job = self.job
+        with job.guard:
+            job.check_member(peer)
+            gone = job.gone_among(self.local)
+            if gone:
+                raise PeerLostError(
+                    f"{describe_peers(gone)} left the job (finish), so peer {peer}'s {call.kind} cannot "
+                    f"complete; finish the remaining peers",
+                    gone,
+                )
+            number = self._next[index]
+            self._next[index] = number + 1
+            slot = self._slots.get(number)
+            if slot is None:
+                slot = self._slots[number] = _Slot(number)
+            slot.calls[index] = call
+            if len(slot.calls) == len(self.local):
+                del self._slots[number]  # nobody else will look for it
+                if slot.outcome is None:
+                    slot.outcome = self._decide(slot)
+                    slot.reporter = 0
+                    job.ring_all()
+            return slot
+
+    def _await(
+        self, slot: _Slot, index: int, call: Call, deadline: float, timeout: float
+    ) -> Plan | CollectiveError:
+        job = self.job
+        bell: Doorbell = job.bell(self.local[index])
+        outcome = slot.outcome
+        while outcome is None:
+            with job.guard:
+                outcome = slot.outcome
+                remaining = deadline - time.monotonic()
+                if outcome is None and remaining <= 0:
+                    outcome = self._time_out(slot, call, timeout)
+                elif outcome is None:
+                    bell.arm()
+            if outcome is None:
+                bell.wait(remaining, job.lock)
+                outcome = slot.outcome  # set before the ring: no need to take the lock again
+        return outcome
+
+    def _time_out(self, slot: _Slot, call: Call, timeout: float) -> CollectiveTimeout:
+        """Fail ``slot`` for the peers that came; late peers find the same error there (lock held)."""
+        missing = sorted(set(self.local) - {self.local[i] for i in slot.calls})
+        error = CollectiveTimeout(
+            f"{call.kind} #{slot.number}: peers waited {timeout:g}s for {describe_peers(missing)} to call it",
+            missing,
+        )
+        slot.outcome = error
+        slot.reporter = min(slot.calls)
+        self.job.ring_all()
+        return error
+
+    def fail_open(self, error: CollectiveError, culprit: int | None = None) -> None:
+        """Fail every undecided step (a peer left, the job closed); lock held."""
+        for slot in self._slots.values():
+            if slot.outcome is None:
+                slot.outcome = error
+                slot.reporter = min(slot.calls)
+
+    def _decide(self, slot: _Slot) -> Plan | CollectiveError:
+        label = f"#{slot.number}"
+        specs: dict[int, Signature] = {i: call.signature for i, call in slot.calls.items()}
+        ranks = [self.members.index(peer) for peer in self.local]
+        try:
+            agreed = agree(
+                {ranks[i]: spec for i, spec in specs.items()},
+                label,
+                rules_of,
+                who=self._who,
+                source_elsewhere=self.job.node is not None,
+            )
+        except CollectiveError as exc:
+            return exc
+        calls = [slot.calls[i] for i in range(len(self.local))]
+        label = f"{agreed.kind} #{slot.number}"
+        executor: Executor = choose(self.job, self.members, agreed, calls, label)
+        self._steps += 1
+        return Plan(slot.number, label, agreed, calls, self.members, executor)
+
+    def _who(self, ranks: list[int]) -> str:
+        return describe_peers([self.members[rank] for rank in ranks])

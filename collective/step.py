@@ -1,0 +1,83 @@
+"""A Step: one peer's ticket for one agreed collective, held with ``with``.
+
+The rendezvous hands every peer a Step once all local peers of the group agreed. It carries what
+the executor needs (the agreed signature, every local peer's call, the deadline) and owns this
+peer's busy state in the group: leaving the ``with`` block releases it on every path. An exception
+other than a CollectiveError inside the block (say MemoryError) fails the collective for the
+other local peers at once (PeerLostError naming this peer) instead of leaving them to time out.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from collective.errors import CollectiveError, PeerLostError
+from collective.signature import Signature
+
+if TYPE_CHECKING:
+    from collective.calls import Call
+    from collective.executors import Executor
+
+__all__ = ["Plan", "Step"]
+
+
+@dataclass
+class Plan:
+    """What the rendezvous decided for one step, shared by the local peers of the group."""
+
+    number: int
+    label: str  # "all_reduce #12" for messages
+    agreed: Signature
+    calls: list[Call]  # every local peer's call, by local index
+    members: tuple[int, ...]  # the group's peer ids, by rank
+    executor: Executor
+    error: CollectiveError | None = None  # multi-node: a local failure the reporter tells the other nodes
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def size(self) -> int:
+        return len(self.members)
+
+
+class Step:
+    """Peer ``peer``'s part of ``plan``; ``with step:`` releases the peer's busy state on exit."""
+
+    __slots__ = ("busy", "call", "deadline", "index", "peer", "plan", "rank", "timeout")
+
+    def __init__(
+        self,
+        plan: Plan,
+        peer: int,
+        index: int,
+        call: Call,
+        deadline: float,
+        timeout: float,
+        busy: threading.Lock,
+    ) -> None:
+        self.plan = plan
+        self.peer = peer
+        self.index = index  # among this process's peers of the group
+        self.rank = plan.members.index(peer)  # in the group
+        self.call = call
+        self.deadline = deadline
+        self.timeout = timeout
+        self.busy = busy
+
+    def run(self) -> Any:
+        """This peer's result (its executor's work, then the call's last touch)."""
+        result = self.plan.executor.run(self)
+        return self.call.finish(result, self.plan.agreed, self.plan.size)
+
+    def __enter__(self) -> Step:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
+        try:
+            if error is not None and not isinstance(error, CollectiveError):
+                self.plan.executor.abort(
+                    PeerLostError(f"{self.plan.label}: peer {self.peer} failed: {error!r}", [self.peer])
+                )
+        finally:
+            self.busy.release()

@@ -1,0 +1,116 @@
+"""Asynchronous collectives: ``Work`` handles, and the sequencer that keeps one peer's calls in order.
+
+``async_op=True`` returns a Work at once; the collective runs on a worker thread of its
+``Sequencer`` (one per peer and group), which runs that peer's calls on that group one after
+another in the order they were issued, blocking calls included: a blocking call made while
+asynchronous ones are queued waits its turn. A worker thread lives only while its queue has work,
+so a Work dropped unwaited leaks nothing once its collective ends.
+
+Buffer rule: an array passed to an asynchronous collective (input or ``out``) must not be modified
+until ``wait()`` has returned.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from collective.errors import CollectiveError, CollectiveTimeout
+from collective.transport.inproc import clone_error
+
+__all__ = ["Sequencer", "Work"]
+
+
+class Work:
+    """The handle of one asynchronous collective."""
+
+    def __init__(self, label: str = "collective") -> None:
+        self._label = label
+        self._done = threading.Event()
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """The collective's result, or its error raised here; CollectiveTimeout after ``timeout`` seconds.
+
+        A timeout here does not cancel the collective: wait again, or let it end by itself.
+        """
+        if not self._done.wait(timeout):
+            raise CollectiveTimeout(
+                f"{self._label} did not complete within {timeout:g}s of wait(); it is still running "
+                f"(its own timeout still applies)"
+            )
+        if self._error is not None:
+            raise clone_error(self._error) if isinstance(self._error, CollectiveError) else self._error
+        return self._result
+
+    def is_completed(self) -> bool:
+        """Whether the collective has ended (successfully or not)."""
+        return self._done.is_set()
+
+    def exception(self) -> BaseException | None:
+        """The error the collective ended with; None while it runs or when it succeeded."""
+        return self._error if self._done.is_set() else None
+
+    def _settle(self, call: Callable[[], Any]) -> None:
+        try:
+            self._result = call()
+        except BaseException as exc:  # handed to wait(), re-raised there
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._done.is_set() else ("failed" if self._error else "done")
+        return f"<Work {self._label} {state}>"
+
+
+class Sequencer:
+    """Runs the calls of one peer on one group one at a time, in the order they were issued."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._cv = threading.Condition()
+        self._queue: deque[tuple[Callable[[], Any], Work]] = deque()
+        self._active = False  # a call is running (in its caller's thread or the worker)
+
+    def submit(self, call: Callable[[], Any], label: str) -> Work:
+        """Queue ``call``; its Work completes when it has run after every earlier call."""
+        work = Work(label)
+        with self._cv:
+            self._queue.append((call, work))
+            start = not self._active
+            self._active = True
+        if start:
+            self._start()
+        return work
+
+    def call(self, call: Callable[[], Any], label: str) -> Any:
+        """Run ``call`` now in this thread when nothing is queued, else after the queued ones."""
+        with self._cv:
+            inline = not self._active
+            self._active = True
+        if not inline:
+            return self.submit(call, label).wait()
+        try:
+            return call()
+        finally:
+            with self._cv:
+                queued = bool(self._queue)
+                self._active = queued
+            if queued:
+                self._start()
+
+    def _start(self) -> None:
+        threading.Thread(target=self._drain, name=f"collective-{self._name}", daemon=True).start()
+
+    def _drain(self) -> None:
+        while True:
+            with self._cv:
+                if not self._queue:
+                    self._active = False
+                    return
+                call, work = self._queue.popleft()
+            work._settle(call)
