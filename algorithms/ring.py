@@ -1,4 +1,4 @@
-"""Ring: bandwidth-optimal all_reduce, and pipelined chains for reduce and broadcast.
+"""Ring: bandwidth-optimal all_reduce and block collectives, pipelined chains for rooted ones.
 
 all_reduce = reduce-scatter then all-gather over n chunks of the flat array (chunk sizes
 differ by at most one element, so n must not exceed the element count: the dispatcher falls
@@ -36,10 +36,16 @@ Block collectives (blocks of B elements, ordered by peer index), every message o
     barrier:                 dissemination: in round i peer r signals r+2^i and waits for r-2^i
                              (ceil(log2 n) rounds of one empty message)
 
+    reduce_scatter, 4 peers, blocks A B C D of every peer; "D0" is peer 0's block D
+      s=0:  0 ─D0─> 1   1 ─A1─> 2   2 ─B2─> 3   3 ─C3─> 0
+      s=1:  0 ─C──> 1   1 ─D──> 2   2 ─A──> 3   3 ─B──> 0     (partial results travel on)
+      s=2:  0 ─B──> 1   1 ─C──> 2   2 ─D──> 3   3 ─A──> 0     peer 1 finishes B, 2 C, 3 D, 0 A
+
 Per peer: all_gather, reduce_scatter and all_to_all send n-1 messages of B elements in n-1 steps
 (reduce_scatter keeps n-2 partial blocks in a scratch buffer, as a sent block must not be written
 again). Gather: the peer at chain position p (the head 0, the root n-1) sends p+1 blocks; scatter:
-the peer p hops from the root sends n-1-p. Chains pipeline block by block: n-1 + n-2 steps.
+the peer p hops from the root sends n-1-p. Every link of the chain carries one block per step,
+so both take n-1 block-steps, as the root's own link needs anyway.
 """
 
 from __future__ import annotations
