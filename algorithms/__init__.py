@@ -1,7 +1,9 @@
 """Collective algorithms, each written once as functions over the ``Link`` protocol.
 
-``centralized``, ``tree`` and ``ring`` hold the schedules; ``strategies`` holds the strategy
-values and the one table that dispatches to them.
+``centralized``, ``tree``, ``ring`` and ``direct`` hold the schedules (all_reduce, reduce,
+broadcast, and the block collectives all_gather, reduce_scatter, all_to_all, gather, scatter and
+barrier); ``strategies`` holds the strategy values and the one table per collective that
+dispatches to them.
 """
 
 from collective.algorithms.link import Link

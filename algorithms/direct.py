@@ -20,14 +20,38 @@ broadcast: the root sends chunk j to peer j (a scatter), then the all-gather (th
 own chunk to everyone): the root sends 2(n-1)/n of the array, every other peer (n-2)/n.
 Every chunk is reduced in one place and then copied, so all peers hold the same bits. Fewer
 elements than peers: the dispatcher falls back to Tree(2), as for Ring.
+
+Block collectives (blocks of B elements, ordered by peer index): every block goes straight to
+the peer that wants it, in one round::
+
+    all_gather:      peer r sends its block to every other peer; block i arrives from peer i
+    reduce_scatter:  peer r sends its block j to peer j; peer j combines the n blocks j in
+                     peer order 0, 1, ..., n-1 (its own at its turn): bit-identical to a
+                     sequential reduction over the peers
+    all_to_all:      peer r sends its block j to peer j; block i of dst arrives from peer i
+    barrier:         an empty message from every peer to every other peer
+    gather/scatter:  the dispatcher runs Centralized's, which is this very schedule (every peer
+                     talks straight to the root)
+
+Per peer: n-1 messages of B elements out and n-1 in (0 elements for the barrier), 1 round.
 """
 
 from __future__ import annotations
 
 from collective.algorithms.link import Link
-from collective.algorithms.ops import Array, ReduceOp, array_module, chunk_bounds, copy_into
+from collective.algorithms.ops import (
+    Array,
+    ReduceOp,
+    array_module,
+    block,
+    chunk_bounds,
+    combine,
+    copy_into,
+    send_signal,
+    wait_signal,
+)
 
-__all__ = ["all_reduce", "broadcast", "reduce"]
+__all__ = ["all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "reduce", "reduce_scatter"]
 
 
 def _chunks(length: int, peers: int) -> list[slice]:
@@ -104,3 +128,59 @@ def broadcast(link: Link, root: int, buf: Array) -> None:
     link.recv_into(root, buf[chunk[root]])
     for peer in others:
         link.recv_into(peer, buf[chunk[peer]])
+
+
+def all_gather(link: Link, src: Array, dst: Array) -> None:
+    """Block i of ``dst`` = ``src`` of peer i on every peer, each sent straight by its owner."""
+    n, r, length = link.size, link.rank, src.size
+    for peer in range(n):
+        if peer != r:
+            link.send(peer, src)
+    copy_into(dst[block(r, length)], src)
+    for peer in range(n):
+        if peer != r:
+            link.recv_into(peer, dst[block(peer, length)])
+
+
+def reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
+    """``dst`` of peer r = op over block r of every peer's ``src``, combined in peer order 0 .. n-1.
+
+    ``dst`` must not overlap ``src``: it holds the running result before this peer's turn.
+    """
+    n, r, length = link.size, link.rank, dst.size
+    for peer in range(n):
+        if peer != r:
+            link.send(peer, src[block(peer, length)])
+    mine = src[block(r, length)]
+    if r == 0:
+        copy_into(dst, mine)
+    for peer in range(n):
+        if peer == r:
+            if peer != 0:
+                combine(op, dst, mine, dst)
+        elif peer == 0:
+            link.recv_into(peer, dst)
+        else:
+            link.recv_reduce(peer, dst, dst, op)
+
+
+def all_to_all(link: Link, src: Array, dst: Array) -> None:
+    """Block j of ``src`` straight to peer j; block i of ``dst`` straight from peer i (one round)."""
+    n, r = link.size, link.rank
+    length = src.size // n
+    for peer in range(n):
+        if peer != r:
+            link.send(peer, src[block(peer, length)])
+    copy_into(dst[block(r, length)], src[block(r, length)])
+    for peer in range(n):
+        if peer != r:
+            link.recv_into(peer, dst[block(peer, length)])
+
+
+def barrier(link: Link) -> None:
+    """Every peer signals every other peer and waits until it has heard from all of them."""
+    others = [peer for peer in range(link.size) if peer != link.rank]
+    for peer in others:
+        send_signal(link, peer)
+    for peer in others:
+        wait_signal(link, peer)

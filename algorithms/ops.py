@@ -9,15 +9,30 @@ from __future__ import annotations
 
 import enum
 import types
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from collective.errors import InvalidArgumentError
 
+if TYPE_CHECKING:
+    from collective.algorithms.link import Link
+
 Array = Any  # numpy.ndarray or cupy.ndarray: both expose the array API used here
 
-__all__ = ["Array", "ReduceOp", "array_module", "chunk_bounds", "combine", "copy_into"]
+__all__ = [
+    "Array",
+    "ReduceOp",
+    "array_module",
+    "block",
+    "chunk_bounds",
+    "combine",
+    "copy_into",
+    "empty_blocks",
+    "send_signal",
+    "transpose_blocks",
+    "wait_signal",
+]
 
 
 class ReduceOp(enum.Enum):
@@ -92,3 +107,41 @@ def copy_into(out: Array, src: Array) -> None:
     if out is src:
         return
     array_module(out).copyto(out, src)
+
+
+def block(index: int, length: int) -> slice:
+    """Block ``index`` of an array cut into blocks of ``length`` elements (blocks ordered by peer).
+
+    >>> block(2, 3)
+    slice(6, 9, None)
+    """
+    return slice(index * length, (index + 1) * length)
+
+
+def empty_blocks(like: Array, count: int, length: int) -> Array:
+    """A new flat array of ``count`` blocks of ``length`` elements, of the type and dtype of ``like``."""
+    return array_module(like).empty(count * length, dtype=like.dtype)
+
+
+def transpose_blocks(rows: Array, out: Array, peers: int) -> None:
+    """``out`` block (j, i) = ``rows`` block (i, j), both ``peers`` x ``peers`` blocks in row order.
+
+    Row i of ``rows`` is what peer i sends to every peer; row j of ``out`` is what peer j receives.
+    """
+    length = rows.size // (peers * peers)
+    grid = (peers, peers, length)
+    array_module(out).copyto(out.reshape(grid), rows.reshape(grid).transpose(1, 0, 2))
+
+
+_SIGNAL = np.empty(0, np.uint8)
+_SIGNAL.flags.writeable = False  # lent to every barrier message at once, so it must never change
+
+
+def send_signal(link: Link, dst: int) -> None:
+    """Send an empty message (a barrier's "I am here") to ``dst``."""
+    link.send(dst, _SIGNAL)
+
+
+def wait_signal(link: Link, src: int) -> None:
+    """Wait for the next (empty) message from ``src``."""
+    link.recv_into(src, np.empty(0, np.uint8))

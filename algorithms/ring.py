@@ -1,4 +1,4 @@
-"""Ring: bandwidth-optimal all_reduce, and pipelined chains for reduce and broadcast.
+"""Ring: bandwidth-optimal all_reduce and block collectives, pipelined chains for rooted ones.
 
 all_reduce = reduce-scatter then all-gather over n chunks of the flat array (chunk sizes
 differ by at most one element, so n must not exceed the element count: the dispatcher falls
@@ -18,14 +18,64 @@ reduce and broadcast run as a pipelined chain (root+1 -> root+2 -> ... -> root f
 root -> root+1 -> ... -> root-1 for broadcast), the array cut into segments so that every
 link of the chain works at once: each peer sends and/or receives the whole array once, in
 ceil(N / segment) messages; latency n-1 + segments - 1 segment-steps.
+
+Block collectives (blocks of B elements, ordered by peer index), every message one block::
+
+    all_gather, step s:      peer r sends block (r-s) mod n right, receives block (r-s-1) mod n
+                             (its own block first; after n-1 steps it holds all n)
+    reduce_scatter, step s:  peer r sends its partial block (r-s-1) mod n right, receives the
+                             partial block (r-s-2) mod n and combines its own block into it;
+                             the last step brings block r: shifted by one against all_reduce,
+                             so that peer r ends with block r (4 peers: 0 gets A, 1 B, ...)
+    all_to_all, step s:      pairwise shifted exchange: peer r sends block (r+s) mod n of its
+                             src to peer r+s, receives block (r-s) mod n from peer r-s (s = 1..n-1)
+    gather to root:          a chain root+1 -> root+2 -> ... -> root, one block per message:
+                             each peer sends its own block, then relays every block it receives
+    scatter from root:       a chain root -> root+1 -> ... -> root-1: the root sends the blocks of
+                             the farthest peer first; each peer relays all but the last it receives
+    barrier:                 dissemination: in round i peer r signals r+2^i and waits for r-2^i
+                             (ceil(log2 n) rounds of one empty message)
+
+    reduce_scatter, 4 peers, blocks A B C D of every peer; "D0" is peer 0's block D
+      s=0:  0 ─D0─> 1   1 ─A1─> 2   2 ─B2─> 3   3 ─C3─> 0
+      s=1:  0 ─C──> 1   1 ─D──> 2   2 ─A──> 3   3 ─B──> 0     (partial results travel on)
+      s=2:  0 ─B──> 1   1 ─C──> 2   2 ─D──> 3   3 ─A──> 0     peer 1 finishes B, 2 C, 3 D, 0 A
+
+Per peer: all_gather, reduce_scatter and all_to_all send n-1 messages of B elements in n-1 steps
+(reduce_scatter keeps n-2 partial blocks in a scratch buffer, as a sent block must not be written
+again). Gather: the peer at chain position p (the head 0, the root n-1) sends p+1 blocks; scatter:
+the peer p hops from the root sends n-1-p. Every link of the chain carries one block per step,
+so both take n-1 block-steps, as the root's own link needs anyway.
 """
 
 from __future__ import annotations
 
 from collective.algorithms.link import Link
-from collective.algorithms.ops import Array, ReduceOp, array_module, chunk_bounds, copy_into
+from collective.algorithms.ops import (
+    Array,
+    ReduceOp,
+    array_module,
+    block,
+    chunk_bounds,
+    copy_into,
+    empty_blocks,
+    send_signal,
+    wait_signal,
+)
 
-__all__ = ["DEFAULT_SEGMENT_BYTES", "all_reduce", "broadcast", "reduce", "segments"]
+__all__ = [
+    "DEFAULT_SEGMENT_BYTES",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "gather",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+    "segments",
+]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20
 
@@ -100,3 +150,87 @@ def broadcast(link: Link, root: int, buf: Array, segment_bytes: int = DEFAULT_SE
             link.recv_into(previous, buf[piece])
         if position != n - 1:
             link.send(following, buf[piece])
+
+
+def all_gather(link: Link, src: Array, dst: Array) -> None:
+    """Block i of ``dst`` = ``src`` of peer i on every peer: each block travels n-1 hops to the right."""
+    n, r, length = link.size, link.rank, src.size
+    copy_into(dst[block(r, length)], src)
+    right, left = (r + 1) % n, (r - 1) % n
+    for step in range(n - 1):
+        link.send(right, dst[block((r - step) % n, length)])
+        link.recv_into(left, dst[block((r - step - 1) % n, length)])
+
+
+def reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
+    """``dst`` of peer r = op over every peer's block r of ``src``, each block reduced along the ring."""
+    n, r, length = link.size, link.rank, dst.size
+    if n == 1:
+        copy_into(dst, src)
+        return
+    right, left = (r + 1) % n, (r - 1) % n
+    partials = empty_blocks(dst, n - 2, length)  # one slot per step: a sent partial is never rewritten
+    outgoing = src[block((r - 1) % n, length)]
+    for step in range(n - 1):
+        incoming = (r - step - 2) % n  # == r at the last step
+        out = dst if step == n - 2 else partials[block(step, length)]
+        link.send(right, outgoing)
+        link.recv_reduce(left, src[block(incoming, length)], out, op)
+        outgoing = out
+
+
+def all_to_all(link: Link, src: Array, dst: Array) -> None:
+    """Block j of ``src`` to peer j, block i of ``dst`` from peer i: at step s, peer r+s and r-s."""
+    n, r = link.size, link.rank
+    length = src.size // n
+    copy_into(dst[block(r, length)], src[block(r, length)])
+    for step in range(1, n):
+        to, source = (r + step) % n, (r - step) % n
+        link.send(to, src[block(to, length)])
+        link.recv_into(source, dst[block(source, length)])
+
+
+def gather(link: Link, root: int, src: Array, dst: Array | None) -> None:
+    """Block i of ``dst`` on ``root`` = ``src`` of peer i, relayed block by block along the chain."""
+    n, r, length = link.size, link.rank, src.size
+    position = (r - root - 1) % n  # 0 = head of the chain (root+1), n-1 = the root
+    previous, following = (r - 1) % n, (r + 1) % n
+    if position != n - 1:
+        link.send(following, src)
+        relay = empty_blocks(src, position, length)  # the blocks of the peers before this one
+        for index in range(position):
+            link.recv_into(previous, relay[block(index, length)])
+            link.send(following, relay[block(index, length)])
+        return
+    assert dst is not None, "the root needs a result buffer"
+    copy_into(dst[block(root, length)], src)
+    for hops in range(1, n):  # blocks arrive nearest first: from root-1, root-2, ..., root+1
+        link.recv_into(previous, dst[block((root - hops) % n, length)])
+
+
+def scatter(link: Link, root: int, src: Array | None, dst: Array) -> None:
+    """``dst`` of peer i = block i of ``src`` on ``root``, relayed block by block along the chain."""
+    n, r, length = link.size, link.rank, dst.size
+    position = (r - root) % n  # 0 = the root, n-1 = the tail
+    previous, following = (r - 1) % n, (r + 1) % n
+    if position != 0:
+        relay = empty_blocks(dst, n - 1 - position, length)  # the blocks of the peers after this one
+        for index in range(n - 1 - position):
+            link.recv_into(previous, relay[block(index, length)])
+            link.send(following, relay[block(index, length)])
+        link.recv_into(previous, dst)
+        return
+    assert src is not None, "the root needs a source buffer"
+    for hops in range(n - 1, 0, -1):  # the farthest peer's block first
+        link.send(following, src[block((root + hops) % n, length)])
+    copy_into(dst, src[block(root, length)])
+
+
+def barrier(link: Link) -> None:
+    """Dissemination barrier: after round i a peer has heard (indirectly) from the 2^(i+1) peers before it."""
+    n, r = link.size, link.rank
+    distance = 1
+    while distance < n:
+        send_signal(link, (r + distance) % n)
+        wait_signal(link, (r - distance) % n)
+        distance *= 2

@@ -5,6 +5,21 @@ from the strings used by the CLI and environment variables: ``"centralized"``, `
 (``"tree"`` is ``tree:2``), ``"ring"`` and ``"direct"``. Ring all_reduce and every Direct
 collective need at least one element per peer: below that the dispatcher falls back to Tree(2)
 (for all_reduce it logs it at DEBUG level and reports it: ``resolve_all_reduce``).
+
+The block collectives (all_gather, reduce_scatter, all_to_all, gather, scatter) work on blocks
+of B >= 0 elements, one per peer and ordered by peer index, and need no fallback; barrier carries
+no data. Which schedule each strategy runs (every module draws its own)::
+
+                   Centralized        Tree(k)                Ring                  Direct
+    all_gather     gather+broadcast   gather+broadcast       n-1 steps right       1 round, all pairs
+    reduce_scatter reduce+scatter     reduce+scatter         n-1 steps right       1 round, all pairs
+    all_to_all     gather, transpose  gather, transpose      pairwise shifted      1 round, all pairs
+                   at 0, scatter      at 0, scatter          exchange, n-1 steps
+    gather         root <- every peer subtrees in 1 msg each chain, block by block  = Centralized
+    scatter        root -> every peer subtrees in 1 msg each chain, block by block  = Centralized
+    barrier        via peer 0         up and down the heap   dissemination         all pairs
+
+The dispatchers check the block sizes and the root (InvalidArgumentError) before any message.
 """
 
 from __future__ import annotations
@@ -15,7 +30,7 @@ from dataclasses import dataclass
 from collective.algorithms import centralized, direct, ring, tree
 from collective.algorithms.link import Link
 from collective.algorithms.ops import Array, ReduceOp
-from collective.errors import ConfigError
+from collective.errors import ConfigError, InvalidArgumentError
 
 __all__ = [
     "Centralized",
@@ -23,10 +38,17 @@ __all__ = [
     "Ring",
     "Strategy",
     "Tree",
+    "all_gather",
     "all_reduce",
+    "all_to_all",
+    "barrier",
     "broadcast",
+    "gather",
     "parse_strategy",
     "reduce",
+    "reduce_scatter",
+    "resolve_all_reduce",
+    "scatter",
 ]
 
 log = logging.getLogger(__name__)
@@ -156,3 +178,117 @@ def broadcast(strategy: Strategy | str, link: Link, root: int, buf: Array) -> No
             ring.broadcast(link, root, buf)
         case Direct():
             direct.broadcast(link, root, buf)
+
+
+def _check_root(collective: str, link: Link, root: int) -> None:
+    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < link.size:
+        raise InvalidArgumentError(
+            f"{collective} on peer {link.rank}: root {root!r} is outside the group of {link.size} peers "
+            f"(0 .. {link.size - 1})"
+        )
+
+
+def _check_blocks(
+    collective: str, link: Link, whole: tuple[str, Array | None], part: tuple[str, Array]
+) -> None:
+    """``whole`` must hold one block the size and dtype of ``part`` per peer."""
+    (whole_name, whole_array), (part_name, part_array) = whole, part
+    n = link.size
+    if whole_array is None:
+        raise InvalidArgumentError(
+            f"{collective} on peer {link.rank} (the root) needs {whole_name}, got None"
+        )
+    if whole_array.size != n * part_array.size or whole_array.dtype != part_array.dtype:
+        raise InvalidArgumentError(
+            f"{collective} on peer {link.rank}: {whole_name} has {whole_array.size} elements of "
+            f"{whole_array.dtype}; expected {n} peers x {part_array.size} ({part_name}'s size) = "
+            f"{n * part_array.size} elements of {part_array.dtype}"
+        )
+
+
+def all_gather(strategy: Strategy | str, link: Link, src: Array, dst: Array) -> None:
+    """Block i of ``dst`` = ``src`` of peer i, on every peer; raises InvalidArgumentError on bad sizes."""
+    _check_blocks("all_gather", link, ("dst", dst), ("src", src))
+    match parse_strategy(strategy):
+        case Centralized():
+            centralized.all_gather(link, src, dst)
+        case Tree(arity):
+            tree.all_gather(link, src, dst, arity)
+        case Ring():
+            ring.all_gather(link, src, dst)
+        case Direct():
+            direct.all_gather(link, src, dst)
+
+
+def reduce_scatter(strategy: Strategy | str, link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
+    """``dst`` of peer r = op over block r of every peer's ``src``; raises InvalidArgumentError."""
+    _check_blocks("reduce_scatter", link, ("src", src), ("dst", dst))
+    match parse_strategy(strategy):
+        case Centralized():
+            centralized.reduce_scatter(link, src, dst, op)
+        case Tree(arity):
+            tree.reduce_scatter(link, src, dst, op, arity)
+        case Ring():
+            ring.reduce_scatter(link, src, dst, op)
+        case Direct():
+            direct.reduce_scatter(link, src, dst, op)
+
+
+def all_to_all(strategy: Strategy | str, link: Link, src: Array, dst: Array) -> None:
+    """Block j of ``src`` goes to peer j; block i of ``dst`` came from peer i. Raises InvalidArgumentError."""
+    n = link.size
+    if src.size % n or src.size != dst.size or src.dtype != dst.dtype:
+        raise InvalidArgumentError(
+            f"all_to_all on peer {link.rank}: src ({src.size} elements of {src.dtype}) and dst "
+            f"({dst.size} of {dst.dtype}) must have the same dtype and size, a multiple of {n} peers"
+        )
+    match parse_strategy(strategy):
+        case Centralized():
+            centralized.all_to_all(link, src, dst)
+        case Tree(arity):
+            tree.all_to_all(link, src, dst, arity)
+        case Ring():
+            ring.all_to_all(link, src, dst)
+        case Direct():
+            direct.all_to_all(link, src, dst)
+
+
+def gather(strategy: Strategy | str, link: Link, root: int, src: Array, dst: Array | None) -> None:
+    """Block i of ``dst`` on ``root`` = ``src`` of peer i (``dst`` only on the root, None elsewhere)."""
+    _check_root("gather", link, root)
+    if link.rank == root:
+        _check_blocks("gather", link, ("dst", dst), ("src", src))
+    match parse_strategy(strategy):
+        case Centralized() | Direct():  # Direct's schedule is Centralized's: every peer to the root
+            centralized.gather(link, root, src, dst)
+        case Tree(arity):
+            tree.gather(link, root, src, dst, arity)
+        case Ring():
+            ring.gather(link, root, src, dst)
+
+
+def scatter(strategy: Strategy | str, link: Link, root: int, src: Array | None, dst: Array) -> None:
+    """``dst`` of peer i = block i of ``src`` on ``root`` (``src`` only on the root, None elsewhere)."""
+    _check_root("scatter", link, root)
+    if link.rank == root:
+        _check_blocks("scatter", link, ("src", src), ("dst", dst))
+    match parse_strategy(strategy):
+        case Centralized() | Direct():  # Direct's schedule is Centralized's: the root to every peer
+            centralized.scatter(link, root, src, dst)
+        case Tree(arity):
+            tree.scatter(link, root, src, dst, arity)
+        case Ring():
+            ring.scatter(link, root, src, dst)
+
+
+def barrier(strategy: Strategy | str, link: Link) -> None:
+    """Return on every peer only after every peer of ``link`` has entered the barrier."""
+    match parse_strategy(strategy):
+        case Centralized():
+            centralized.barrier(link)
+        case Tree(arity):
+            tree.barrier(link, arity)
+        case Ring():
+            ring.barrier(link)
+        case Direct():
+            direct.barrier(link)

@@ -13,14 +13,57 @@ Messages per peer: at most k received and 1 sent (reduce), 1 received and at mos
 (broadcast); each of the whole array. Height ceil(log_k(n(k-1)+1)) - 1 hops each way (n-1 for
 k=1), so small arrays are latency-bound on the height, large ones on the k sends of a node.
 Tree(1) is a chain. Children are combined in position order, so results are deterministic.
+
+Block collectives (blocks of B elements, ordered by peer index). A subtree's blocks travel
+together in one message, packed in the subtree's *preorder* (a position, then its first child's
+subtree, then its second child's, ...), so each child's part is one contiguous slice that a
+parent receives into, or sends from, directly; only the root permutes blocks to and from peer
+order (position p is peer (p + root) mod n), and only for subtrees whose peers are not consecutive::
+
+    gather to position 0, Tree(2), 7 peers          preorder packing, sizes in blocks
+        3 ─[3]─> 1 <─[4]─ 4                          1 sends [1 3 4]   (3 blocks)
+        5 ─[5]─> 2 <─[6]─ 6                          2 sends [2 5 6]   (3 blocks)
+        1 ─[1 3 4]─> 0 <─[2 5 6]─ 2                  0 holds [0 1 3 4 2 5 6] -> peer order
+
+    gather          a peer sends 1 message: its subtree's blocks (s blocks, s = subtree size)
+    scatter         the same messages, downwards: a peer receives s blocks and sends on s-1
+    all_gather      gather to peer 0, then broadcast the nB elements down the heap
+    reduce_scatter  reduce the nB elements up the heap to peer 0, then scatter from it
+    all_to_all      gather every peer's nB elements (s*nB per message) to peer 0, transpose its
+                    n x n blocks there, scatter the n x n blocks back (s*nB per message)
+    barrier         an empty message up the heap to peer 0 and back down: 2 x height steps
 """
 
 from __future__ import annotations
 
 from collective.algorithms.link import Link
-from collective.algorithms.ops import Array, ReduceOp, array_module, copy_into
+from collective.algorithms.ops import (
+    Array,
+    ReduceOp,
+    array_module,
+    block,
+    copy_into,
+    empty_blocks,
+    send_signal,
+    transpose_blocks,
+    wait_signal,
+)
 
-__all__ = ["all_reduce", "broadcast", "children", "parent", "reduce"]
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "barrier",
+    "broadcast",
+    "children",
+    "gather",
+    "parent",
+    "reduce",
+    "reduce_scatter",
+    "scatter",
+    "subtree",
+    "subtree_size",
+]
 
 
 def children(position: int, size: int, arity: int) -> range:
@@ -32,6 +75,26 @@ def children(position: int, size: int, arity: int) -> range:
 def parent(position: int, arity: int) -> int:
     """Heap position of the parent of ``position`` (> 0)."""
     return (position - 1) // arity
+
+
+def subtree_size(position: int, size: int, arity: int) -> int:
+    """Number of heap positions in the subtree under ``position`` (itself included)."""
+    count, first, last = 0, position, position
+    while first < size:  # level by level: the subtree's positions on each level are consecutive
+        count += min(last, size - 1) - first + 1
+        first, last = first * arity + 1, last * arity + arity
+    return count
+
+
+def subtree(position: int, size: int, arity: int) -> list[int]:
+    """Heap positions of the subtree under ``position`` in preorder: the block packing order."""
+    order: list[int] = []
+    pending = [position]
+    while pending:
+        current = pending.pop()
+        order.append(current)
+        pending.extend(reversed(children(current, size, arity)))
+    return order
 
 
 def _reduce_up(link: Link, root: int, arity: int, src: Array, acc: Array | None, op: ReduceOp) -> Array:
@@ -80,3 +143,113 @@ def all_reduce(link: Link, src: Array, dst: Array, op: ReduceOp, arity: int = 2)
     if link.rank == 0:
         copy_into(dst, result)
     broadcast(link, 0, dst, arity)
+
+
+def _peers(root: int, positions: list[int], size: int) -> list[int]:
+    return [(position + root) % size for position in positions]
+
+
+def _consecutive(peers: list[int]) -> bool:
+    return peers == list(range(peers[0], peers[0] + len(peers)))
+
+
+def gather(link: Link, root: int, src: Array, dst: Array | None, arity: int = 2) -> None:
+    """Block i of ``dst`` on ``root`` = ``src`` of peer i, each subtree's blocks in one message up."""
+    n, length = link.size, src.size
+    position = (link.rank - root) % n
+    below = children(position, n, arity)
+    if position != 0:
+        up = (parent(position, arity) + root) % n
+        if not below:
+            link.send(up, src)
+            return
+        packed = empty_blocks(src, subtree_size(position, n, arity), length)
+        copy_into(packed[block(0, length)], src)
+        offset = 1
+        for child in below:
+            count = subtree_size(child, n, arity)
+            link.recv_into((child + root) % n, packed[offset * length : (offset + count) * length])
+            offset += count
+        link.send(up, packed)
+        return
+    assert dst is not None, "the root needs a result buffer"
+    copy_into(dst[block(root, length)], src)
+    for child in below:
+        peers = _peers(root, subtree(child, n, arity), n)
+        if _consecutive(peers):  # received straight into place
+            link.recv_into(peers[0], dst[peers[0] * length : (peers[-1] + 1) * length])
+            continue
+        packed = empty_blocks(src, len(peers), length)
+        link.recv_into(peers[0], packed)
+        for index, peer in enumerate(peers):
+            copy_into(dst[block(peer, length)], packed[block(index, length)])
+
+
+def scatter(link: Link, root: int, src: Array | None, dst: Array, arity: int = 2) -> None:
+    """``dst`` of peer i = block i of ``src`` on ``root``, each subtree's blocks in one message down."""
+    n, length = link.size, dst.size
+    position = (link.rank - root) % n
+    below = children(position, n, arity)
+    if position != 0:
+        up = (parent(position, arity) + root) % n
+        if not below:
+            link.recv_into(up, dst)
+            return
+        packed = empty_blocks(dst, subtree_size(position, n, arity), length)
+        link.recv_into(up, packed)
+        copy_into(dst, packed[block(0, length)])
+        offset = 1
+        for child in below:
+            count = subtree_size(child, n, arity)
+            link.send((child + root) % n, packed[offset * length : (offset + count) * length])
+            offset += count
+        return
+    assert src is not None, "the root needs a source buffer"
+    for child in below:
+        peers = _peers(root, subtree(child, n, arity), n)
+        if _consecutive(peers):  # sent straight from place
+            link.send(peers[0], src[peers[0] * length : (peers[-1] + 1) * length])
+            continue
+        packed = empty_blocks(dst, len(peers), length)
+        for index, peer in enumerate(peers):
+            copy_into(packed[block(index, length)], src[block(peer, length)])
+        link.send(peers[0], packed)
+    copy_into(dst, src[block(root, length)])
+
+
+def all_gather(link: Link, src: Array, dst: Array, arity: int = 2) -> None:
+    """Gather up the heap to peer 0 into its ``dst``, then broadcast ``dst`` down the heap."""
+    gather(link, 0, src, dst, arity)
+    broadcast(link, 0, dst, arity)
+
+
+def reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp, arity: int = 2) -> None:
+    """Reduce the whole ``src`` up the heap to peer 0, then scatter its blocks down the heap."""
+    reduced = empty_blocks(src, 1, src.size) if link.rank == 0 else None
+    reduce(link, 0, src, reduced, op, arity)
+    scatter(link, 0, reduced, dst, arity)
+
+
+def all_to_all(link: Link, src: Array, dst: Array, arity: int = 2) -> None:
+    """Gather every peer's ``src`` up the heap to peer 0, transpose its blocks, scatter them down."""
+    n = link.size
+    rows = empty_blocks(src, n, src.size) if link.rank == 0 else None  # row i: what peer i sends
+    gather(link, 0, src, rows, arity)
+    columns = None
+    if rows is not None:
+        columns = empty_blocks(src, n, src.size)  # row j: what peer j receives
+        transpose_blocks(rows, columns, n)
+    scatter(link, 0, columns, dst, arity)
+
+
+def barrier(link: Link, arity: int = 2) -> None:
+    """An empty message up the heap to peer 0 once the whole subtree has arrived, then back down."""
+    n, position = link.size, link.rank
+    below = children(position, n, arity)
+    for child in below:
+        wait_signal(link, child)
+    if position != 0:
+        send_signal(link, parent(position, arity))
+        wait_signal(link, parent(position, arity))
+    for child in below:
+        send_signal(link, child)

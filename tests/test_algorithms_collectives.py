@@ -1,0 +1,446 @@
+"""The block collectives (all_gather, reduce_scatter, all_to_all, gather, scatter, barrier) alone.
+
+Over simulated recording links: results against numpy, bit-identical copies, the Link ownership
+rule, and the exact messages and bytes each peer sends under every strategy. A few also run over
+the in-process transport with buffers large enough to be lent rather than copied.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from collective.algorithms import strategies, tree
+from collective.algorithms.ops import ReduceOp
+from collective.algorithms.strategies import Centralized, Direct, Ring, Strategy, Tree
+from collective.errors import InvalidArgumentError
+from collective.transport.inproc import COPY_BELOW, Exchange, InProcessLink
+from tests.conftest import assert_matches, peer_input, reference
+from tests.recording import Network, RecordingLink, run_links
+
+STRATEGIES = [Centralized(), Tree(1), Tree(2), Tree(3), Ring(), Direct()]
+PEERS = [1, 2, 3, 4, 5, 7]
+BLOCKS = [0, 1, 17, 1000]  # elements per block
+DTYPES = ["float32", "float64", "int32", "float16"]
+ROOTED = {"gather", "scatter"}
+
+Traffic = list[tuple[int, int]]  # (messages sent, bytes sent) per peer
+
+
+def ids(value: object) -> str:
+    return str(value)
+
+
+# -- the textbook cost of every schedule, computed independently of the algorithms -------------
+
+
+def _in_subtree(position: int, candidate: int, arity: int) -> bool:
+    while candidate > position:
+        candidate = (candidate - 1) // arity
+    return candidate == position
+
+
+def _subtree_size(position: int, n: int, arity: int) -> int:
+    return sum(_in_subtree(position, q, arity) for q in range(n))
+
+
+def _children(position: int, n: int, arity: int) -> list[int]:
+    return [q for q in range(1, n) if (q - 1) // arity == position]
+
+
+def _tree_traffic(
+    n: int,
+    root: int,
+    arity: int,
+    up: Callable[[int], int] | None = None,
+    down: Callable[[int], int] | None = None,
+) -> Traffic:
+    """Per peer at heap position p: one message of ``up(p)`` bytes to its parent (but the root) and
+    one of ``down(c)`` bytes to each child c; a direction given as None carries nothing."""
+    out = []
+    for rank in range(n):
+        position = (rank - root) % n
+        sizes = [up(position)] if up is not None and position else []
+        if down is not None:
+            sizes += [down(child) for child in _children(position, n, arity)]
+        out.append((len(sizes), sum(sizes)))
+    return out
+
+
+def expected_traffic(collective: str, strategy: Strategy, n: int, block_bytes: int, root: int = 0) -> Traffic:
+    b = block_bytes
+    star_out = [(n - 1, (n - 1) * b)]  # the center/root of a star, sending one block to every peer
+    pairs = [(n - 1, (n - 1) * b)] * n
+    match collective, strategy:
+        case (("all_gather" | "reduce_scatter" | "all_to_all"), (Ring() | Direct())):
+            return pairs
+        case "all_gather", Centralized():
+            return [(n - 1, (n - 1) * n * b)] + [(1, b)] * (n - 1)
+        case "all_gather", Tree(arity):  # tree gather (s blocks up), then broadcast of n blocks down
+            return _tree_traffic(n, 0, arity, lambda p: _subtree_size(p, n, arity) * b, lambda c: n * b)
+        case "reduce_scatter", Centralized():
+            return star_out + [(1, n * b)] * (n - 1)
+        case "reduce_scatter", Tree(arity):  # reduce n blocks up, scatter s blocks down
+            return _tree_traffic(n, 0, arity, lambda p: n * b, lambda c: _subtree_size(c, n, arity) * b)
+        case "all_to_all", Centralized():
+            return [(n - 1, (n - 1) * n * b)] + [(1, n * b)] * (n - 1)
+        case "all_to_all", Tree(arity):  # s rows of n blocks up, then s rows of n blocks down
+            rows = [_subtree_size(p, n, arity) * n * b for p in range(n)]
+            return _tree_traffic(n, 0, arity, rows.__getitem__, rows.__getitem__)
+        case "gather", (Centralized() | Direct()):
+            return [(0, 0) if rank == root else (1, b) for rank in range(n)]
+        case "gather", Tree(arity):
+            return _tree_traffic(n, root, arity, up=lambda p: _subtree_size(p, n, arity) * b)
+        case "gather", Ring():  # chain root+1 -> ... -> root: position p relays p blocks
+            positions = [(rank - root - 1) % n for rank in range(n)]
+            return [(0, 0) if p == n - 1 else (p + 1, (p + 1) * b) for p in positions]
+        case "scatter", (Centralized() | Direct()):
+            return [star_out[0] if rank == root else (0, 0) for rank in range(n)]
+        case "scatter", Tree(arity):
+            return _tree_traffic(n, root, arity, down=lambda c: _subtree_size(c, n, arity) * b)
+        case "scatter", Ring():  # chain root -> ... -> root-1: p hops from the root sends n-1-p
+            positions = [(rank - root) % n for rank in range(n)]
+            return [(n - 1 - p, (n - 1 - p) * b) for p in positions]
+        case "barrier", Centralized():
+            return [(n - 1, 0)] + [(1, 0)] * (n - 1)
+        case "barrier", Tree(arity):
+            return [(len(_children(r, n, arity)) + (1 if r else 0), 0) for r in range(n)]
+        case "barrier", Ring():  # dissemination: ceil(log2 n) rounds
+            return [((n - 1).bit_length(), 0)] * n
+        case "barrier", Direct():
+            return [(n - 1, 0)] * n
+    raise AssertionError((collective, strategy))
+
+
+def sent(network: Network) -> Traffic:
+    return [(t.sent_messages, t.sent_bytes) for t in network.traffic]
+
+
+def run(n: int, body: Callable[[RecordingLink], Any]) -> Network:
+    """Run ``body`` on a fresh recording network; every message consumed, no ownership violation."""
+    network = Network(n)
+    network.run(body)
+    assert network.violations == []
+    assert sum(t.sent_bytes for t in network.traffic) == sum(t.received_bytes for t in network.traffic)
+    return network
+
+
+def inputs(n: int, length: int, dtype: str, small: bool = False) -> list[np.ndarray]:
+    return [peer_input(peer, (length,), dtype, small=small) for peer in range(n)]
+
+
+def unchanged(arrays: list[np.ndarray], originals: list[np.ndarray]) -> bool:
+    return all(a.tobytes() == o.tobytes() for a, o in zip(arrays, originals, strict=True))
+
+
+def blocks_of(array: np.ndarray, n: int) -> list[np.ndarray]:
+    return np.split(array, n)
+
+
+# -- all_gather -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("n", PEERS)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_all_gather(strategy: Strategy, n: int, block: int, dtype: str) -> None:
+    src = inputs(n, block, dtype)
+    originals = [x.copy() for x in src]
+    dst = [np.full(n * block, 7, dtype) for _ in range(n)]
+    network = run(n, lambda link: strategies.all_gather(strategy, link, src[link.rank], dst[link.rank]))
+    expected = np.concatenate(src).tobytes()
+    assert all(d.tobytes() == expected for d in dst)  # copies: bit-identical on every peer
+    assert unchanged(src, originals)
+    assert sent(network) == expected_traffic("all_gather", strategy, n, block * np.dtype(dtype).itemsize)
+
+
+# -- reduce_scatter -------------------------------------------------------------------------
+
+
+def _reduce_scatter(
+    strategy: Strategy, src: list[np.ndarray], op: ReduceOp
+) -> tuple[list[np.ndarray], Network]:
+    n = len(src)
+    block = src[0].size // n
+    dst = [np.full(block, 7, src[0].dtype) for _ in range(n)]
+    network = run(
+        n, lambda link: strategies.reduce_scatter(strategy, link, src[link.rank], dst[link.rank], op)
+    )
+    return dst, network
+
+
+def _in_peer_order(strategy: Strategy) -> bool:
+    """Direct and Centralized combine each block in peer order 0, 1, ..., n-1, as numpy does here."""
+    return isinstance(strategy, Direct | Centralized)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("n", PEERS)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_reduce_scatter_sum(strategy: Strategy, n: int, block: int, dtype: str) -> None:
+    src = inputs(n, n * block, dtype)
+    originals = [x.copy() for x in src]
+    dst, network = _reduce_scatter(strategy, src, ReduceOp.SUM)
+    expected = blocks_of(reference(src, "sum"), n)
+    for rank in range(n):
+        if _in_peer_order(strategy):
+            assert dst[rank].tobytes() == expected[rank].tobytes()
+        else:
+            assert_matches(dst[rank], expected[rank], n)
+    assert unchanged(src, originals)
+    assert sent(network) == expected_traffic("reduce_scatter", strategy, n, block * np.dtype(dtype).itemsize)
+
+
+@pytest.mark.parametrize("op", list(ReduceOp), ids=lambda op: op.value)
+@pytest.mark.parametrize("n", [1, 3, 4, 7])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_reduce_scatter_every_op(strategy: Strategy, n: int, op: ReduceOp) -> None:
+    """Small integers in floats: every op is exact in any order, so every schedule matches bit for bit."""
+    src = inputs(n, n * 17, "float64", small=True)
+    dst, _ = _reduce_scatter(strategy, src, op)
+    expected = blocks_of(reference(src, "sum" if op is ReduceOp.MEAN else op.value), n)  # MEAN sums here
+    for rank in range(n):
+        assert dst[rank].tobytes() == expected[rank].tobytes()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_reduce_scatter_is_deterministic(strategy: Strategy) -> None:
+    """Rounding depends on the schedule's fixed order only, not on which message arrives first."""
+    src = inputs(5, 5 * 301, "float32")
+    first, _ = _reduce_scatter(strategy, src, ReduceOp.SUM)
+    for _ in range(3):
+        again, _ = _reduce_scatter(strategy, src, ReduceOp.SUM)
+        assert [a.tobytes() for a in again] == [f.tobytes() for f in first]
+
+
+# -- all_to_all -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float16"])
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("n", PEERS)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_all_to_all(strategy: Strategy, n: int, block: int, dtype: str) -> None:
+    src = inputs(n, n * block, dtype)
+    originals = [x.copy() for x in src]
+    dst = [np.full(n * block, 7, dtype) for _ in range(n)]
+    network = run(n, lambda link: strategies.all_to_all(strategy, link, src[link.rank], dst[link.rank]))
+    for receiver in range(n):
+        expected = np.concatenate([blocks_of(src[sender], n)[receiver] for sender in range(n)])
+        assert dst[receiver].tobytes() == expected.tobytes()
+    assert unchanged(src, originals)
+    assert sent(network) == expected_traffic("all_to_all", strategy, n, block * np.dtype(dtype).itemsize)
+
+
+# -- gather and scatter, every root -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("n", PEERS)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_gather_every_root(strategy: Strategy, n: int, block: int) -> None:
+    for dtype in ("float32", "int32"):
+        src = inputs(n, block, dtype)
+        expected = np.concatenate(src).tobytes()
+        for root in range(n):
+            out = np.full(n * block, 7, dtype)
+            network = run(
+                n,
+                lambda link, root=root, out=out, src=src: strategies.gather(
+                    strategy, link, root, src[link.rank], out if link.rank == root else None
+                ),
+            )
+            assert out.tobytes() == expected, f"root {root}, {dtype}"
+            itemsize = np.dtype(dtype).itemsize
+            assert sent(network) == expected_traffic("gather", strategy, n, block * itemsize, root)
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("n", PEERS)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_scatter_every_root(strategy: Strategy, n: int, block: int) -> None:
+    for dtype in ("float64", "float16"):
+        whole = peer_input(99, (n * block,), dtype)
+        original = whole.copy()
+        for root in range(n):
+            dst = [np.full(block, 7, dtype) for _ in range(n)]
+            network = run(
+                n,
+                lambda link, root=root, dst=dst, whole=whole: strategies.scatter(
+                    strategy, link, root, whole if link.rank == root else None, dst[link.rank]
+                ),
+            )
+            for rank, part in enumerate(blocks_of(whole, n)):
+                assert dst[rank].tobytes() == part.tobytes(), f"root {root}, peer {rank}, {dtype}"
+            assert whole.tobytes() == original.tobytes()
+            itemsize = np.dtype(dtype).itemsize
+            assert sent(network) == expected_traffic("scatter", strategy, n, block * itemsize, root)
+
+
+@pytest.mark.parametrize(("n", "arity"), [(1, 2), (7, 2), (7, 3), (12, 3), (20, 2), (6, 1), (9, 4)])
+def test_tree_subtrees_in_preorder(n: int, arity: int) -> None:
+    """The packing order of Tree gather/scatter: a position, then each child's subtree in turn."""
+    for position in range(n):
+        order = tree.subtree(position, n, arity)
+        assert sorted(order) == [q for q in range(n) if _in_subtree(position, q, arity)]
+        assert tree.subtree_size(position, n, arity) == len(order)
+        offset = 1
+        for child in tree.children(position, n, arity):
+            size = _subtree_size(child, n, arity)
+            assert order[offset : offset + size] == tree.subtree(child, n, arity)
+            offset += size
+    if (n, arity) == (7, 2):
+        assert tree.subtree(0, 7, 2) == [0, 1, 3, 4, 2, 5, 6]
+
+
+# -- barrier --------------------------------------------------------------------------------
+
+
+def _barrier_rounds(
+    strategy: Strategy, links: list[Any], late: int, rounds: int = 2
+) -> list[tuple[int, str]]:
+    """Each peer enters ``rounds`` barriers in a row, ``late`` always a little after the others."""
+    events: list[tuple[int, str]] = []
+    lock = threading.Lock()
+
+    def body(link: Any) -> None:
+        for index in range(rounds):
+            if link.rank == late:
+                time.sleep(0.003)
+            with lock:
+                events.append((index, "in"))
+            strategies.barrier(strategy, link)
+            with lock:
+                events.append((index, "out"))
+
+    run_links(links, body)
+    return events
+
+
+def _assert_separated(events: list[tuple[int, str]], n: int, rounds: int = 2) -> None:
+    for index in range(rounds):
+        mine = [kind for round_, kind in events if round_ == index]
+        assert mine == ["in"] * n + ["out"] * n, f"round {index}: {mine}"
+
+
+@pytest.mark.parametrize("n", PEERS)
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_barrier_waits_for_every_peer(strategy: Strategy, n: int) -> None:
+    for late in range(n):
+        network = Network(n)
+        events = _barrier_rounds(strategy, network.links(), late)
+        assert network.violations == []
+        _assert_separated(events, n)
+        assert sent(network) == [(2 * m, 0) for m, _ in expected_traffic("barrier", strategy, n, 0)]
+
+
+# -- over the in-process transport ------------------------------------------------------------
+
+
+def inproc_links(n: int, timeout: float = 10.0) -> list[Any]:
+    exchange = Exchange(tuple(range(n)), "collectives test")
+    deadline = time.monotonic() + timeout
+    return [InProcessLink(exchange, rank, deadline) for rank in range(n)]
+
+
+LARGE = COPY_BELOW // 4 + 3  # float32 elements per block: every block is lent, not copied
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_every_collective_over_the_inprocess_link(strategy: Strategy, n: int) -> None:
+    src = inputs(n, n * LARGE, "float32")
+    whole = np.concatenate([x[:LARGE] for x in src])  # gather's result, scatter's source
+    root = n - 1
+
+    def body(link: Any) -> dict[str, np.ndarray]:
+        r = link.rank
+        out = {
+            "all_gather": np.empty(n * LARGE, np.float32),
+            "reduce_scatter": np.empty(LARGE, np.float32),
+            "all_to_all": np.empty(n * LARGE, np.float32),
+            "scatter": np.empty(LARGE, np.float32),
+            "gather": np.empty(n * LARGE, np.float32),
+        }
+        strategies.all_gather(strategy, link, src[r][:LARGE], out["all_gather"])
+        strategies.reduce_scatter(strategy, link, src[r], out["reduce_scatter"], ReduceOp.SUM)
+        strategies.all_to_all(strategy, link, src[r], out["all_to_all"])
+        strategies.gather(strategy, link, root, src[r][:LARGE], out["gather"] if r == root else None)
+        strategies.scatter(strategy, link, root, whole if r == root else None, out["scatter"])
+        strategies.barrier(strategy, link)
+        return out
+
+    results = run_links(inproc_links(n), body)
+    total = blocks_of(reference(src, "sum"), n)
+    for r, out in enumerate(results):
+        assert out["all_gather"].tobytes() == whole.tobytes()
+        assert_matches(out["reduce_scatter"], total[r], n)
+        assert out["all_to_all"].tobytes() == np.concatenate([blocks_of(x, n)[r] for x in src]).tobytes()
+        assert out["scatter"].tobytes() == blocks_of(whole, n)[r].tobytes()
+    assert results[root]["gather"].tobytes() == whole.tobytes()
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_barrier_over_the_inprocess_link(strategy: Strategy) -> None:
+    n = 5
+    events = _barrier_rounds(strategy, inproc_links(n), late=2, rounds=1)
+    _assert_separated(events, n, rounds=1)
+
+
+# -- arguments checked before any message ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (
+            lambda link: strategies.all_gather("ring", link, np.ones(4), np.ones(11)),
+            "all_gather on peer 0: dst has 11 elements of float64; expected 3 peers x 4",
+        ),
+        (
+            lambda link: strategies.all_gather("ring", link, np.ones(4), np.ones(12, np.float32)),
+            "12 elements of float32; expected 3 peers x 4 (src's size) = 12 elements of float64",
+        ),
+        (
+            lambda link: strategies.reduce_scatter("direct", link, np.ones(10), np.ones(3), ReduceOp.SUM),
+            "reduce_scatter on peer 0: src has 10 elements",
+        ),
+        (
+            lambda link: strategies.all_to_all("tree", link, np.ones(10), np.ones(10)),
+            "a multiple of 3 peers",
+        ),
+        (
+            lambda link: strategies.all_to_all(Direct(), link, np.ones(9), np.ones(6)),
+            "must have the same dtype and size",
+        ),
+        (
+            lambda link: strategies.gather("centralized", link, 3, np.ones(2), np.ones(6)),
+            "gather on peer 0: root 3 is outside the group of 3 peers",
+        ),
+        (
+            lambda link: strategies.gather("centralized", link, 0, np.ones(2), None),
+            "gather on peer 0 (the root) needs dst, got None",
+        ),
+        (
+            lambda link: strategies.scatter(Tree(2), link, -1, None, np.ones(2)),
+            "root -1 is outside",
+        ),
+        (
+            lambda link: strategies.scatter(Tree(2), link, 0, np.ones(5), np.ones(2)),
+            "scatter on peer 0: src has 5 elements",
+        ),
+    ],
+)
+def test_bad_arguments_raise_before_any_message(call: Callable[[Any], None], message: str) -> None:
+    network = Network(3)
+    link = network.links()[0]
+    with pytest.raises(InvalidArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        call(link)
+    assert sent(network) == [(0, 0)] * 3
