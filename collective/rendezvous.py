@@ -120,9 +120,16 @@ class Rendezvous:
             if len(slot.calls) == len(self.local):
                 del self._slots[number]  # nobody else will look for it
                 if slot.outcome is None:
-                    slot.outcome = self._decide(slot)
-                    slot.reporter = 0
-                    job.ring_all()
+                    try:
+                        slot.outcome = self._decide(slot)
+                    except BaseException as exc:  # e.g. MemoryError computing a fused result
+                        slot.outcome = PeerLostError(
+                            f"{call.kind} #{number}: peer {peer} failed deciding it: {exc!r}", [peer]
+                        )
+                        raise
+                    finally:
+                        slot.reporter = 0
+                        job.ring_all()
             return slot
 
     def _await(
