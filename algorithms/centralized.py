@@ -28,16 +28,14 @@ B for reduce_scatter and scatter. The center sends n-1 and receives n-1 of those
 
 from __future__ import annotations
 
-from collective.algorithms.link import Link
+from collective.algorithms.link import Link, send_signal, wait_signal
 from collective.algorithms.ops import (
     Array,
     ReduceOp,
     block,
     copy_into,
     empty_blocks,
-    send_signal,
     transpose_blocks,
-    wait_signal,
 )
 
 __all__ = [

@@ -38,7 +38,7 @@ Per peer: n-1 messages of B elements out and n-1 in (0 elements for the barrier)
 
 from __future__ import annotations
 
-from collective.algorithms.link import Link
+from collective.algorithms.link import Link, send_signal, wait_signal
 from collective.algorithms.ops import (
     Array,
     ReduceOp,
@@ -47,8 +47,6 @@ from collective.algorithms.ops import (
     chunk_bounds,
     combine,
     copy_into,
-    send_signal,
-    wait_signal,
 )
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "reduce", "reduce_scatter"]

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
+
 from collective.algorithms.ops import Array, ReduceOp
 
-__all__ = ["Link"]
+__all__ = ["Link", "send_signal", "wait_signal"]
 
 
 class Link(Protocol):
@@ -62,3 +64,17 @@ class Link(Protocol):
     def flush(self) -> None:
         """Wait until no buffer lent by ``send`` is still needed by a receiver."""
         ...
+
+
+_SIGNAL = np.empty(0, np.uint8)
+_SIGNAL.flags.writeable = False  # lent to every barrier message at once, so it must never change
+
+
+def send_signal(link: Link, dst: int) -> None:
+    """Send an empty message (a barrier's "I am here") to ``dst``."""
+    link.send(dst, _SIGNAL)
+
+
+def wait_signal(link: Link, src: int) -> None:
+    """Wait for the next (empty) message from ``src``."""
+    link.recv_into(src, np.empty(0, np.uint8))

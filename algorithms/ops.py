@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import enum
 import types
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from collective.errors import InvalidArgumentError
-
-if TYPE_CHECKING:
-    from collective.algorithms.link import Link
 
 Array = Any  # numpy.ndarray or cupy.ndarray: both expose the array API used here
 
@@ -29,9 +26,7 @@ __all__ = [
     "combine",
     "copy_into",
     "empty_blocks",
-    "send_signal",
     "transpose_blocks",
-    "wait_signal",
 ]
 
 
@@ -131,17 +126,3 @@ def transpose_blocks(rows: Array, out: Array, peers: int) -> None:
     length = rows.size // (peers * peers)
     grid = (peers, peers, length)
     array_module(out).copyto(out.reshape(grid), rows.reshape(grid).transpose(1, 0, 2))
-
-
-_SIGNAL = np.empty(0, np.uint8)
-_SIGNAL.flags.writeable = False  # lent to every barrier message at once, so it must never change
-
-
-def send_signal(link: Link, dst: int) -> None:
-    """Send an empty message (a barrier's "I am here") to ``dst``."""
-    link.send(dst, _SIGNAL)
-
-
-def wait_signal(link: Link, src: int) -> None:
-    """Wait for the next (empty) message from ``src``."""
-    link.recv_into(src, np.empty(0, np.uint8))

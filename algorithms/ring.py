@@ -50,7 +50,7 @@ so both take n-1 block-steps, as the root's own link needs anyway.
 
 from __future__ import annotations
 
-from collective.algorithms.link import Link
+from collective.algorithms.link import Link, send_signal, wait_signal
 from collective.algorithms.ops import (
     Array,
     ReduceOp,
@@ -59,8 +59,6 @@ from collective.algorithms.ops import (
     chunk_bounds,
     copy_into,
     empty_blocks,
-    send_signal,
-    wait_signal,
 )
 
 __all__ = [

@@ -36,7 +36,7 @@ order (position p is peer (p + root) mod n), and only for subtrees whose peers a
 
 from __future__ import annotations
 
-from collective.algorithms.link import Link
+from collective.algorithms.link import Link, send_signal, wait_signal
 from collective.algorithms.ops import (
     Array,
     ReduceOp,
@@ -44,9 +44,7 @@ from collective.algorithms.ops import (
     block,
     copy_into,
     empty_blocks,
-    send_signal,
     transpose_blocks,
-    wait_signal,
 )
 
 __all__ = [

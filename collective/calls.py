@@ -1,183 +1,26 @@
-"""Call objects: one per collective, each owning its checks, agreement rules, results and work.
+"""The call objects: one class per collective, each with its checks, agreement rules and work.
 
-A peer's call (``AllReduce(x, op)``, ``Gather(x, root)``, ...) is made by the API, checked here
-(``prepare``: a problem becomes the signature's ``error``, so every peer fails together), agreed
-at the rendezvous (``RULES``), then run by an executor (collective.executors), which asks the call
-for what only the call knows:
-
-* ``result_shape``: the shape of this peer's result (None: this peer gets none, e.g. off the root);
-* ``fuse``: every peer's flat result from every peer's flat input, computed in one place (small
-  arrays, in one process);
-* ``part`` / ``after``: this peer's share of the work when all inputs are in shared memory and the
-  peers meet at one barrier in between (in one process, or between processes of a host);
-* ``run_link``: the schedule of the configured strategy over a Link (collective.algorithms);
-* ``finish``: the last touch (mean divides by the group's size).
-
-Flat arrays are 1-D C-contiguous views; a collective of a group of ``n`` peers sees its blocks in
-group-rank order. Adding a collective means adding one class here (and its schedule in algorithms/).
+What every call does and when is told in collective.call (the base class). Adding a collective
+means adding one class here (and its schedule in algorithms/).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
 from collective.algorithms import strategies
 from collective.algorithms.link import Link
-from collective.algorithms.ops import Array, ReduceOp, array_module, combine, copy_into
-from collective.arrays import Device, as_array, check_array, check_out, flat, scale_for_mean
-from collective.errors import InvalidArgumentError
-from collective.signature import Rules, Signature, describe_peers
+from collective.algorithms.ops import Array, ReduceOp, array_module, copy_into
+from collective.arrays import Device, check_array, check_out
+from collective.call import Call, Strategies, blocks, reduce_all, slice_of
+from collective.signature import Rules, Signature
 
 __all__ = [
-    "RULES",
-    "AllGather",
-    "AllReduce",
-    "AllToAll",
-    "Barrier",
-    "Broadcast",
-    "Call",
-    "Gather",
-    "Reduce",
-    "ReduceScatter",
-    "Scatter",
-    "reduce_all",
-    "rules_of",
-]
-
-Strategies = Callable[[str], Any]  # collective kind -> the strategy configured for it
-
-
-def reduce_all(op: ReduceOp, inputs: list[Any], out: Array | None = None) -> Array:
-    """The reduction of ``inputs`` in their order (peer order) into ``out`` (a new array if None)."""
-    result = out if out is not None else inputs[0].copy()
-    if out is not None:
-        copy_into(out, inputs[0])
-    for other in inputs[1:]:
-        combine(op, result, other, result)
-    return result
-
-
-def _parse_op(op: Any) -> tuple[ReduceOp | None, str | None]:
-    try:
-        return ReduceOp.parse(op), None
-    except InvalidArgumentError as exc:
-        return None, str(exc)
-
-
-def _blocks(array: Array, n: int) -> list[Array]:
-    """``n`` equal contiguous blocks of a flat array."""
-    k = array.size // n if n else 0
-    return [array[i * k : (i + 1) * k] for i in range(n)]
-
-
-class Call:
-    """One peer's side of one collective. Subclasses set ``kind`` and override what differs."""
-
-    kind: ClassVar[str]
-    rules: ClassVar[Rules] = Rules(("op", "shape", "dtype"))
-    reduces: ClassVar[bool] = True  # takes an op
-    rooted: ClassVar[bool] = False  # takes a root
-    alias_safe: ClassVar[bool] = True  # its schedules may write ``out`` while it is also ``x``
-
-    def __init__(self, x: Any = None, op: Any = "sum", root: Any = None, out: Any = None) -> None:
-        self.x = as_array(x)
-        self.op_arg = op
-        self.root = root
-        self.out = out
-        self.root_peer = root  # the root as the caller named it (a peer id); ``root`` becomes its rank
-        self.src: Array | None = None  # this peer's flat input, once prepared
-        self.device = Device("cpu")
-        self.signature = Signature(self.kind)
-
-    # -- before the rendezvous: this peer's own checks ------------------------------------------
-
-    def prepare(self, device: Device, members: tuple[int, ...], rank: int) -> Signature:
-        """Check this peer's arguments; its signature carries the problem if there is one.
-
-        ``members`` are the group's peer ids in rank order and this peer is ``rank``. A root is
-        given as a peer id; from here on ``root`` is its rank in the group.
-        """
-        self.device = device
-        op, problem = _parse_op(self.op_arg) if self.reduces else (None, None)
-        self.root_peer = self.root
-        if self.rooted:
-            valid = isinstance(self.root, int) and not isinstance(self.root, bool) and self.root in members
-            if problem is None and not valid:
-                problem = f"root {self.root!r} is not a peer of the group ({describe_peers(list(members))})"
-            self.root = members.index(self.root) if valid else None
-        if problem is None:
-            problem = self.check(device, len(members), rank)
-        self.signature = self.describe(op, problem)
-        if problem is None and self.x is not None:
-            self.src = flat(self.x)
-        return self.signature
-
-    def check(self, device: Device, size: int, rank: int) -> str | None:
-        """Why this peer's arrays cannot be used (None if they can)."""
-        op = ReduceOp.parse(self.op_arg) if self.reduces else None
-        problem = check_array(self.x, device, op)
-        if problem is None and self.out is not None:
-            problem = check_out(self.out, device, self.own_shape(size), self.x.dtype, self.x)
-        return problem
-
-    def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:
-        if problem is not None:
-            return Signature(self.kind, op, self.root, error=problem)
-        return Signature(self.kind, op, self.root, tuple(self.x.shape), self.x.dtype)
-
-    def own_shape(self, size: int) -> tuple[int, ...]:
-        """The shape of this peer's result, computed from its own input."""
-        return tuple(self.x.shape)
-
-    # -- after agreement ------------------------------------------------------------------------
-
-    def result_shape(self, agreed: Signature, size: int, rank: int) -> tuple[int, ...] | None:
-        assert agreed.shape is not None
-        return agreed.shape
-
-    def new_result(self, device: Device, agreed: Signature, size: int, rank: int) -> Array | None:
-        """``out`` when given, else a new array for the result; None when this peer gets none."""
-        shape = self.result_shape(agreed, size, rank)
-        if shape is None:
-            return None
-        return self.out if self.out is not None else device.empty(shape, agreed.dtype)
-
-    def finish(self, result: Array | None, agreed: Signature, size: int) -> Any:
-        if result is not None and agreed.op is ReduceOp.MEAN:
-            scale_for_mean(result, size)
-        return result
-
-    # -- the work, by executor ------------------------------------------------------------------
-
-    @classmethod
-    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
-        """Every rank's flat result (None for a rank that gets none) from every rank's flat input."""
-        raise NotImplementedError
-
-    @classmethod
-    def shared(cls, agreed: Signature, inputs: list[Any]) -> Any:
-        """State shared by the ranks of one shared-memory collective (e.g. a result buffer)."""
-        return None
-
-    def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
-        """This rank's work before the barrier (it reads the others' inputs directly)."""
-        fused = self.fuse_one(agreed, inputs, rank)
-        if dst is not None and fused is not None:
-            copy_into(dst, fused)
-
-    def after(self, agreed: Signature, state: Any, rank: int, dst: Array | None) -> None:
-        """This rank's work after the barrier (the inputs may no longer be read)."""
-
-    def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
-        return self.fuse(agreed, inputs)[rank]
-
-    def run_link(
-        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
-    ) -> None:
-        raise NotImplementedError
+    "CALLS", "RULES", "AllGather", "AllReduce", "AllToAll", "Barrier", "Broadcast", "Gather", "Reduce",
+    "ReduceScatter", "Scatter", "rules_of",
+]  # fmt: skip
 
 
 class AllReduce(Call):
@@ -194,7 +37,7 @@ class AllReduce(Call):
 
     def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
         assert agreed.op is not None
-        piece = _slice(state.size, len(inputs), rank)
+        piece = slice_of(state.size, len(inputs), rank)
         reduce_all(agreed.op, [x[piece] for x in inputs], state[piece])
 
     def after(self, agreed: Signature, state: Any, rank: int, dst: Array | None) -> None:
@@ -206,10 +49,6 @@ class AllReduce(Call):
     ) -> None:
         assert agreed.op is not None and dst is not None
         strategies.all_reduce(strategy_for(self.kind), link, src, dst, agreed.op)
-
-
-def _slice(length: int, parts: int, index: int) -> slice:
-    return slice(index * length // parts, (index + 1) * length // parts)
 
 
 class Reduce(AllReduce):
@@ -304,7 +143,7 @@ class AllGather(Call):
 
     def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
         assert dst is not None
-        for block, x in zip(_blocks(dst, len(inputs)), inputs, strict=True):
+        for block, x in zip(blocks(dst, len(inputs)), inputs, strict=True):
             copy_into(block, x)
 
     def run_link(
@@ -375,14 +214,14 @@ class ReduceScatter(_Blocked):
     @classmethod
     def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
         assert agreed.op is not None
-        return _blocks(reduce_all(agreed.op, inputs), len(inputs))
+        return blocks(reduce_all(agreed.op, inputs), len(inputs))
 
     def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
         return None
 
     def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
         assert agreed.op is not None and dst is not None
-        reduce_all(agreed.op, [_blocks(x, len(inputs))[rank] for x in inputs], dst)
+        reduce_all(agreed.op, [blocks(x, len(inputs))[rank] for x in inputs], dst)
 
     def run_link(
         self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
@@ -402,7 +241,7 @@ class AllToAll(_Blocked):
     @classmethod
     def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
         n, xp = len(inputs), array_module(inputs[0])
-        return [xp.concatenate([_blocks(x, n)[rank] for x in inputs]) for rank in range(n)]
+        return [xp.concatenate([blocks(x, n)[rank] for x in inputs]) for rank in range(n)]
 
     def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
         return None
@@ -410,8 +249,8 @@ class AllToAll(_Blocked):
     def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
         assert dst is not None
         n = len(inputs)
-        for block, x in zip(_blocks(dst, n), inputs, strict=True):
-            copy_into(block, _blocks(x, n)[rank])
+        for block, x in zip(blocks(dst, n), inputs, strict=True):
+            copy_into(block, blocks(x, n)[rank])
 
     def run_link(
         self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
@@ -457,11 +296,11 @@ class Scatter(Call):
     @classmethod
     def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
         assert agreed.root is not None
-        return [block.copy() for block in _blocks(inputs[agreed.root], len(inputs))]
+        return [block.copy() for block in blocks(inputs[agreed.root], len(inputs))]
 
     def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
         assert agreed.root is not None
-        return _blocks(inputs[agreed.root], len(inputs))[rank]
+        return blocks(inputs[agreed.root], len(inputs))[rank]
 
     def run_link(
         self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None

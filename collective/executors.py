@@ -15,35 +15,22 @@ across peers. ``choose`` is the one place that picks the executor.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from collective.algorithms.ops import Array, array_module, copy_into
 from collective.arrays import flat
+from collective.call import Call
 from collective.errors import CollectiveError
 from collective.signature import Signature
+from collective.step import Executor, Site, Step
 from collective.transport.inproc import Exchange, InProcessLink
 
-if TYPE_CHECKING:
-    from collective.calls import Call
-    from collective.job import LocalJob
-    from collective.step import Step
-
-__all__ = ["DEFAULT_FUSE_BELOW", "DEFAULT_SHARE_BELOW", "Executor", "Fused", "Linked", "Shared", "choose"]
+__all__ = ["DEFAULT_FUSE_BELOW", "DEFAULT_SHARE_BELOW", "Fused", "Linked", "Shared", "choose"]
 
 DEFAULT_FUSE_BELOW = 64 * 1024
 DEFAULT_SHARE_BELOW = 4 << 20
-
-
-class Executor(Protocol):
-    def run(self, step: Step) -> Array | None:
-        """This peer's part of the step: its result (None where it gets none)."""
-        ...
-
-    def abort(self, error: CollectiveError) -> None:
-        """Fail the step for every peer still inside it."""
-        ...
 
 
 def _numpy_within(inputs: list[Any], limit: int) -> bool:
@@ -52,22 +39,26 @@ def _numpy_within(inputs: list[Any], limit: int) -> bool:
 
 
 def choose(
-    job: LocalJob, members: tuple[int, ...], agreed: Signature, calls: list[Call], label: str
+    site: Site,
+    members: tuple[int, ...],
+    local: tuple[int, ...],
+    agreed: Signature,
+    calls: list[Call],
+    label: str,
 ) -> Executor:
     """How the step ``agreed`` of the group ``members`` runs, given every local peer's call."""
-    if job.node is not None:
+    if site.node is not None:
         from collective.three_phase import ThreePhase
 
-        return ThreePhase(job, members, agreed, calls, label)
+        return ThreePhase(site, members, local, label)
     inputs = [call.src for call in calls]
-    if job.fuse_below and _numpy_within(inputs, job.fuse_below):
+    if site.fuse_below and _numpy_within(inputs, site.fuse_below):
         return Fused(type(calls[0]).fuse(agreed, inputs))
     exchange = Exchange(members, label)
-    job.exchanges.add(exchange)
-    if job.share_below and _numpy_within(inputs, job.share_below):
+    site.exchanges.add(exchange)
+    if site.share_below and _numpy_within(inputs, site.share_below):
         return Shared(exchange, inputs, type(calls[0]).shared(agreed, inputs))
-    config = job.config
-    return Linked(exchange, config.local_strategy)
+    return Linked(exchange, site.config.local_strategy)
 
 
 def _target(step: Step) -> tuple[Array | None, Array | None, Array | None]:

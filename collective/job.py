@@ -17,6 +17,7 @@ from collective.config import CollectiveConfig
 from collective.errors import CollectiveTimeout, JobClosedError, PeerLostError, RegistrationError
 from collective.rendezvous import Rendezvous
 from collective.signature import describe_peers
+from collective.step import Site
 from collective.transport.inproc import Doorbell, Exchange, clone_error, ring_claimed
 
 if TYPE_CHECKING:
@@ -57,14 +58,15 @@ class LocalJob:
         fuse_below: int = 0,
         share_below: int = 0,
         expected: tuple[int, ...] | None = None,
+        node: NodeJob | None = None,
     ) -> None:
         self.config = config
         self.size = size
         self.expected = expected
-        self.fuse_below = fuse_below
-        self.share_below = share_below
         self.peer_ids: tuple[int, ...] = ()
-        self.node: NodeJob | None = None  # multi-node: this process's membership of the global job
+        self.node = node  # multi-node: this process's membership of the global job
+        self.exchanges: weakref.WeakSet[Exchange] = weakref.WeakSet()  # live ones, aborted by close()
+        self.site = Site(config, fuse_below, share_below, node, self.exchanges)
         self._guard = _Guard()
         self.lock = self._guard.lock
         self._bells: dict[int, Doorbell] = {}
@@ -74,7 +76,6 @@ class LocalJob:
         self._closed: JobClosedError | None = None
         self._registration_failed: CollectiveTimeout | None = None
         self._groups: dict[tuple[int, ...], Rendezvous] = {}
-        self.exchanges: weakref.WeakSet[Exchange] = weakref.WeakSet()  # live ones, aborted by close()
 
     @property
     def guard(self) -> _Guard:

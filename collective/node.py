@@ -22,9 +22,9 @@ from collective import errors
 from collective.calls import rules_of
 from collective.config import CollectiveConfig
 from collective.errors import CollectiveError, MismatchError, PeerLostError
+from collective.layout import Layout
 from collective.protocol import CallMessage, VerdictMessage, check_fields, decode_call
 from collective.signature import Signature, agree
-from collective.three_phase import Layout
 from collective.transport.inproc import clone_error
 from collective.transport.network import NodeNetwork
 from collective.transport.orchestrator_client import OrchestratorClient, Topology

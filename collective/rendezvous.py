@@ -13,18 +13,37 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
-from collective.calls import Call, rules_of
+from collective.arrays import Device
+from collective.call import Call
+from collective.calls import rules_of
 from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError, RegistrationError
-from collective.executors import Executor, choose
+from collective.executors import choose
 from collective.signature import Signature, agree, describe_peers
-from collective.step import Plan, Step
+from collective.step import Executor, Plan, Site, Step
 from collective.transport.inproc import Doorbell, clone_error
 
-if TYPE_CHECKING:
-    from collective.job import LocalJob
+
+class Membership(Protocol):
+    """What a rendezvous needs of its job (collective.job.LocalJob)."""
+
+    site: Site
+    lock: threading.Lock
+
+    @property
+    def guard(self) -> AbstractContextManager[None]: ...
+
+    def bell(self, peer: int) -> Doorbell: ...
+
+    def ring_all(self) -> None: ...
+
+    def check_member(self, peer: int) -> None: ...
+
+    def gone_among(self, peers: tuple[int, ...]) -> list[int]: ...
+
 
 __all__ = ["Rendezvous"]
 
@@ -42,7 +61,7 @@ class _Slot:
 class Rendezvous:
     """The local peers ``local`` (peer ids, sorted) of the group ``members`` in ``job``."""
 
-    def __init__(self, job: LocalJob, members: tuple[int, ...], local: tuple[int, ...]) -> None:
+    def __init__(self, job: Membership, members: tuple[int, ...], local: tuple[int, ...]) -> None:
         self.job = job
         self.members = members
         self.local = local
@@ -55,6 +74,13 @@ class Rendezvous:
     @property
     def open_slots(self) -> int:
         return len(self._slots)
+
+    def run(self, peer: int, device: Device, timeout: float, call: Call) -> Any:
+        """Run ``call`` for ``peer``: check it, meet the others, execute the agreed step."""
+        call.prepare(device, self.members, self.members.index(peer))
+        deadline = time.monotonic() + timeout
+        with self.step(peer, call, deadline, timeout) as step:
+            return step.run()
 
     def step(self, peer: int, call: Call, deadline: float, timeout: float) -> Step:
         """Post ``call`` at this peer's next step and wait for the verdict: a Step, or the shared error.
@@ -74,7 +100,7 @@ class Rendezvous:
             slot = self._arrive(index, peer, call)
             outcome = self._await(slot, index, call, deadline, timeout)
             if isinstance(outcome, CollectiveError):
-                if slot.reporter == index and self.job.node is not None:
+                if slot.reporter == index and self.job.site.node is not None:
                     return self._reporting(slot, peer, index, call, outcome, deadline, timeout, busy)
                 raise clone_error(outcome)
         except BaseException:
@@ -95,7 +121,7 @@ class Rendezvous:
     ) -> Step:
         """Multi-node: the one local peer that tells the other nodes this step failed here."""
         label = f"{call.kind} #{slot.number}"
-        executor = choose(self.job, self.members, call.signature, [], label)
+        executor = choose(self.job.site, self.members, self.local, call.signature, [], label)
         plan = Plan(slot.number, label, call.signature, [call], self.members, executor, clone_error(error))
         return Step(plan, peer, index, call, deadline, timeout, busy)
 
@@ -180,13 +206,13 @@ class Rendezvous:
                 label,
                 rules_of,
                 who=self._who,
-                source_elsewhere=self.job.node is not None,
+                source_elsewhere=self.job.site.node is not None,
             )
         except CollectiveError as exc:
             return exc
         calls = [slot.calls[i] for i in range(len(self.local))]
         label = f"{agreed.kind} #{slot.number}"
-        executor: Executor = choose(self.job, self.members, agreed, calls, label)
+        executor: Executor = choose(self.job.site, self.members, self.local, agreed, calls, label)
         self._steps += 1
         return Plan(slot.number, label, agreed, calls, self.members, executor)
 

@@ -14,18 +14,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from collective.algorithms.ops import Array, ReduceOp
 from collective.arrays import Device, as_array, check_array
+from collective.call import Call
 from collective.calls import (
     AllGather,
     AllReduce,
     AllToAll,
     Barrier,
     Broadcast,
-    Call,
     Gather,
     Reduce,
     ReduceScatter,
@@ -154,9 +155,7 @@ class Runtime:
             )
         from collective.node import NodeJob
 
-        job = LocalJob(config, config.num_devices)
-        job.node = NodeJob(config, self._mailbox_of)
-        return job
+        return LocalJob(config, config.num_devices, node=NodeJob(config, self._mailbox_of))
 
     def _mailbox_of(self) -> Mailbox:
         return self._mailbox
@@ -284,14 +283,10 @@ class Runtime:
         timeout: float | None = None, async_op: bool = False, out: Sequence[Array] | None = None,
     ) -> Any:  # fmt: skip
         """One all_reduce over many arrays (one agreement, one schedule per dtype): a list back."""
-        member, members = self._group_of(peer_id, group)
-
-        def run() -> list[Array]:
-            return coalesced_all_reduce(
-                xs, op, out, lambda call: self._execute(member, members, call, timeout)
-            )
-
-        return self._sequence(member, members, run, "all_reduce_coalesced", async_op)
+        member, members, run = self._road(peer_id, group, timeout)
+        return self._sequence(
+            member, members, partial(coalesced_all_reduce, xs, op, out, run), "all_reduce_coalesced", async_op
+        )
 
     # -- point to point -------------------------------------------------------------------------
 
@@ -338,24 +333,23 @@ class Runtime:
     def _start(
         self, peer_id: int, call: Call, group: Group | None, timeout: float | None, async_op: bool
     ) -> Any:
+        member, members, run = self._road(peer_id, group, timeout)
+        return self._sequence(member, members, partial(run, call), call.kind, async_op)
+
+    def _road(
+        self, peer_id: int, group: Group | None, timeout: float | None
+    ) -> tuple[_Peer, tuple[int, ...], Callable[[Call], Any]]:
+        """This peer, its group, and what runs one call there (the group's rendezvous)."""
+        job = self._member(peer_id)
         member, members = self._group_of(peer_id, group)
-        return self._sequence(
-            member, members, lambda: self._execute(member, members, call, timeout), call.kind, async_op
-        )
+        seconds = job.config.timeout if timeout is None else _seconds(timeout)
+        return member, members, partial(job.rendezvous(members).run, member.peer, member.device, seconds)
 
     def _sequence(self, member: _Peer, members: tuple[int, ...], run: Any, label: str, async_op: bool) -> Any:
         sequencer = member.sequencer(members)
         if async_op:
             return sequencer.submit(run, label)
         return sequencer.call(run, label)
-
-    def _execute(self, member: _Peer, members: tuple[int, ...], call: Call, timeout: float | None) -> Any:
-        job = self._member(member.peer)
-        call.prepare(member.device, members, members.index(member.peer))
-        seconds = job.config.timeout if timeout is None else _seconds(timeout)
-        deadline = time.monotonic() + seconds
-        with job.rendezvous(members).step(member.peer, call, deadline, seconds) as step:
-            return step.run()
 
     def _deadline(self, job: LocalJob, timeout: float | None) -> float:
         return time.monotonic() + (job.config.timeout if timeout is None else _seconds(timeout))

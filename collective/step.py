@@ -10,17 +10,44 @@ other local peers at once (PeerLostError naming this peer) instead of leaving th
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from collective.algorithms.ops import Array
+from collective.config import CollectiveConfig
 from collective.errors import CollectiveError, PeerLostError
 from collective.signature import Signature
+from collective.transport.inproc import Exchange
 
 if TYPE_CHECKING:
-    from collective.calls import Call
-    from collective.executors import Executor
+    from collective.call import Call
+    from collective.node import NodeJob
 
-__all__ = ["Plan", "Step"]
+__all__ = ["Executor", "Plan", "Site", "Step"]
+
+
+class Executor(Protocol):
+    """One way of running an agreed step (collective.executors, collective.three_phase)."""
+
+    def run(self, step: Step) -> Array | None:
+        """This peer's part of the step: its result (None where it gets none)."""
+        ...
+
+    def abort(self, error: CollectiveError) -> None:
+        """Fail the step for every peer still inside it."""
+        ...
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where a job's peers of this process run their steps: what choosing an executor needs."""
+
+    config: CollectiveConfig
+    fuse_below: int = 0  # numpy arrays up to this many bytes: Fused
+    share_below: int = 0  # numpy arrays up to this many bytes: Shared
+    node: NodeJob | None = None  # multi-node: this process's membership of the global job
+    exchanges: weakref.WeakSet[Exchange] = field(default_factory=weakref.WeakSet)  # aborted on close
 
 
 @dataclass

@@ -19,54 +19,26 @@ on equal blocks, and phase 3 picks every rank's block from its (node, local inde
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from collective.algorithms.ops import Array, array_module
 from collective.arrays import flat
-from collective.calls import Call, reduce_all
+from collective.call import reduce_all
 from collective.errors import CollectiveError, MismatchError
+from collective.layout import Layout
 from collective.signature import Signature
 from collective.transport.inproc import Exchange
 from collective.transport.wire import SMALL_BYTES
 
 if TYPE_CHECKING:
-    from collective.job import LocalJob
     from collective.node import NodeJob
-    from collective.step import Step
+    from collective.step import Site, Step
 
-__all__ = ["Layout", "ThreePhase"]
+__all__ = ["ThreePhase"]
 
 VERDICT_GRACE = 1.0  # local peers wait this much longer than their leader for its announcement
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where the ranks of a group live: node positions, local indices, the padded width."""
-
-    nodes: tuple[int, ...]  # node indices holding members, ascending: position p is nodes[p]
-    position: tuple[int, ...]  # per rank: its node's position
-    local: tuple[int, ...]  # per rank: its index among its node's ranks
-    width: int  # the most ranks any node holds (L)
-    me: int  # this node's position
-
-    @classmethod
-    def of(cls, members: tuple[int, ...], node_of: dict[int, int], me: int) -> Layout:
-        nodes = tuple(sorted({node_of[peer] for peer in members}))
-        position = tuple(nodes.index(node_of[peer]) for peer in members)
-        counts = [0] * len(nodes)
-        local = []
-        for p in position:
-            local.append(counts[p])
-            counts[p] += 1
-        return cls(nodes, position, tuple(local), max(counts), nodes.index(me))
-
-    @property
-    def slots(self) -> np.ndarray:
-        """Per rank: its block's index in node-major padded order."""
-        return np.asarray(self.position, np.int64) * self.width + np.asarray(self.local, np.int64)
 
 
 def _rows(array: Array, rows: int) -> Array:
@@ -161,19 +133,15 @@ def _contribution_size(kind: str, agreed: Signature, layout: Layout) -> int:
 class ThreePhase:
     """One step of a group whose peers live on several nodes (or a multi-node job's any step)."""
 
-    def __init__(
-        self, job: LocalJob, members: tuple[int, ...], agreed: Signature, calls: list[Call], label: str
-    ):
-        assert job.node is not None
-        self.node: NodeJob = job.node
-        self.job = job
+    def __init__(self, site: Site, members: tuple[int, ...], local: tuple[int, ...], label: str) -> None:
+        assert site.node is not None
+        self.node: NodeJob = site.node
+        self.config = site.config
         self.members = members
-        self.calls = calls
-        self.label = label
-        self.local = tuple(peer for peer in members if peer in job.peer_ids)
-        self.exchange = Exchange(self.local, label) if len(self.local) > 1 else None
+        self.local = local  # the group's peers in this process
+        self.exchange = Exchange(local, label) if len(local) > 1 else None
         if self.exchange is not None:
-            job.exchanges.add(self.exchange)
+            site.exchanges.add(self.exchange)
 
     def abort(self, error: CollectiveError) -> None:
         if self.exchange is not None:
@@ -241,7 +209,7 @@ class ThreePhase:
             else:
                 product = np.empty(_product_size(kind, agreed, layout), agreed.dtype)
             link = node.link(self.members, plan.number, agreed, step.deadline)
-            call.run_link(self.job.config.global_strategy, link, node_sig, contribution, product)
+            call.run_link(self.config.global_strategy, link, node_sig, contribution, product)
             link.flush()
         return agreed, product, result
 
