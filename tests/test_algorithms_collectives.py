@@ -353,29 +353,31 @@ def inproc_links(n: int, timeout: float = 10.0) -> list[Any]:
 LARGE = COPY_BELOW // 4 + 3  # float32 elements per block: every block is lent, not copied
 
 
-@pytest.mark.parametrize("n", [3, 4])
-@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
-def test_every_collective_over_the_inprocess_link(strategy: Strategy, n: int) -> None:
-    src = inputs(n, n * LARGE, "float32")
-    whole = np.concatenate([x[:LARGE] for x in src])  # gather's result, scatter's source
+def _every_collective(
+    strategy: Strategy,
+    n: int,
+    block: int,
+    device: Callable[[np.ndarray], Any] = np.asarray,
+    host: Callable[[Any], np.ndarray] = np.asarray,
+) -> None:
+    """Each collective in turn over one in-process exchange, on arrays made by ``device``."""
+    src = inputs(n, n * block, "float32")
+    whole = np.concatenate([x[:block] for x in src])  # gather's result, scatter's source
     root = n - 1
 
     def body(link: Any) -> dict[str, np.ndarray]:
         r = link.rank
-        out = {
-            "all_gather": np.empty(n * LARGE, np.float32),
-            "reduce_scatter": np.empty(LARGE, np.float32),
-            "all_to_all": np.empty(n * LARGE, np.float32),
-            "scatter": np.empty(LARGE, np.float32),
-            "gather": np.empty(n * LARGE, np.float32),
-        }
-        strategies.all_gather(strategy, link, src[r][:LARGE], out["all_gather"])
-        strategies.reduce_scatter(strategy, link, src[r], out["reduce_scatter"], ReduceOp.SUM)
-        strategies.all_to_all(strategy, link, src[r], out["all_to_all"])
-        strategies.gather(strategy, link, root, src[r][:LARGE], out["gather"] if r == root else None)
-        strategies.scatter(strategy, link, root, whole if r == root else None, out["scatter"])
+        mine, source = device(src[r]), device(whole) if r == root else None
+        sizes = {"all_gather": n, "reduce_scatter": 1, "all_to_all": n, "gather": n, "scatter": 1}
+        out = {name: device(np.empty(blocks * block, np.float32)) for name, blocks in sizes.items()}
+        strategies.all_gather(strategy, link, mine[:block], out["all_gather"])
+        strategies.reduce_scatter(strategy, link, mine, out["reduce_scatter"], ReduceOp.SUM)
+        strategies.all_to_all(strategy, link, mine, out["all_to_all"])
+        strategies.gather(strategy, link, root, mine[:block], out["gather"] if r == root else None)
+        strategies.scatter(strategy, link, root, source, out["scatter"])
         strategies.barrier(strategy, link)
-        return out
+        link.flush()  # the inputs above are lent until then
+        return {name: host(array) for name, array in out.items()}
 
     results = run_links(inproc_links(n), body)
     total = blocks_of(reference(src, "sum"), n)
@@ -385,6 +387,26 @@ def test_every_collective_over_the_inprocess_link(strategy: Strategy, n: int) ->
         assert out["all_to_all"].tobytes() == np.concatenate([blocks_of(x, n)[r] for x in src]).tobytes()
         assert out["scatter"].tobytes() == blocks_of(whole, n)[r].tobytes()
     assert results[root]["gather"].tobytes() == whole.tobytes()
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_every_collective_over_the_inprocess_link(strategy: Strategy, n: int) -> None:
+    _every_collective(strategy, n, LARGE)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_cupy_arrays_over_the_inprocess_link(strategy: Strategy) -> None:
+    """CuPy arrays take the same schedules (skipped without CuPy or a CUDA device)."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        devices = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no driver
+        devices = 0
+    if devices == 0:
+        pytest.skip("no CUDA device")
+    _every_collective(strategy, 3, 17, cupy.asarray, cupy.asnumpy)
+    _every_collective(strategy, 4, LARGE, cupy.asarray, cupy.asnumpy)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
