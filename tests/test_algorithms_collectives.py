@@ -160,6 +160,23 @@ def test_all_gather(strategy: Strategy, n: int, block: int, dtype: str) -> None:
     assert sent(network) == expected_traffic("all_gather", strategy, n, block * np.dtype(dtype).itemsize)
 
 
+@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_all_gather_in_place(strategy: Strategy, n: int) -> None:
+    """``src`` may be this peer's own block of ``dst`` (no copy in): no schedule writes it early."""
+    blocks = inputs(n, 17, "int32")
+    dst = [np.zeros(n * 17, np.int32) for _ in range(n)]
+    for rank in range(n):
+        dst[rank][17 * rank : 17 * (rank + 1)] = blocks[rank]
+    run(
+        n,
+        lambda link: strategies.all_gather(
+            strategy, link, dst[link.rank][17 * link.rank : 17 * (link.rank + 1)], dst[link.rank]
+        ),
+    )
+    assert all(d.tobytes() == np.concatenate(blocks).tobytes() for d in dst)
+
+
 # -- reduce_scatter -------------------------------------------------------------------------
 
 
