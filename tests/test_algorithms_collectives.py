@@ -20,6 +20,7 @@ from collective.algorithms.ops import ReduceOp
 from collective.algorithms.strategies import Centralized, Direct, Ring, Strategy, Tree
 from collective.errors import InvalidArgumentError
 from collective.transport.inproc import COPY_BELOW, Exchange, InProcessLink
+from tests.collective_costs import Traffic, expected_traffic, in_subtree, subtree_size
 from tests.conftest import assert_matches, peer_input, reference
 from tests.recording import Network, RecordingLink, run_links
 
@@ -27,94 +28,10 @@ STRATEGIES = [Centralized(), Tree(1), Tree(2), Tree(3), Ring(), Direct()]
 PEERS = [1, 2, 3, 4, 5, 7]
 BLOCKS = [0, 1, 17, 1000]  # elements per block
 DTYPES = ["float32", "float64", "int32", "float16"]
-ROOTED = {"gather", "scatter"}
-
-Traffic = list[tuple[int, int]]  # (messages sent, bytes sent) per peer
 
 
 def ids(value: object) -> str:
     return str(value)
-
-
-# -- the textbook cost of every schedule, computed independently of the algorithms -------------
-
-
-def _in_subtree(position: int, candidate: int, arity: int) -> bool:
-    while candidate > position:
-        candidate = (candidate - 1) // arity
-    return candidate == position
-
-
-def _subtree_size(position: int, n: int, arity: int) -> int:
-    return sum(_in_subtree(position, q, arity) for q in range(n))
-
-
-def _children(position: int, n: int, arity: int) -> list[int]:
-    return [q for q in range(1, n) if (q - 1) // arity == position]
-
-
-def _tree_traffic(
-    n: int,
-    root: int,
-    arity: int,
-    up: Callable[[int], int] | None = None,
-    down: Callable[[int], int] | None = None,
-) -> Traffic:
-    """Per peer at heap position p: one message of ``up(p)`` bytes to its parent (but the root) and
-    one of ``down(c)`` bytes to each child c; a direction given as None carries nothing."""
-    out = []
-    for rank in range(n):
-        position = (rank - root) % n
-        sizes = [up(position)] if up is not None and position else []
-        if down is not None:
-            sizes += [down(child) for child in _children(position, n, arity)]
-        out.append((len(sizes), sum(sizes)))
-    return out
-
-
-def expected_traffic(collective: str, strategy: Strategy, n: int, block_bytes: int, root: int = 0) -> Traffic:
-    b = block_bytes
-    star_out = [(n - 1, (n - 1) * b)]  # the center/root of a star, sending one block to every peer
-    pairs = [(n - 1, (n - 1) * b)] * n
-    match collective, strategy:
-        case (("all_gather" | "reduce_scatter" | "all_to_all"), (Ring() | Direct())):
-            return pairs
-        case "all_gather", Centralized():
-            return [(n - 1, (n - 1) * n * b)] + [(1, b)] * (n - 1)
-        case "all_gather", Tree(arity):  # tree gather (s blocks up), then broadcast of n blocks down
-            return _tree_traffic(n, 0, arity, lambda p: _subtree_size(p, n, arity) * b, lambda c: n * b)
-        case "reduce_scatter", Centralized():
-            return star_out + [(1, n * b)] * (n - 1)
-        case "reduce_scatter", Tree(arity):  # reduce n blocks up, scatter s blocks down
-            return _tree_traffic(n, 0, arity, lambda p: n * b, lambda c: _subtree_size(c, n, arity) * b)
-        case "all_to_all", Centralized():
-            return [(n - 1, (n - 1) * n * b)] + [(1, n * b)] * (n - 1)
-        case "all_to_all", Tree(arity):  # s rows of n blocks up, then s rows of n blocks down
-            rows = [_subtree_size(p, n, arity) * n * b for p in range(n)]
-            return _tree_traffic(n, 0, arity, rows.__getitem__, rows.__getitem__)
-        case "gather", (Centralized() | Direct()):
-            return [(0, 0) if rank == root else (1, b) for rank in range(n)]
-        case "gather", Tree(arity):
-            return _tree_traffic(n, root, arity, up=lambda p: _subtree_size(p, n, arity) * b)
-        case "gather", Ring():  # chain root+1 -> ... -> root: position p relays p blocks
-            positions = [(rank - root - 1) % n for rank in range(n)]
-            return [(0, 0) if p == n - 1 else (p + 1, (p + 1) * b) for p in positions]
-        case "scatter", (Centralized() | Direct()):
-            return [star_out[0] if rank == root else (0, 0) for rank in range(n)]
-        case "scatter", Tree(arity):
-            return _tree_traffic(n, root, arity, down=lambda c: _subtree_size(c, n, arity) * b)
-        case "scatter", Ring():  # chain root -> ... -> root-1: p hops from the root sends n-1-p
-            positions = [(rank - root) % n for rank in range(n)]
-            return [(n - 1 - p, (n - 1 - p) * b) for p in positions]
-        case "barrier", Centralized():
-            return [(n - 1, 0)] + [(1, 0)] * (n - 1)
-        case "barrier", Tree(arity):
-            return [(len(_children(r, n, arity)) + (1 if r else 0), 0) for r in range(n)]
-        case "barrier", Ring():  # dissemination: ceil(log2 n) rounds
-            return [((n - 1).bit_length(), 0)] * n
-        case "barrier", Direct():
-            return [(n - 1, 0)] * n
-    raise AssertionError((collective, strategy))
 
 
 def sent(network: Network) -> Traffic:
@@ -306,11 +223,11 @@ def test_tree_subtrees_in_preorder(n: int, arity: int) -> None:
     """The packing order of Tree gather/scatter: a position, then each child's subtree in turn."""
     for position in range(n):
         order = tree.subtree(position, n, arity)
-        assert sorted(order) == [q for q in range(n) if _in_subtree(position, q, arity)]
+        assert sorted(order) == [q for q in range(n) if in_subtree(position, q, arity)]
         assert tree.subtree_size(position, n, arity) == len(order)
         offset = 1
         for child in tree.children(position, n, arity):
-            size = _subtree_size(child, n, arity)
+            size = subtree_size(child, n, arity)
             assert order[offset : offset + size] == tree.subtree(child, n, arity)
             offset += size
     if (n, arity) == (7, 2):
