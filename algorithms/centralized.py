@@ -126,14 +126,12 @@ def reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
 def all_to_all(link: Link, src: Array, dst: Array) -> None:
     """Gather every peer's ``src`` to the center, transpose its blocks there, scatter the result."""
     n = link.size
-    if link.rank != CENTER:
-        gather(link, CENTER, src, None)
-        scatter(link, CENTER, None, dst)
-        return
-    rows = empty_blocks(src, n, src.size)  # row i: the n blocks peer i sends
+    rows = empty_blocks(src, n, src.size) if link.rank == CENTER else None  # row i: what peer i sends
     gather(link, CENTER, src, rows)
-    columns = empty_blocks(src, n, src.size)  # row j: the n blocks peer j receives
-    transpose_blocks(rows, columns, n)
+    columns = None
+    if rows is not None:
+        columns = empty_blocks(src, n, src.size)  # row j: what peer j receives
+        transpose_blocks(rows, columns, n)
     scatter(link, CENTER, columns, dst)
 
 

@@ -20,6 +20,8 @@ no data. Which schedule each strategy runs (every module draws its own)::
     barrier        via peer 0         up and down the heap   dissemination         all pairs
 
 The dispatchers check the block sizes and the root (InvalidArgumentError) before any message.
+all_gather may run in place (``src`` a view of this peer's block of ``dst``); for the others
+``src`` and ``dst`` must not overlap.
 """
 
 from __future__ import annotations

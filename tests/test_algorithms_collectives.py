@@ -20,6 +20,7 @@ from collective.algorithms.ops import ReduceOp
 from collective.algorithms.strategies import Centralized, Direct, Ring, Strategy, Tree
 from collective.errors import InvalidArgumentError
 from collective.transport.inproc import COPY_BELOW, Exchange, InProcessLink
+from tests.collective_costs import Traffic, expected_traffic, in_subtree, subtree_size
 from tests.conftest import assert_matches, peer_input, reference
 from tests.recording import Network, RecordingLink, run_links
 
@@ -27,94 +28,10 @@ STRATEGIES = [Centralized(), Tree(1), Tree(2), Tree(3), Ring(), Direct()]
 PEERS = [1, 2, 3, 4, 5, 7]
 BLOCKS = [0, 1, 17, 1000]  # elements per block
 DTYPES = ["float32", "float64", "int32", "float16"]
-ROOTED = {"gather", "scatter"}
-
-Traffic = list[tuple[int, int]]  # (messages sent, bytes sent) per peer
 
 
 def ids(value: object) -> str:
     return str(value)
-
-
-# -- the textbook cost of every schedule, computed independently of the algorithms -------------
-
-
-def _in_subtree(position: int, candidate: int, arity: int) -> bool:
-    while candidate > position:
-        candidate = (candidate - 1) // arity
-    return candidate == position
-
-
-def _subtree_size(position: int, n: int, arity: int) -> int:
-    return sum(_in_subtree(position, q, arity) for q in range(n))
-
-
-def _children(position: int, n: int, arity: int) -> list[int]:
-    return [q for q in range(1, n) if (q - 1) // arity == position]
-
-
-def _tree_traffic(
-    n: int,
-    root: int,
-    arity: int,
-    up: Callable[[int], int] | None = None,
-    down: Callable[[int], int] | None = None,
-) -> Traffic:
-    """Per peer at heap position p: one message of ``up(p)`` bytes to its parent (but the root) and
-    one of ``down(c)`` bytes to each child c; a direction given as None carries nothing."""
-    out = []
-    for rank in range(n):
-        position = (rank - root) % n
-        sizes = [up(position)] if up is not None and position else []
-        if down is not None:
-            sizes += [down(child) for child in _children(position, n, arity)]
-        out.append((len(sizes), sum(sizes)))
-    return out
-
-
-def expected_traffic(collective: str, strategy: Strategy, n: int, block_bytes: int, root: int = 0) -> Traffic:
-    b = block_bytes
-    star_out = [(n - 1, (n - 1) * b)]  # the center/root of a star, sending one block to every peer
-    pairs = [(n - 1, (n - 1) * b)] * n
-    match collective, strategy:
-        case (("all_gather" | "reduce_scatter" | "all_to_all"), (Ring() | Direct())):
-            return pairs
-        case "all_gather", Centralized():
-            return [(n - 1, (n - 1) * n * b)] + [(1, b)] * (n - 1)
-        case "all_gather", Tree(arity):  # tree gather (s blocks up), then broadcast of n blocks down
-            return _tree_traffic(n, 0, arity, lambda p: _subtree_size(p, n, arity) * b, lambda c: n * b)
-        case "reduce_scatter", Centralized():
-            return star_out + [(1, n * b)] * (n - 1)
-        case "reduce_scatter", Tree(arity):  # reduce n blocks up, scatter s blocks down
-            return _tree_traffic(n, 0, arity, lambda p: n * b, lambda c: _subtree_size(c, n, arity) * b)
-        case "all_to_all", Centralized():
-            return [(n - 1, (n - 1) * n * b)] + [(1, n * b)] * (n - 1)
-        case "all_to_all", Tree(arity):  # s rows of n blocks up, then s rows of n blocks down
-            rows = [_subtree_size(p, n, arity) * n * b for p in range(n)]
-            return _tree_traffic(n, 0, arity, rows.__getitem__, rows.__getitem__)
-        case "gather", (Centralized() | Direct()):
-            return [(0, 0) if rank == root else (1, b) for rank in range(n)]
-        case "gather", Tree(arity):
-            return _tree_traffic(n, root, arity, up=lambda p: _subtree_size(p, n, arity) * b)
-        case "gather", Ring():  # chain root+1 -> ... -> root: position p relays p blocks
-            positions = [(rank - root - 1) % n for rank in range(n)]
-            return [(0, 0) if p == n - 1 else (p + 1, (p + 1) * b) for p in positions]
-        case "scatter", (Centralized() | Direct()):
-            return [star_out[0] if rank == root else (0, 0) for rank in range(n)]
-        case "scatter", Tree(arity):
-            return _tree_traffic(n, root, arity, down=lambda c: _subtree_size(c, n, arity) * b)
-        case "scatter", Ring():  # chain root -> ... -> root-1: p hops from the root sends n-1-p
-            positions = [(rank - root) % n for rank in range(n)]
-            return [(n - 1 - p, (n - 1 - p) * b) for p in positions]
-        case "barrier", Centralized():
-            return [(n - 1, 0)] + [(1, 0)] * (n - 1)
-        case "barrier", Tree(arity):
-            return [(len(_children(r, n, arity)) + (1 if r else 0), 0) for r in range(n)]
-        case "barrier", Ring():  # dissemination: ceil(log2 n) rounds
-            return [((n - 1).bit_length(), 0)] * n
-        case "barrier", Direct():
-            return [(n - 1, 0)] * n
-    raise AssertionError((collective, strategy))
 
 
 def sent(network: Network) -> Traffic:
@@ -158,6 +75,23 @@ def test_all_gather(strategy: Strategy, n: int, block: int, dtype: str) -> None:
     assert all(d.tobytes() == expected for d in dst)  # copies: bit-identical on every peer
     assert unchanged(src, originals)
     assert sent(network) == expected_traffic("all_gather", strategy, n, block * np.dtype(dtype).itemsize)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_all_gather_in_place(strategy: Strategy, n: int) -> None:
+    """``src`` may be this peer's own block of ``dst`` (no copy in): no schedule writes it early."""
+    blocks = inputs(n, 17, "int32")
+    dst = [np.zeros(n * 17, np.int32) for _ in range(n)]
+    for rank in range(n):
+        dst[rank][17 * rank : 17 * (rank + 1)] = blocks[rank]
+    run(
+        n,
+        lambda link: strategies.all_gather(
+            strategy, link, dst[link.rank][17 * link.rank : 17 * (link.rank + 1)], dst[link.rank]
+        ),
+    )
+    assert all(d.tobytes() == np.concatenate(blocks).tobytes() for d in dst)
 
 
 # -- reduce_scatter -------------------------------------------------------------------------
@@ -289,11 +223,11 @@ def test_tree_subtrees_in_preorder(n: int, arity: int) -> None:
     """The packing order of Tree gather/scatter: a position, then each child's subtree in turn."""
     for position in range(n):
         order = tree.subtree(position, n, arity)
-        assert sorted(order) == [q for q in range(n) if _in_subtree(position, q, arity)]
+        assert sorted(order) == [q for q in range(n) if in_subtree(position, q, arity)]
         assert tree.subtree_size(position, n, arity) == len(order)
         offset = 1
         for child in tree.children(position, n, arity):
-            size = _subtree_size(child, n, arity)
+            size = subtree_size(child, n, arity)
             assert order[offset : offset + size] == tree.subtree(child, n, arity)
             offset += size
     if (n, arity) == (7, 2):
@@ -353,29 +287,31 @@ def inproc_links(n: int, timeout: float = 10.0) -> list[Any]:
 LARGE = COPY_BELOW // 4 + 3  # float32 elements per block: every block is lent, not copied
 
 
-@pytest.mark.parametrize("n", [3, 4])
-@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
-def test_every_collective_over_the_inprocess_link(strategy: Strategy, n: int) -> None:
-    src = inputs(n, n * LARGE, "float32")
-    whole = np.concatenate([x[:LARGE] for x in src])  # gather's result, scatter's source
+def _every_collective(
+    strategy: Strategy,
+    n: int,
+    block: int,
+    device: Callable[[np.ndarray], Any] = np.asarray,
+    host: Callable[[Any], np.ndarray] = np.asarray,
+) -> None:
+    """Each collective in turn over one in-process exchange, on arrays made by ``device``."""
+    src = inputs(n, n * block, "float32")
+    whole = np.concatenate([x[:block] for x in src])  # gather's result, scatter's source
     root = n - 1
 
     def body(link: Any) -> dict[str, np.ndarray]:
         r = link.rank
-        out = {
-            "all_gather": np.empty(n * LARGE, np.float32),
-            "reduce_scatter": np.empty(LARGE, np.float32),
-            "all_to_all": np.empty(n * LARGE, np.float32),
-            "scatter": np.empty(LARGE, np.float32),
-            "gather": np.empty(n * LARGE, np.float32),
-        }
-        strategies.all_gather(strategy, link, src[r][:LARGE], out["all_gather"])
-        strategies.reduce_scatter(strategy, link, src[r], out["reduce_scatter"], ReduceOp.SUM)
-        strategies.all_to_all(strategy, link, src[r], out["all_to_all"])
-        strategies.gather(strategy, link, root, src[r][:LARGE], out["gather"] if r == root else None)
-        strategies.scatter(strategy, link, root, whole if r == root else None, out["scatter"])
+        mine, source = device(src[r]), device(whole) if r == root else None
+        sizes = {"all_gather": n, "reduce_scatter": 1, "all_to_all": n, "gather": n, "scatter": 1}
+        out = {name: device(np.empty(blocks * block, np.float32)) for name, blocks in sizes.items()}
+        strategies.all_gather(strategy, link, mine[:block], out["all_gather"])
+        strategies.reduce_scatter(strategy, link, mine, out["reduce_scatter"], ReduceOp.SUM)
+        strategies.all_to_all(strategy, link, mine, out["all_to_all"])
+        strategies.gather(strategy, link, root, mine[:block], out["gather"] if r == root else None)
+        strategies.scatter(strategy, link, root, source, out["scatter"])
         strategies.barrier(strategy, link)
-        return out
+        link.flush()  # the inputs above are lent until then
+        return {name: host(array) for name, array in out.items()}
 
     results = run_links(inproc_links(n), body)
     total = blocks_of(reference(src, "sum"), n)
@@ -385,6 +321,26 @@ def test_every_collective_over_the_inprocess_link(strategy: Strategy, n: int) ->
         assert out["all_to_all"].tobytes() == np.concatenate([blocks_of(x, n)[r] for x in src]).tobytes()
         assert out["scatter"].tobytes() == blocks_of(whole, n)[r].tobytes()
     assert results[root]["gather"].tobytes() == whole.tobytes()
+
+
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_every_collective_over_the_inprocess_link(strategy: Strategy, n: int) -> None:
+    _every_collective(strategy, n, LARGE)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
+def test_cupy_arrays_over_the_inprocess_link(strategy: Strategy) -> None:
+    """CuPy arrays take the same schedules (skipped without CuPy or a CUDA device)."""
+    cupy = pytest.importorskip("cupy")
+    try:
+        devices = cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no driver
+        devices = 0
+    if devices == 0:
+        pytest.skip("no CUDA device")
+    _every_collective(strategy, 3, 17, cupy.asarray, cupy.asnumpy)
+    _every_collective(strategy, 4, LARGE, cupy.asarray, cupy.asnumpy)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
