@@ -19,6 +19,7 @@ from collective.api import (
     default_runtime,
     finish,
     gather,
+    init,
     new_group,
     recv,
     reduce,
@@ -52,6 +53,6 @@ __all__ = [
     "Group", "InvalidArgumentError", "JobClosedError", "MismatchError", "PeerLostError", "ReduceOp",
     "RegistrationError", "Ring", "Runtime", "Tree", "Work",
     "all_gather", "all_reduce", "all_reduce_coalesced", "all_to_all", "barrier", "broadcast",
-    "default_runtime", "finish", "gather", "new_group", "peer_ids_from_env", "recv", "reduce",
+    "default_runtime", "finish", "gather", "init", "new_group", "peer_ids_from_env", "recv", "reduce",
     "reduce_scatter", "register", "reset", "scatter", "send", "world_size",
 ]  # fmt: skip

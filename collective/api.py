@@ -14,8 +14,8 @@ from collective.runtime import Runtime
 
 __all__ = [
     "all_gather", "all_reduce", "all_reduce_coalesced", "all_to_all", "barrier", "broadcast",
-    "default_runtime", "finish", "gather", "new_group", "recv", "reduce", "reduce_scatter", "register",
-    "reset", "scatter", "send", "world_size",
+    "default_runtime", "finish", "gather", "init", "new_group", "recv", "reduce", "reduce_scatter",
+    "register", "reset", "scatter", "send", "world_size",
 ]  # fmt: skip
 
 Op = ReduceOp | str
@@ -25,6 +25,14 @@ _default = Runtime()
 def default_runtime() -> Runtime:
     """The Runtime behind the module-level functions."""
     return _default
+
+
+def init(device: str = "cpu") -> int:
+    """Register this process's one peer from the launcher's variables (torchrun, Slurm, mpirun,
+    collective launch); returns its peer id. See collective.init."""
+    from collective.init import init as init_from_environment
+
+    return init_from_environment(device)
 
 
 def register(peer_id: int, device: Device | str | int, config: CollectiveConfig) -> None:

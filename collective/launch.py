@@ -1,9 +1,13 @@
 """``collective orchestrator`` and ``collective launch``: run a multi-node job on this machine.
 
-``launch`` starts an orchestrator (unless one is given) and N node processes of a script, each
-with the environment ``CollectiveConfig.from_env()`` reads plus ``COLLECTIVE_NODE_RANK`` and
-``COLLECTIVE_PEER_IDS`` (the peer ids that node owns, see ``peer_ids_from_env``). It streams their
-output prefixed by node and exits with the first failing node's status, stopping the others.
+``launch`` starts an orchestrator (unless one is given) and N node processes of a command (a
+Python script, ``-m module``, or any program), each with the environment
+``CollectiveConfig.from_env()`` reads plus ``COLLECTIVE_NODE_RANK`` and ``COLLECTIVE_PEER_IDS``
+(the peer ids that node owns, see ``peer_ids_from_env``). With one peer per node it also sets
+torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so
+one script runs under either launcher (``col.init()`` reads them). It streams the nodes' output
+prefixed by node and exits with the first failing node's status, stopping the others; on Ctrl-C it
+stops every node quietly and exits 130.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -40,10 +45,28 @@ def peer_ids_from_env(environ: dict[str, str] | None = None) -> list[int]:
 
 
 def node_environment(
-    address: str, job: str, rank: int, nodes: int, devices: int, base: dict[str, str] | None = None
+    address: str,
+    job: str,
+    rank: int,
+    nodes: int,
+    devices: int,
+    base: dict[str, str] | None = None,
+    master_port: int | None = None,
 ) -> dict[str, str]:
-    """The environment of node ``rank`` of a job on this machine (what ``launch`` gives each node)."""
+    """The environment of node ``rank`` of a job on this machine (what ``launch`` gives each node).
+
+    With one peer per node, torchrun's variables too (``master_port``: the MASTER_PORT to give).
+    """
     env = dict(os.environ if base is None else base)
+    if devices == 1:
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(nodes),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(nodes),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(master_port or free_port()),
+        )
     env.update(
         COLLECTIVE_NUM_DEVICES=str(devices),
         COLLECTIVE_NUM_NODES=str(nodes),
@@ -57,12 +80,20 @@ def node_environment(
     return env
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def start_orchestrator() -> tuple[subprocess.Popen[str], str]:
     """An orchestrator daemon on a free loopback port: (the process, its address)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "collective", "orchestrator", "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # Ctrl-C reaches launch alone
     )
     assert process.stdout is not None
     line = process.stdout.readline()
@@ -127,8 +158,28 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--job", help="the job name (default: unique per launch)")
     parser.add_argument("--timeout", type=float, help="COLLECTIVE_TIMEOUT for the nodes")
-    parser.add_argument("script", help="the Python script every node runs")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+    parser.add_argument("-m", dest="module", metavar="MODULE", help="run a Python module (as python -m)")
+    parser.add_argument(
+        "program",
+        nargs=argparse.REMAINDER,
+        help="what every node runs: a Python script and its arguments, or any program (or -m's arguments)",
+    )
+
+
+def node_command(module: str | None, command: list[str]) -> list[str]:
+    """The argv of a node: python for ``-m module`` or a script, the program itself otherwise."""
+    if module is not None:
+        return [sys.executable, "-m", module, *command]
+    if command[0].endswith(".py"):
+        return [sys.executable, *command]
+    return command
+
+
+def _orchestrator_address(text: str, parser: argparse.ArgumentParser) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        parser.error(f"argument --orchestrator: {text!r} is not HOST:PORT (a port in 1..65535)")
+    return text
 
 
 def _pump(stream: IO[str], prefix: str, sink: IO[str], lock: threading.Lock) -> None:
@@ -142,28 +193,39 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[st
     """Start the job; return 0 when every node succeeded, else the first failing node's status."""
     if args.nodes < 1 or args.devices < 1:
         parser.error("argument --nodes/--devices: must be >= 1")
-    if not os.path.isfile(args.script):
-        parser.error(f"argument script: no such file {args.script!r}")
+    if args.orchestrator is not None:
+        _orchestrator_address(args.orchestrator, parser)
+    if not args.program and args.module is None:
+        parser.error("nothing to run: give a script, -m module, or a program (and its arguments)")
+    if args.module is None and args.program[0].endswith(".py") and not os.path.isfile(args.program[0]):
+        parser.error(f"no such script {args.program[0]!r}")
     orchestrator = None
     address = args.orchestrator
     if address is None:
         orchestrator, address = start_orchestrator()
     job = args.job or f"launch-{os.getpid()}-{int(time.time() * 1000)}"
+    print(f"collective launch: job {job!r}, orchestrator {address}, {args.nodes} node(s)", file=sys.stderr)
+    master_port = free_port()
     lock = threading.Lock()
     nodes: list[subprocess.Popen[str]] = []
     pumps: list[threading.Thread] = []
     try:
         for rank in range(args.nodes):
-            env = node_environment(address, job, rank, args.nodes, args.devices)
+            env = node_environment(address, job, rank, args.nodes, args.devices, master_port=master_port)
             if args.timeout is not None:
                 env["COLLECTIVE_TIMEOUT"] = str(args.timeout)
-            process = subprocess.Popen(
-                [sys.executable, args.script, *args.script_args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                env=env,
-            )
+            try:
+                process = subprocess.Popen(
+                    node_command(args.module, args.program),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    env=env,
+                    start_new_session=True,  # Ctrl-C reaches launch alone; it stops the nodes itself
+                )
+            except OSError as exc:
+                print(f"collective launch: cannot run {args.program}: {exc}", file=sys.stderr)
+                return 127
             nodes.append(process)
             assert process.stdout is not None
             pump = threading.Thread(

@@ -191,6 +191,10 @@ class Runtime:
     def __exit__(self, *exc_info: object) -> None:
         self.reset()
 
+    def has_job(self) -> bool:
+        """Whether peers of this process are registered in a job (or joining one)."""
+        return self._job is not None
+
     def world_size(self, group: Group | None = None) -> int:
         """The number of peers in the job (or in ``group``)."""
         if group is not None:

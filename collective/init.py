@@ -1,0 +1,321 @@
+"""``init()``: one peer per process, the way torchrun, Slurm, mpirun and ``collective launch`` start them.
+
+The launcher's variables say which process this is (``Launched``), read from the first source
+present, in this order:
+
+====================  ===========================================  ====================================
+source                rank / size (local rank)                      where the processes meet
+====================  ===========================================  ====================================
+collective launch     COLLECTIVE_PEER_IDS / COLLECTIVE_NUM_NODES    COLLECTIVE_GLOBAL_ADDRESS
+torchrun              RANK / WORLD_SIZE (LOCAL_RANK)                MASTER_ADDR:MASTER_PORT
+Slurm (srun)          SLURM_PROCID / SLURM_NTASKS (SLURM_LOCALID)   MASTER_ADDR:MASTER_PORT, or the first
+                                                                    host of SLURM_JOB_NODELIST
+Open MPI (mpirun)     OMPI_COMM_WORLD_RANK / _SIZE (_LOCAL_RANK)    MASTER_ADDR:MASTER_PORT
+====================  ===========================================  ====================================
+
+COLLECTIVE_GLOBAL_ADDRESS names an orchestrator to use with any source. Without one, rank 0 hosts
+an embedded orchestrator at MASTER_ADDR:MASTER_PORT and the others connect there (as torch's
+TCPStore does). Under torchrun's elastic agent, which already serves a store on MASTER_PORT
+(TORCHELASTIC_USE_AGENT_STORE=True), rank 0 listens on a free port instead and publishes it in
+that store. Every process is one node of one peer; processes that share a host find each other
+by the host identity exchanged at registration.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import socket
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from collective.config import CollectiveConfig
+from collective.errors import ConfigError, RegistrationError
+from collective.runtime import Runtime
+from collective.transport.orchestrator import Orchestrator
+
+__all__ = ["Launched", "init", "launched_from"]
+
+DEFAULT_SLURM_PORT = 29500
+
+
+@dataclass(frozen=True)
+class Launched:
+    """What the launcher told this process."""
+
+    source: str  # "collective launch", "torchrun", "Slurm", "Open MPI"
+    rank: int
+    world: int
+    local_rank: int | None
+    orchestrator: str | None  # an orchestrator to use ("host:port"), or None: rank 0 hosts one
+    master: tuple[str, int] | None  # where rank 0 hosts it
+    job: str
+    agent_store: bool = False  # torchrun's agent serves a store on the master port
+
+
+def _int(environ: Mapping[str, str], name: str, what: str, minimum: int = 0) -> int:
+    text = environ.get(name, "").strip()
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{name}={text!r} is not {what}: set it to an integer >= {minimum}") from None
+    if value < minimum:
+        raise ConfigError(f"{name}={value} is not {what}: it must be >= {minimum}")
+    return value
+
+
+def _rank_and_world(environ: Mapping[str, str], rank_name: str, world_name: str) -> tuple[int, int]:
+    missing = [name for name in (rank_name, world_name) if not environ.get(name, "").strip()]
+    if missing:
+        raise ConfigError(
+            f"{' and '.join(missing)} not set: the launcher sets both {rank_name} and {world_name}"
+        )
+    rank = _int(environ, rank_name, "a rank")
+    world = _int(environ, world_name, "a process count", minimum=1)
+    if rank >= world:
+        raise ConfigError(f"{rank_name}={rank} contradicts {world_name}={world}: ranks are 0..{world - 1}")
+    return rank, world
+
+
+def _master(environ: Mapping[str, str], fallback_host: str | None = None) -> tuple[str, int] | None:
+    host = environ.get("MASTER_ADDR", "").strip() or fallback_host
+    port_text = environ.get("MASTER_PORT", "").strip()
+    if host is None:
+        return None
+    if not port_text:
+        if fallback_host is not None and not environ.get("MASTER_ADDR"):
+            return host, DEFAULT_SLURM_PORT
+        raise ConfigError(
+            f"MASTER_ADDR={host!r} is set but MASTER_PORT is not: set MASTER_PORT to a free port"
+        )
+    port = _int(environ, "MASTER_PORT", "a port", minimum=1)
+    if port > 65535:
+        raise ConfigError(f"MASTER_PORT={port} is not a port (1..65535)")
+    return host, port
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: "gpu[03-05,07],cpu1" -> "gpu03"."""
+    match = re.match(r"\s*([^,\[\s]+)(?:\[([^\]]+)\])?", nodelist)
+    if match is None:
+        raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r} names no host: set MASTER_ADDR")
+    prefix, ranges = match.groups()
+    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+
+
+def launched_from(environ: Mapping[str, str] | None = None) -> Launched:
+    """This process's rank, world and meeting point, from the first launcher whose variables are set.
+
+    Raises ConfigError naming the variable that is missing or contradicts another, and what to set.
+    """
+    env = os.environ if environ is None else environ
+    orchestrator = env.get("COLLECTIVE_GLOBAL_ADDRESS", "").strip() or None
+    job = env.get("COLLECTIVE_JOB", "").strip()
+    if env.get("COLLECTIVE_PEER_IDS", "").strip():
+        return _from_collective_launch(env, orchestrator, job)
+    if env.get("RANK", "").strip() or env.get("WORLD_SIZE", "").strip():
+        rank, world = _rank_and_world(env, "RANK", "WORLD_SIZE")
+        master = _master(env)
+        run = env.get("TORCHELASTIC_RUN_ID", "").strip()
+        job = job or (run if run and run != "none" else "")
+        source = "torchrun"
+        local = env.get("LOCAL_RANK")
+        agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true"
+    elif env.get("SLURM_PROCID", "").strip():
+        rank, world = _rank_and_world(env, "SLURM_PROCID", "SLURM_NTASKS")
+        nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        master = _master(env, first_host(nodes) if nodes else None)
+        slurm_job = env.get("SLURM_JOB_ID", "").strip()
+        job = job or (f"slurm-{slurm_job}.{env.get('SLURM_STEP_ID', '0')}" if slurm_job else "")
+        source, local, agent = "Slurm", env.get("SLURM_LOCALID"), False
+    elif env.get("OMPI_COMM_WORLD_RANK", "").strip():
+        rank, world = _rank_and_world(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+        master = _master(env)
+        source, local, agent = "Open MPI", env.get("OMPI_COMM_WORLD_LOCAL_RANK"), False
+    else:
+        raise ConfigError(
+            "init() found no launcher variables: start the processes with collective launch, torchrun, "
+            "srun or mpirun, or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
+        )
+    if orchestrator is None and master is None:
+        raise ConfigError(
+            f"{source} gave rank {rank} of {world} but no meeting point: set MASTER_ADDR and MASTER_PORT "
+            f"(rank 0 hosts the orchestrator there), or COLLECTIVE_GLOBAL_ADDRESS"
+        )
+    if not job:
+        where = orchestrator or f"{master[0]}:{master[1]}"  # type: ignore[index]
+        job = f"init-{where}"
+    local_rank = int(local) if local is not None and local.strip().isdigit() else None
+    return Launched(source, rank, world, local_rank, orchestrator, master, job, agent)
+
+
+def _from_collective_launch(env: Mapping[str, str], orchestrator: str | None, job: str) -> Launched:
+    ids = env["COLLECTIVE_PEER_IDS"].split(",")
+    devices = env.get("COLLECTIVE_NUM_DEVICES", "1").strip() or "1"
+    if len(ids) != 1 or devices != "1":
+        raise ConfigError(
+            f"init() runs one peer per process, but this process was given COLLECTIVE_PEER_IDS="
+            f"{env['COLLECTIVE_PEER_IDS']!r} (COLLECTIVE_NUM_DEVICES={devices}): launch with --devices 1, or "
+            f"register() each thread peer yourself"
+        )
+    rank = _int(env, "COLLECTIVE_PEER_IDS", "a peer id")
+    world = _int(env, "COLLECTIVE_NUM_NODES", "a process count", minimum=1)
+    if rank >= world:
+        raise ConfigError(f"COLLECTIVE_PEER_IDS={rank} contradicts COLLECTIVE_NUM_NODES={world}")
+    if orchestrator is None:
+        raise ConfigError(
+            "COLLECTIVE_PEER_IDS is set but COLLECTIVE_GLOBAL_ADDRESS is not: name the orchestrator"
+        )
+    return Launched("collective launch", rank, world, None, orchestrator, None, job or "default")
+
+
+def _resolve(host: str) -> str:
+    """``host`` as an IPv4 address (127.0.0.1 for any loopback name)."""
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET)
+    except OSError as exc:
+        raise ConfigError(f"MASTER_ADDR={host!r} does not resolve: {exc}") from None
+    address = str(infos[0][4][0])
+    return "127.0.0.1" if address.startswith("127.") else address
+
+
+def _reaching(host: str) -> str:
+    """The address of this machine that ``host`` can reach (127.0.0.1 for a loopback master)."""
+    address = _resolve(host)
+    if address == "127.0.0.1":
+        return address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe.connect((address, 9))  # no packet is sent: this only picks the outgoing interface
+        return str(probe.getsockname()[0])
+
+
+class _Embedded:
+    """Rank 0's orchestrator, served from a daemon thread until the process exits."""
+
+    def __init__(self, host: str, port: int, token: str | None) -> None:
+        self.orchestrator = Orchestrator(host, port, token=token)
+        self.thread = threading.Thread(
+            target=self.orchestrator.serve, name="collective-orchestrator", daemon=True
+        )
+        self.thread.start()
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        self.orchestrator.stop()
+        self.thread.join(2)
+
+
+_lock = threading.Lock()
+_initialised: dict[str, int] = {}
+_embedded: list[_Embedded] = []
+
+
+def init(
+    device: str = "cpu", environ: Mapping[str, str] | None = None, runtime: Runtime | None = None
+) -> int:
+    """Register this process's one peer from the launcher's environment; returns its peer id (rank).
+
+    ``device`` is the peer's device ("cpu", or "cuda:N" for CuPy arrays on GPU N, e.g. LOCAL_RANK).
+
+    Rank 0 hosts the orchestrator unless COLLECTIVE_GLOBAL_ADDRESS names one. Other settings come
+    from ``COLLECTIVE_*`` variables as in ``CollectiveConfig.from_env`` (timeout, strategies, token).
+    Raises ConfigError (missing or contradictory variables, naming them), RegistrationError
+    (``init()`` called twice, or in a process that registered thread peers) and what ``register``
+    raises.
+    """
+    from collective.api import default_runtime
+
+    env = os.environ if environ is None else environ
+    target = runtime or default_runtime()
+    launched = launched_from(env)
+    with _lock:
+        key = str(id(target))
+        if key in _initialised:
+            raise RegistrationError(
+                f"init() was already called in this process (it is peer {_initialised[key]}); call it once"
+            )
+        if target.has_job():
+            raise RegistrationError(
+                "init() in a process whose peers were registered with register(): a process either "
+                "registers its thread peers itself or calls init() once for its one peer"
+            )
+        _initialised[key] = launched.rank
+    try:
+        config = _config(launched, env)
+        target.register(launched.rank, device, config)
+    except BaseException:
+        with _lock:
+            _initialised.pop(key, None)
+        raise
+    return launched.rank
+
+
+def _config(launched: Launched, env: Mapping[str, str]) -> CollectiveConfig:
+    token = env.get("COLLECTIVE_TOKEN") or None
+    address = launched.orchestrator
+    if launched.master is not None:
+        host = _reaching(launched.master[0])
+    else:
+        host = env.get("COLLECTIVE_NODE_ADDRESS", "127.0.0.1:0").rpartition(":")[0] or "127.0.0.1"
+    if address is None:
+        assert launched.master is not None
+        address = _meeting_point(launched, host, token, env)
+    return CollectiveConfig.from_env(
+        env,
+        num_devices=1,
+        num_nodes=launched.world,
+        global_address=address,
+        node_address=f"{host}:0",
+        data_service_port=int(env.get("COLLECTIVE_DATA_SERVICE_PORT", "0") or 0),
+        job=launched.job,
+    )
+
+
+def _meeting_point(launched: Launched, host: str, token: str | None, env: Mapping[str, str]) -> str:
+    """The orchestrator's address; rank 0 starts it (on the master port, or published in the agent store)."""
+    master_host, master_port = launched.master  # type: ignore[misc]
+    if launched.agent_store:
+        return _through_agent_store(launched, host, master_host, master_port, token, env)
+    if launched.rank == 0:
+        bind = _resolve(master_host)
+        try:
+            _embedded.append(_Embedded(bind, master_port, token))
+        except RegistrationError as exc:
+            raise ConfigError(
+                f"rank 0 cannot host the orchestrator at MASTER_ADDR:MASTER_PORT="
+                f"{master_host}:{master_port}: {exc}; pick a free MASTER_PORT"
+            ) from None
+        return f"{bind}:{master_port}"
+    return f"{_resolve(master_host)}:{master_port}"
+
+
+def _through_agent_store(
+    launched: Launched,
+    host: str,
+    master_host: str,
+    master_port: int,
+    token: str | None,
+    env: Mapping[str, str],
+) -> str:
+    """Under torchrun's agent store: rank 0 listens on a free port and publishes it in the store."""
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    timeout = float(env.get("COLLECTIVE_TIMEOUT", "300") or 300)
+    store = TCPStore(master_host, master_port, is_master=False, timeout=timedelta(seconds=timeout))
+    key = f"collective/{launched.job}/orchestrator"
+    if launched.rank == 0:
+        embedded = _Embedded(host, 0, token)
+        _embedded.append(embedded)
+        store.set(key, embedded.orchestrator.address)
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return bytes(store.get(key)).decode()
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise

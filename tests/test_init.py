@@ -1,0 +1,176 @@
+"""``col.init()`` under every launcher's variables, and ``collective launch``: real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import collective as col
+from collective.init import first_host, init, launched_from
+from collective.launch import free_port
+from tests.processes import Proc, finish_all
+
+pytestmark = pytest.mark.timeout(120)
+
+WORKER = str(Path(__file__).with_name("init_worker.py"))
+CLEAN = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVE_", "SLURM_", "OMPI_"))}
+CLEAN = {k: v for k, v in CLEAN.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+
+
+def torchrun(rank: int, world: int, port: int) -> dict[str, str]:
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+
+
+def slurm(rank: int, world: int, port: int) -> dict[str, str]:
+    return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world), "SLURM_LOCALID": str(rank),
+            "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "77", "MASTER_PORT": str(port)}  # fmt: skip
+
+
+def open_mpi(rank: int, world: int, port: int) -> dict[str, str]:
+    return {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(world),
+            "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "MASTER_ADDR": "localhost",
+            "MASTER_PORT": str(port)}  # fmt: skip
+
+
+@pytest.mark.parametrize("variables", [torchrun, slurm, open_mpi], ids=lambda f: f.__name__)
+def test_init_under_each_launcher(variables: Callable[[int, int, int], dict[str, str]]) -> None:
+    world, port = 3, free_port()
+    procs = [
+        Proc([sys.executable, WORKER], {**CLEAN, "COLLECTIVE_TIMEOUT": "30", **variables(rank, world, port)})
+        for rank in range(world)
+    ]
+    for proc, code in zip(procs, finish_all(procs, 90), strict=True):
+        assert code == 0, proc.output()
+    for rank, proc in enumerate(procs):
+        assert f"OK {rank} {world}" in proc.output(), proc.output()
+
+
+def test_launch_sets_the_torchrun_variables_and_init_reads_them() -> None:
+    proc = Proc(
+        [sys.executable, "-m", "collective", "launch", "--nodes", "3", "--timeout", "30", WORKER], CLEAN
+    )
+    assert proc.wait(90) == 0, proc.output()
+    for rank in range(3):
+        assert f"[node {rank}] OK {rank} 3 {rank}" in proc.output(), proc.output()
+    assert "orchestrator 127.0.0.1:" in proc.output() and "job 'launch-" in proc.output()
+
+
+def test_launch_runs_modules_and_other_programs() -> None:
+    module = Proc(
+        [sys.executable, "-m", "collective", "launch", "--nodes", "2", "-m", "tests.init_worker"], CLEAN
+    )
+    assert module.wait(90) == 0, module.output()
+    assert "[node 1] OK 1 2" in module.output()
+    program = Proc(
+        [
+            sys.executable,
+            "-m",
+            "collective",
+            "launch",
+            "--nodes",
+            "2",
+            "sh",
+            "-c",
+            "echo rank=$RANK of $WORLD_SIZE",
+        ],
+        CLEAN,
+    )
+    assert program.wait(60) == 0, program.output()
+    assert "[node 1] rank=1 of 2" in program.output()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--orchestrator", "nohost", "x.py"], "is not HOST:PORT"),
+        (["--orchestrator", "h:99999", "x.py"], "is not HOST:PORT"),
+        (["missing.py"], "no such script"),
+        ([], "nothing to run"),
+    ],
+)
+def test_launch_refuses_bad_arguments(argv: list[str], expected: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "collective", "launch", "--nodes", "2", *argv],
+        capture_output=True, text=True, timeout=60, env=CLEAN,
+    )  # fmt: skip
+    assert result.returncode == 2 and expected in result.stderr, result.stderr
+
+
+def test_ctrl_c_stops_every_node_quietly(tmp_path: Path) -> None:
+    script = tmp_path / "sleepy.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
+    launch = Proc([sys.executable, "-m", "collective", "launch", "--nodes", "2", str(script)], CLEAN)
+    for rank in range(2):
+        launch.wait_for(f"[node {rank}] started", 30)
+    launch.process.send_signal(signal.SIGINT)
+    started = time.monotonic()
+    assert launch.wait(30) == 130
+    assert time.monotonic() - started < 10
+    assert "Traceback" not in launch.output() and "lost sys.stderr" not in launch.output(), launch.output()
+
+
+# -- the environment, read ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, "found no launcher variables"),
+        ({"RANK": "1"}, "WORLD_SIZE not set"),
+        (
+            {"RANK": "3", "WORLD_SIZE": "3", "MASTER_ADDR": "h", "MASTER_PORT": "1"},
+            "RANK=3 contradicts WORLD_SIZE=3",
+        ),
+        ({"RANK": "x", "WORLD_SIZE": "3"}, "RANK='x' is not a rank"),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "set MASTER_ADDR and MASTER_PORT"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "MASTER_PORT is not"),
+        ({"SLURM_PROCID": "0"}, "SLURM_NTASKS not set"),
+        ({"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "2"}, "contradicts OMPI_COMM_WORLD_SIZE=2"),
+        ({"COLLECTIVE_PEER_IDS": "2,3", "COLLECTIVE_NUM_DEVICES": "2"}, "one peer per process"),
+    ],
+)
+def test_missing_or_contradictory_variables_are_named(env: dict[str, str], expected: str) -> None:
+    with pytest.raises(col.ConfigError, match=expected):
+        launched_from(env)
+
+
+def test_what_each_launcher_says() -> None:
+    run = launched_from({**torchrun(2, 4, 1234), "TORCHELASTIC_RUN_ID": "abc"})
+    assert (run.source, run.rank, run.world, run.master, run.job) == (
+        "torchrun",
+        2,
+        4,
+        ("127.0.0.1", 1234),
+        "abc",
+    )
+    run = launched_from({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[07-09]",
+                         "SLURM_JOB_ID": "5"})  # fmt: skip
+    assert (run.master, run.job) == (("gpu07", 29500), "slurm-5.0")
+    run = launched_from({**open_mpi(1, 2, 99), "COLLECTIVE_GLOBAL_ADDRESS": "10.0.0.1:7"})
+    assert (run.source, run.orchestrator) == ("Open MPI", "10.0.0.1:7")
+    assert first_host("a1,b2") == "a1" and first_host("n[3-4,9]") == "n3"
+
+
+def test_init_twice_and_init_after_register_are_refused() -> None:
+    env = {**CLEAN, **torchrun(0, 1, free_port()), "COLLECTIVE_TIMEOUT": "20"}
+    with col.Runtime() as rt:
+        assert init(environ=env, runtime=rt) == 0
+        assert rt.world_size() == 1
+        np.testing.assert_array_equal(rt.all_reduce(0, np.ones(3)), np.ones(3))
+        with pytest.raises(col.RegistrationError, match="init\\(\\) was already called"):
+            init(environ=env, runtime=rt)
+        np.testing.assert_array_equal(rt.all_reduce(0, np.ones(3)), np.ones(3))  # still usable
+        rt.finish(0)
+    with col.Runtime() as rt:
+        rt.register(0, "cpu", col.CollectiveConfig(num_devices=1))
+        with pytest.raises(col.RegistrationError, match="registered with register"):
+            init(environ={**CLEAN, **torchrun(0, 1, free_port())}, runtime=rt)
