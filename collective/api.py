@@ -32,7 +32,7 @@ def init(device: str = "cpu") -> int:
     collective launch); returns its peer id. See collective.init."""
     from collective.init import init as init_from_environment
 
-    return init_from_environment(device)
+    return init_from_environment(_default, device)
 
 
 def register(peer_id: int, device: Device | str | int, config: CollectiveConfig) -> None:

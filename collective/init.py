@@ -213,9 +213,7 @@ _initialised: dict[str, int] = {}
 _embedded: list[_Embedded] = []
 
 
-def init(
-    device: str = "cpu", environ: Mapping[str, str] | None = None, runtime: Runtime | None = None
-) -> int:
+def init(runtime: Runtime, device: str = "cpu", environ: Mapping[str, str] | None = None) -> int:
     """Register this process's one peer from the launcher's environment; returns its peer id (rank).
 
     ``device`` is the peer's device ("cpu", or "cuda:N" for CuPy arrays on GPU N, e.g. LOCAL_RANK).
@@ -226,10 +224,8 @@ def init(
     (``init()`` called twice, or in a process that registered thread peers) and what ``register``
     raises.
     """
-    from collective.api import default_runtime
-
     env = os.environ if environ is None else environ
-    target = runtime or default_runtime()
+    target = runtime
     launched = launched_from(env)
     with _lock:
         key = str(id(target))

@@ -163,14 +163,14 @@ def test_what_each_launcher_says() -> None:
 def test_init_twice_and_init_after_register_are_refused() -> None:
     env = {**CLEAN, **torchrun(0, 1, free_port()), "COLLECTIVE_TIMEOUT": "20"}
     with col.Runtime() as rt:
-        assert init(environ=env, runtime=rt) == 0
+        assert init(rt, environ=env) == 0
         assert rt.world_size() == 1
         np.testing.assert_array_equal(rt.all_reduce(0, np.ones(3)), np.ones(3))
         with pytest.raises(col.RegistrationError, match="init\\(\\) was already called"):
-            init(environ=env, runtime=rt)
+            init(rt, environ=env)
         np.testing.assert_array_equal(rt.all_reduce(0, np.ones(3)), np.ones(3))  # still usable
         rt.finish(0)
     with col.Runtime() as rt:
         rt.register(0, "cpu", col.CollectiveConfig(num_devices=1))
         with pytest.raises(col.RegistrationError, match="registered with register"):
-            init(environ={**CLEAN, **torchrun(0, 1, free_port())}, runtime=rt)
+            init(rt, environ={**CLEAN, **torchrun(0, 1, free_port())})
