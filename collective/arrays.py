@@ -94,7 +94,10 @@ def check_array(array: Any, device: Device, op: ReduceOp | None, name: str = "x"
     try:
         array_module(array)
     except InvalidArgumentError:
-        return f"{name} must be a numpy or CuPy array, got {type(array).__name__}"
+        return (
+            f"{name} must be an array (numpy, CuPy, torch, JAX, or anything with __array_interface__ "
+            f"or __dlpack__), got {type(array).__name__}"
+        )
     if _device_of(array) != device:
         return f"{name} is on {_device_of(array)} but the peer was registered on {device}"
     return _dtype_problem(array.dtype, op)

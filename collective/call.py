@@ -24,9 +24,10 @@ from typing import Any, ClassVar
 
 from collective.algorithms.link import Link
 from collective.algorithms.ops import Array, ReduceOp, combine, copy_into
-from collective.arrays import Device, as_array, check_array, check_out, flat, scale_for_mean
+from collective.arrays import Device, check_array, check_out, flat, scale_for_mean
 from collective.errors import InvalidArgumentError
 from collective.signature import Rules, Signature, describe_peers
+from collective.tensors import native, same_memory
 
 __all__ = ["Call", "Strategies", "blocks", "reduce_all", "slice_of"]
 
@@ -66,10 +67,13 @@ class Call:
     alias_safe: ClassVar[bool] = True  # its schedules may write ``out`` while it is also ``x``
 
     def __init__(self, x: Any = None, op: Any = "sum", root: Any = None, out: Any = None) -> None:
-        self.x = as_array(x)
+        self.x, self.back = native(x)  # a numpy or CuPy view of x, and how results go back to x's kind
         self.op_arg = op
         self.root = root
-        self.out = out
+        self.out_given = out
+        self.out, _ = native(out)
+        if self.out is not None and self.x is not None and same_memory(self.out, self.x):
+            self.out = self.x  # out is exactly x's memory: in place
         self.root_peer = root  # the root as the caller named it (a peer id); ``root`` becomes its rank
         self.src: Array | None = None  # this peer's flat input, once prepared
         self.device = Device("cpu")
@@ -129,9 +133,12 @@ class Call:
         return self.out if self.out is not None else device.empty(shape, agreed.dtype)
 
     def finish(self, result: Array | None, agreed: Signature, size: int) -> Any:
-        if result is not None and agreed.op is ReduceOp.MEAN:
+        """The result as the caller gets it: mean scaled, in ``out`` or as ``x``'s kind."""
+        if result is None:
+            return None
+        if agreed.op is ReduceOp.MEAN:
             scale_for_mean(result, size)
-        return result
+        return self.out_given if self.out is not None else self.back(result)
 
     # -- the work, by executor ------------------------------------------------------------------
 

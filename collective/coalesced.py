@@ -15,10 +15,10 @@ from typing import Any
 import numpy as np
 
 from collective.algorithms.ops import Array, array_module
-from collective.arrays import as_array
 from collective.calls import AllReduce
 from collective.errors import InvalidArgumentError
 from collective.signature import Rules, Signature
+from collective.tensors import native
 
 __all__ = ["Coalesced", "coalesced_all_reduce"]
 
@@ -49,7 +49,8 @@ def coalesced_all_reduce(
     """Reduce every array of ``xs``; ``execute`` runs one bucket's call and returns its flat result."""
     if not isinstance(xs, list | tuple) or not xs:
         raise InvalidArgumentError("all_reduce_coalesced takes a non-empty list of arrays")
-    arrays = [as_array(x) for x in xs]
+    converted = [native(x) for x in xs]
+    arrays = [array for array, _ in converted]
     problem = None
     if not all(hasattr(x, "dtype") and hasattr(x, "shape") for x in arrays):
         problem = "every item of the list must be an array"
@@ -72,8 +73,8 @@ def coalesced_all_reduce(
             view = reduced[offset : offset + size].reshape(arrays[i].shape)
             offset += size
             if out is not None:
-                out[i][...] = view
+                native(out[i])[0][...] = view
                 results[i] = out[i]
             else:
-                results[i] = view
+                results[i] = converted[i][1](view) if problem is None else view
     return results

@@ -31,13 +31,14 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from collective.config import CollectiveConfig
 from collective.errors import ConfigError, RegistrationError
 from collective.runtime import Runtime
 from collective.transport.orchestrator import Orchestrator
 
-__all__ = ["Launched", "init", "launched_from"]
+__all__ = ["Launched", "Store", "init", "init_with_store", "launched_from", "meet_through_store"]
 
 DEFAULT_SLURM_PORT = 29500
 
@@ -297,21 +298,70 @@ def _through_agent_store(
     env: Mapping[str, str],
 ) -> str:
     """Under torchrun's agent store: rank 0 listens on a free port and publishes it in the store."""
+    import importlib
     from datetime import timedelta
 
-    from torch.distributed import TCPStore
-
+    store_class = importlib.import_module("torch.distributed").TCPStore  # torch is only needed here
     timeout = float(env.get("COLLECTIVE_TIMEOUT", "300") or 300)
-    store = TCPStore(master_host, master_port, is_master=False, timeout=timedelta(seconds=timeout))
-    key = f"collective/{launched.job}/orchestrator"
-    if launched.rank == 0:
+    store = store_class(master_host, master_port, is_master=False, timeout=timedelta(seconds=timeout))
+    return meet_through_store(store, launched.rank, launched.job, host, token)
+
+
+class Store(Protocol):
+    """A key-value store every process of a job reaches (torch.distributed's stores are ones)."""
+
+    def set(self, key: str, value: str) -> None: ...
+
+    def get(self, key: str) -> bytes: ...  # waits until the key is set (the store's own timeout)
+
+
+def meet_through_store(store: Store, rank: int, job: str, host: str, token: str | None) -> str:
+    """The orchestrator's address: rank 0 starts one on a free port of ``host`` and publishes it."""
+    key = f"collective/{job}/orchestrator"
+    if rank == 0:
         embedded = _Embedded(host, 0, token)
         _embedded.append(embedded)
         store.set(key, embedded.orchestrator.address)
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            return bytes(store.get(key)).decode()
-        except RuntimeError:
-            if time.monotonic() > deadline:
-                raise
+    return bytes(store.get(key)).decode()
+
+
+def init_with_store(
+    runtime: Runtime,
+    store: Store,
+    rank: int,
+    world: int,
+    device: str = "cpu",
+    timeout: float | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> int:
+    """Join as peer ``rank`` of ``world``, one peer per process, meeting through ``store``.
+
+    What ``init_process_group("collective")`` does with the store torch hands its backend. The job
+    name is rank 0's, published in the store; this host's address is the one that reaches
+    MASTER_ADDR (127.0.0.1 when it is unset). Raises as ``init`` does.
+    """
+    env = os.environ if environ is None else environ
+    if runtime.has_job():
+        raise RegistrationError(
+            "this process already joined a job (init() or register()); join once per process"
+        )
+    token = env.get("COLLECTIVE_TOKEN") or None
+    master = env.get("MASTER_ADDR", "").strip()
+    host = _reaching(master) if master else "127.0.0.1"
+    if rank == 0:
+        store.set("collective/job", env.get("COLLECTIVE_JOB") or f"store-{os.getpid()}-{time.time_ns()}")
+    job = bytes(store.get("collective/job")).decode()
+    address = meet_through_store(store, rank, job, host, token)
+    overrides: dict[str, object] = {"timeout": timeout} if timeout is not None else {}
+    config = CollectiveConfig.from_env(
+        env,
+        num_devices=1,
+        num_nodes=world,
+        global_address=address,
+        node_address=f"{host}:0",
+        data_service_port=0,
+        job=job,
+        **overrides,
+    )
+    runtime.register(rank, device, config)
+    return rank

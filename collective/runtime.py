@@ -19,7 +19,7 @@ from functools import partial
 from typing import Any
 
 from collective.algorithms.ops import Array, ReduceOp
-from collective.arrays import Device, as_array, check_array
+from collective.arrays import Device, check_array
 from collective.call import Call
 from collective.calls import (
     AllGather,
@@ -45,6 +45,7 @@ from collective.executors import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW
 from collective.groups import Group
 from collective.job import LocalJob
 from collective.p2p import Mailbox, left_error
+from collective.tensors import native
 from collective.work import Sequencer
 
 __all__ = ["Runtime"]
@@ -298,7 +299,7 @@ class Runtime:
         """Hand ``x`` (copied) to peer ``dst``; returns at once, whether or not ``dst`` is receiving."""
         job, member = self._member(peer_id), self._peer(peer_id)
         _check_p2p(job, peer_id, dst, tag, "dst")
-        x = as_array(x)
+        x, _ = native(x)
         problem = check_array(x, member.device, None)
         if problem is not None:
             raise InvalidArgumentError(f"send: peer {peer_id}: {problem}")
@@ -324,12 +325,13 @@ class Runtime:
         data = member.device.adopt(data)
         if out is None:
             return data
-        if tuple(out.shape) != tuple(data.shape) or out.dtype != data.dtype:
+        target, _ = native(out)
+        if tuple(target.shape) != tuple(data.shape) or target.dtype != data.dtype:
             raise InvalidArgumentError(
-                f"recv: out has shape {tuple(out.shape)} and dtype {out.dtype}; peer {src} sent "
+                f"recv: out has shape {tuple(target.shape)} and dtype {target.dtype}; peer {src} sent "
                 f"{tuple(data.shape)} {data.dtype}"
             )
-        out[...] = data
+        target[...] = data
         return out
 
     # -- the one road ---------------------------------------------------------------------------

@@ -174,3 +174,28 @@ def test_init_twice_and_init_after_register_are_refused() -> None:
         rt.register(0, "cpu", col.CollectiveConfig(num_devices=1))
         with pytest.raises(col.RegistrationError, match="registered with register"):
             init(rt, environ={**CLEAN, **torchrun(0, 1, free_port())})
+
+
+def test_init_under_torchruns_agent_store() -> None:
+    """torchrun's agent serves a store on MASTER_PORT: rank 0 publishes the orchestrator there."""
+    torch_distributed = pytest.importorskip("torch.distributed")
+    port = free_port()
+    agent = torch_distributed.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    env = {**CLEAN, "COLLECTIVE_TIMEOUT": "30", "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    procs = [Proc([sys.executable, WORKER], {**env, **torchrun(rank, 2, port)}) for rank in range(2)]
+    for proc, code in zip(procs, finish_all(procs, 90), strict=True):
+        assert code == 0, proc.output()
+    assert agent.get(f"collective/init-127.0.0.1:{port}/orchestrator").startswith(b"127.0.0.1:")
+
+
+def test_init_with_a_store_as_torch_hands_its_backends() -> None:
+    torch_distributed = pytest.importorskip("torch.distributed")
+    from collective.init import init_with_store
+
+    store = torch_distributed.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
+    with col.Runtime() as rt:
+        assert init_with_store(rt, store, 0, 1, environ={**CLEAN, "COLLECTIVE_TIMEOUT": "20"}) == 0
+        np.testing.assert_array_equal(rt.all_gather(0, np.arange(3)), [[0, 1, 2]])
+        with pytest.raises(col.RegistrationError, match="already joined a job"):
+            init_with_store(rt, store, 0, 1, environ=CLEAN)
+        rt.finish(0)

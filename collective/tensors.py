@@ -1,0 +1,127 @@
+"""Any framework's arrays in, the caller's kind out: numpy, CuPy, torch, JAX, DLPack, array interfaces.
+
+The runtime works on numpy arrays (CPU) and CuPy arrays (GPU). ``native`` turns what a caller
+passes into one of those without copying where the memory allows, and returns how to turn a
+result back into the caller's kind:
+
+* numpy arrays as they are; numpy scalars as 0-d arrays;
+* CuPy arrays as they are;
+* torch tensors: CPU ones as numpy views of their memory (detached: a tensor that requires grad
+  is read, never recorded), bfloat16 reinterpreted bit for bit (numpy has no bfloat16: ml_dtypes'
+  is used); CUDA ones as CuPy arrays through DLPack. Results come back as tensors on the same
+  device, sharing the result's memory;
+* JAX arrays (immutable) are read through numpy; results come back as new JAX arrays;
+* anything else with ``__cuda_array_interface__`` (CuPy), ``__array_interface__`` or ``__dlpack__``
+  (numpy) is viewed in place; its results come back as numpy or CuPy arrays.
+
+``out`` may be any writable tensor of the result's shape and dtype: the result is written into
+its memory and the very object is returned. An ``out`` that is exactly ``x``'s memory is in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = ["identity", "native", "same_memory"]
+
+Back = Callable[[Any], Any]
+
+
+def identity(array: Any) -> Any:
+    return array
+
+
+def _module(value: Any) -> str:
+    return type(value).__module__.split(".")[0]
+
+
+def native(value: Any) -> tuple[Any, Back]:
+    """(the numpy/CuPy array viewing ``value``, how to turn a result back into ``value``'s kind).
+
+    Values that are no array of any kind come back as they are (the checks name them).
+    """
+    if type(value) is np.ndarray or value is None:
+        return value, identity
+    if isinstance(value, np.generic):
+        return np.asarray(value), identity
+    module = _module(value)
+    if module == "cupy" or isinstance(value, np.ndarray):
+        return value, identity
+    if module == "torch":
+        return _from_torch(value)
+    if module in ("jax", "jaxlib"):
+        return np.asarray(value), _to_jax
+    if hasattr(value, "__cuda_array_interface__"):
+        import cupy
+
+        return cupy.asarray(value), identity
+    if hasattr(value, "__array_interface__"):
+        return np.asarray(value), identity
+    if hasattr(value, "__dlpack__"):
+        return np.from_dlpack(value), identity
+    return value, identity
+
+
+def _from_torch(tensor: Any) -> tuple[Any, Back]:
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        return tensor, identity
+    tensor = tensor.detach()
+    if tensor.is_conj() or tensor.is_neg():
+        tensor = tensor.resolve_conj().resolve_neg()
+    if tensor.device.type == "cuda":
+        import cupy
+
+        return cupy.from_dlpack(tensor), _to_torch_cuda
+    if tensor.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16), _to_torch
+    return tensor.numpy(), _to_torch
+
+
+def _to_torch(array: Any) -> Any:
+    import torch
+
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def _to_torch_cuda(array: Any) -> Any:
+    from torch.utils.dlpack import from_dlpack
+
+    return from_dlpack(array)
+
+
+def _to_jax(array: Any) -> Any:
+    import jax.numpy as jnp
+
+    return jnp.asarray(array)
+
+
+def same_memory(a: Any, b: Any) -> bool:
+    """Whether two native arrays are views of exactly the same memory (same start, shape, strides)."""
+    if a is b:
+        return True
+    if a is None or b is None or type(a) is not type(b):
+        return False
+    try:
+        return bool(
+            a.shape == b.shape
+            and a.strides == b.strides
+            and a.dtype == b.dtype
+            and _address(a) == _address(b)
+        )
+    except (AttributeError, TypeError):
+        return False
+
+
+def _address(array: Any) -> int:
+    if isinstance(array, np.ndarray):
+        return int(array.__array_interface__["data"][0])
+    return int(array.data.ptr)
