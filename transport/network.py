@@ -27,15 +27,23 @@ from typing import Any
 import zmq
 
 from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError, RegistrationError
-from collective.transport.auth import secure, watch_refusals
+from collective.transport.auth import watch_refusals
 from collective.transport.shm import PeerSegment, SendSegment, host_identity
-from collective.transport.wire import MAX_MESSAGE_BYTES, WireError, decode_header, encode_header
+from collective.transport.sockets import make_socket
+from collective.transport.wire import (
+    MAX_HEADER_BYTES,
+    MAX_MESSAGE_BYTES,
+    WireError,
+    decode_header,
+    encode_header,
+)
 
 __all__ = ["POLL_SLICE", "NodeNetwork", "Received"]
 
 log = logging.getLogger(__name__)
 
 POLL_SLICE = 0.05
+RECEIVE_HWM = 16  # messages (of at most MAX_MESSAGE_BYTES) queued by ZeroMQ per connection
 Received = tuple[dict[str, Any], Any]  # (header, payload zmq.Frame or None)
 
 
@@ -59,11 +67,10 @@ class NodeNetwork:
         self._context = context
         self._lost = lost
         self._token = token
-        self._router = context.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self._router.setsockopt(zmq.RCVHWM, 0)
-        secure(self._router, token, server=True)
+        self._router = make_socket(
+            context, zmq.ROUTER, token=token, server=True, max_message=MAX_MESSAGE_BYTES,
+            receive_hwm=RECEIVE_HWM, send_hwm=1,
+        )  # fmt: skip
         try:
             if port == 0:
                 self.port = self._router.bind_to_random_port(f"tcp://{host}")
@@ -75,7 +82,7 @@ class NodeNetwork:
             reason = "address already in use" if exc.errno == errno.EADDRINUSE else str(exc)
             raise RegistrationError(f"the data service cannot listen on {host}:{port}: {reason}") from exc
         self.address = f"{host}:{self.port}"
-        self._stop_watching = watch_refusals(self._router, f"data service {self.address}") if token else None
+        self._watch = watch_refusals(self._router, f"data service {self.address}") if token else None
         self.index = -1
         self._segment = SendSegment.create()
         self.info = {"host": host_identity(), "shm": self._segment.path if self._segment else None}
@@ -103,11 +110,10 @@ class NodeNetwork:
                     self._peer_segments[other] = PeerSegment(info["shm"])
                 except (OSError, ValueError) as exc:
                     log.info("node %d's shared memory is not usable here (%s): using TCP", other, exc)
-            dealer = self._context.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.ROUTING_ID, _identity(index))
-            dealer.setsockopt(zmq.SNDHWM, 0)
-            secure(dealer, self._token, server=False)
+            dealer = make_socket(
+                self._context, zmq.DEALER, token=self._token, server=False, max_message=MAX_HEADER_BYTES,
+                receive_hwm=1, send_hwm=0, routing_id=_identity(index),
+            )  # fmt: skip
             dealer.connect(f"tcp://{address}")
             self._dealers[other] = dealer
             self._sources[_identity(other)] = other
@@ -211,8 +217,8 @@ class NodeNetwork:
         self._queues[source].append((header, frames[2] if len(frames) == 3 else None))
 
     def close(self) -> None:
-        if self._stop_watching is not None:
-            self._stop_watching()
+        if self._watch is not None:
+            self._watch.stop()
         for segment in self._peer_segments.values():
             segment.close()
         if self._segment is not None:

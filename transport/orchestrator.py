@@ -31,7 +31,8 @@ import zmq
 
 from collective.calls import describe_peers
 from collective.errors import RegistrationError
-from collective.transport.auth import secure, watch_refusals
+from collective.transport.auth import watch_refusals
+from collective.transport.sockets import make_socket
 
 __all__ = [
     "HEARTBEAT_INTERVAL",
@@ -48,6 +49,8 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL = 0.25
 LOST_AFTER = 2.0
 MAX_MESSAGE = 1 << 20
+RECEIVE_HWM = 64  # messages queued per connection (the loop drains them continuously)
+SEND_HWM = 1000
 
 
 def pack(message: dict[str, Any]) -> bytes:
@@ -107,10 +110,10 @@ class Orchestrator:
         self, host: str = "127.0.0.1", port: int = 0, lost_after: float = LOST_AFTER, token: str | None = None
     ) -> None:
         self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-        secure(self._socket, token, server=True)
+        self._socket = make_socket(
+            self._context, zmq.ROUTER, token=token, server=True, max_message=MAX_MESSAGE,
+            receive_hwm=RECEIVE_HWM, send_hwm=SEND_HWM,
+        )  # fmt: skip
         try:
             self.port = self._socket.bind_to_random_port(f"tcp://{host}") if port == 0 else port
             if port:
@@ -120,7 +123,7 @@ class Orchestrator:
             self._context.destroy(linger=0)
             raise RegistrationError(f"the orchestrator cannot listen on {host}:{port}: {exc}") from exc
         self.address = f"{host}:{self.port}"
-        self._stop_watching = watch_refusals(self._socket, f"orchestrator {self.address}") if token else None
+        self._watch = watch_refusals(self._socket, f"orchestrator {self.address}") if token else None
         self._lost_after = lost_after
         self._jobs: dict[str, _Job] = {}
         self._stopping = threading.Event()
@@ -142,8 +145,8 @@ class Orchestrator:
                         self._handle(identity, frames)
                 self._check_heartbeats()
         finally:
-            if self._stop_watching is not None:
-                self._stop_watching()
+            if self._watch is not None:
+                self._watch.stop()
             self._socket.close(0)
             self._context.destroy(linger=0)
             log.info("orchestrator on %s stopped", self.address)

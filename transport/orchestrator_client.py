@@ -8,6 +8,7 @@ every wait of the node's collectives then raises.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -19,7 +20,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from collective.calls import describe_peers
 from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError, RegistrationError
-from collective.transport.auth import HANDSHAKE_FAILED, handshake_failure, secure
+from collective.transport.auth import HANDSHAKE_FAILED, handshake_failure
 from collective.transport.orchestrator import (
     HEARTBEAT_INTERVAL,
     LOST_AFTER,
@@ -28,10 +29,13 @@ from collective.transport.orchestrator import (
     pack,
     unpack,
 )
+from collective.transport.sockets import make_socket
 
 __all__ = ["OrchestratorClient", "Topology"]
 
 log = logging.getLogger(__name__)
+
+CLIENT_HWM = 64  # control messages queued each way
 
 
 @dataclass(frozen=True)
@@ -60,10 +64,10 @@ class OrchestratorClient:
         self.address = address
         self.job = job
         self._lost_after = lost_after
-        self._socket = context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 500)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-        secure(self._socket, token, server=False)
+        self._socket = make_socket(
+            context, zmq.DEALER, token=token, server=False, max_message=MAX_MESSAGE,
+            receive_hwm=CLIENT_HWM, send_hwm=CLIENT_HWM, linger=0.5,
+        )  # fmt: skip
         self._monitor: zmq.Socket[Any] | None = self._socket.get_monitor_socket(HANDSHAKE_FAILED)
         self._socket.connect(f"tcp://{address}")
         self._stop = threading.Event()
@@ -162,7 +166,8 @@ class OrchestratorClient:
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_beat:
-                self._socket.send(pack({"t": "heartbeat", "job": self.job}))
+                with contextlib.suppress(zmq.Again):  # a full queue: the orchestrator is not reading
+                    self._socket.send(pack({"t": "heartbeat", "job": self.job}), zmq.NOBLOCK)
                 next_beat = now + HEARTBEAT_INTERVAL
             if self._socket.poll(int(1000 * HEARTBEAT_INTERVAL / 2)):
                 message = unpack(self._socket.recv())
