@@ -100,6 +100,7 @@ def add_orchestrator_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_orchestrator(args: argparse.Namespace) -> int:
     """Run the daemon until SIGINT or SIGTERM; print the address it listens on first."""
+    from collective.transport.logs import nonblocking_logging
     from collective.transport.orchestrator import LOST_AFTER, Orchestrator
 
     token = os.environ.get("COLLECTIVE_TOKEN") or None  # from the environment: never on the command line
@@ -109,7 +110,8 @@ def serve_orchestrator(args: argparse.Namespace) -> int:
     }
     try:
         print(f"{READY_PREFIX}{orchestrator.address}", flush=True)
-        orchestrator.serve()
+        with nonblocking_logging():  # stderr may be a pipe nobody reads: the service never waits on it
+            orchestrator.serve()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -49,10 +49,10 @@ class Throttle:
             message += f" (and {held} more like it in the last {self._interval:g}s)"
         self._logger.warning(message, *args)
 
-    def flush(self) -> None:
-        """Log how many events were held back, once ``interval`` has passed since the last line."""
+    def flush(self, force: bool = False) -> None:
+        """Log how many events were held back, once ``interval`` has passed since the last line (or now)."""
         with self._lock:
-            if not self._held or time.monotonic() < self._next:
+            if not self._held or (time.monotonic() < self._next and not force):
                 return
             held, self._held = self._held, 0
         self._logger.warning("%d more like the last one in %gs", held, self._interval)

@@ -32,6 +32,7 @@ import zmq
 from collective.calls import describe_peers
 from collective.errors import RegistrationError
 from collective.transport.auth import watch_refusals
+from collective.transport.logs import Throttle
 from collective.transport.sockets import make_socket
 
 __all__ = [
@@ -74,6 +75,14 @@ def unpack(frame: bytes) -> dict[str, Any] | None:
     ):
         return None
     return message
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The IP address a message came from (ZeroMQ's message metadata), or "an unknown address"."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, UnicodeDecodeError):
+        return "an unknown address"
 
 
 def is_peer_list(value: Any) -> TypeGuard[list[int]]:
@@ -127,6 +136,8 @@ class Orchestrator:
         self._lost_after = lost_after
         self._jobs: dict[str, _Job] = {}
         self._stopping = threading.Event()
+        # Random bytes parse as many ZMTP/1.0 messages: one line each would flood the log.
+        self._malformed, self._ignored, self._refusals = Throttle(log), Throttle(log), Throttle(log)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -139,12 +150,16 @@ class Orchestrator:
                 if self._socket.poll(50):
                     while True:
                         try:
-                            identity, *frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                            identity, *frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         self._handle(identity, frames)
                 self._check_heartbeats()
+                for throttle in (self._malformed, self._ignored, self._refusals):
+                    throttle.flush()
         finally:
+            for throttle in (self._malformed, self._ignored, self._refusals):
+                throttle.flush(force=True)
             if self._watch is not None:
                 self._watch.stop()
             self._socket.close(0)
@@ -157,10 +172,16 @@ class Orchestrator:
         except zmq.ZMQError as exc:
             log.debug("could not answer %r: %s", identity, exc)
 
-    def _handle(self, identity: bytes, frames: list[bytes]) -> None:
-        message = unpack(frames[0]) if len(frames) == 1 else None
+    def _handle(self, frame: zmq.Frame, frames: list[zmq.Frame]) -> None:
+        identity = frame.bytes
+        message = unpack(frames[0].bytes) if len(frames) == 1 else None
         if message is None:
-            log.warning("orchestrator %s refused a malformed message from %r", self.address, identity[:32])
+            self._malformed.warning(
+                "orchestrator %s refused a malformed message from %s (routing id %r)",
+                self.address,
+                _peer_address(frame),
+                identity[:32],
+            )
             return
         job = self._jobs.get(message["job"])
         node = job.nodes.get(identity) if job else None
@@ -174,10 +195,16 @@ class Orchestrator:
         elif kind == "leave" and job is not None and node is not None:
             self._gone(job, node, "left the job")
         else:
-            log.warning("orchestrator %s ignored a %r message from %r", self.address, kind, identity[:32])
+            self._ignored.warning(
+                "orchestrator %s ignored a %r message from %s (routing id %r)",
+                self.address,
+                kind[:32],
+                _peer_address(frame),
+                identity[:32],
+            )
 
     def _refuse(self, identity: bytes, job: str, text: str) -> None:
-        log.warning("orchestrator refused a node of job %r: %s", job, text)
+        self._refusals.warning("orchestrator refused a node of job %r: %s", job[:200], text)
         self._send(identity, {"t": "refused", "job": job, "message": text})
 
     def _register(self, identity: bytes, message: dict[str, Any]) -> None:
