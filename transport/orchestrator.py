@@ -3,19 +3,26 @@
 Protocol (one msgpack map per message, over a ROUTER socket; every message has ``t`` and ``job``):
 
 node -> orchestrator                       orchestrator -> node
-  register {num_nodes, address, peers}       topology {index, nodes: [{address, peers}], world}
-                                             refused  {message}             (a RegistrationError)
-  heartbeat                                  pong
+  register {num_nodes, address, peers,       topology {index, nodes: [{address, peers, info}], world}
+            info}                            refused  {message}             (a RegistrationError)
+  heartbeat (from registration on)           pong                           (the job has formed)
+                                             waiting  {num_nodes, nodes: [{address, peers}], refused,
+                                                       silent, bad_token?}  (it has not formed yet)
+                                             evicted  {reason}              (not, or no longer, a member)
   leave                                      lost     {node, peers, reason} (to the other nodes)
 
 The node side (registration, heartbeats) is transport.orchestrator_client.
 
 A job forms when ``num_nodes`` nodes registered with the same ``num_nodes``, disjoint peer ids
 that together are 0..world-1, and distinct addresses. Node indices follow the nodes' lowest peer
-id, so the same nodes get the same indices whatever order they arrive in. A node that sends
-nothing for ``lost_after`` seconds is declared lost and the other nodes of its job are told; a
-node that stops hearing pongs declares the orchestrator lost the same way. Jobs are told apart by
-name; one orchestrator serves many, at the same time and one after another.
+id, so the same nodes get the same indices whatever order they arrive in. Nodes send heartbeats
+from the moment they register, so the nodes of a job may start minutes apart (until their
+registration timeout); until the job forms, each heartbeat is answered with the registration
+state (who registered, which registrations were refused and why, who went silent), which the
+waiting nodes log and put in their timeout error. A node that sends nothing for ``lost_after``
+seconds is declared lost and the other nodes of its job are told (before the job forms it is
+just removed); a node that stops hearing answers declares the orchestrator lost the same way.
+Jobs are told apart by name; one orchestrator serves many, at the same time and one after another.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -52,6 +60,9 @@ LOST_AFTER = 2.0
 MAX_MESSAGE = 1 << 20
 RECEIVE_HWM = 64  # messages queued per connection (the loop drains them continuously)
 SEND_HWM = 1000
+REMEMBERED = 8  # refusals and silent nodes remembered per job that has not formed
+MAX_LISTED = 64  # registered nodes listed in a waiting message
+REMEMBERED_NODES = 4096  # nodes that left or were lost, remembered to tell them why if they come back
 
 
 def pack(message: dict[str, Any]) -> bytes:
@@ -110,6 +121,22 @@ class _Job:
     num_nodes: int
     nodes: dict[bytes, _Node] = field(default_factory=dict)
     formed: bool = False
+    # Until it forms, what went wrong (told to the waiting nodes): refused registrations and nodes
+    # that registered and then went silent (they are removed: their peer ids and address are free).
+    refused: deque[str] = field(default_factory=lambda: deque(maxlen=REMEMBERED))
+    silent: deque[str] = field(default_factory=lambda: deque(maxlen=REMEMBERED))
+
+    def waiting(self) -> dict[str, Any]:
+        """The registration state a waiting node is told (in answer to its heartbeats)."""
+        nodes = sorted(self.nodes.values(), key=lambda n: n.peers[0])[:MAX_LISTED]
+        return {
+            "t": "waiting",
+            "job": self.name,
+            "num_nodes": self.num_nodes,
+            "nodes": [{"address": n.address, "peers": n.peers} for n in nodes],
+            "refused": list(self.refused),
+            "silent": list(self.silent),
+        }
 
 
 class Orchestrator:
@@ -135,6 +162,7 @@ class Orchestrator:
         self._watch = watch_refusals(self._socket, f"orchestrator {self.address}") if token else None
         self._lost_after = lost_after
         self._jobs: dict[str, _Job] = {}
+        self._departed: OrderedDict[bytes, str] = OrderedDict()  # routing id -> why it left (latest last)
         self._stopping = threading.Event()
         # Random bytes parse as many ZMTP/1.0 messages: one line each would flood the log.
         self._malformed, self._ignored, self._refusals = Throttle(log), Throttle(log), Throttle(log)
@@ -190,10 +218,15 @@ class Orchestrator:
         kind = message["t"]
         if kind == "register":
             self._register(identity, message)
-        elif kind == "heartbeat" and node is not None:
-            self._send(identity, {"t": "pong", "job": message["job"]})
+        elif kind == "heartbeat":
+            self._answer_heartbeat(identity, message["job"], job, node)
         elif kind == "leave" and job is not None and node is not None:
-            self._gone(job, node, "left the job")
+            if job.formed:
+                self._gone(job, node, "left the job")
+            else:  # gave up waiting: its peer ids and address are free again
+                del job.nodes[identity]
+                if not job.nodes:
+                    del self._jobs[job.name]
         else:
             self._ignored.warning(
                 "orchestrator %s ignored a %r message from %s (routing id %r)",
@@ -203,8 +236,27 @@ class Orchestrator:
                 identity[:32],
             )
 
+    def _answer_heartbeat(self, identity: bytes, name: str, job: _Job | None, node: _Node | None) -> None:
+        """pong; the registration state while the job forms; or ``evicted`` to a node that is no member."""
+        reply: dict[str, Any]
+        if job is not None and node is not None and node.gone is None:
+            reply = {"t": "pong", "job": name} if job.formed else job.waiting()
+            if not job.formed and self._watch is not None:
+                count, recent = self._watch.refused()
+                if count:
+                    reply["bad_token"] = {"count": count, "latest": recent[-1][1]}
+        elif node is not None:
+            reply = {"t": "evicted", "job": name, "reason": f"it {node.gone}"}
+        else:
+            why = self._departed.get(identity, f"is not a node of job {name[:200]!r}")
+            reply = {"t": "evicted", "job": name, "reason": f"it {why}"}
+        self._send(identity, reply)
+
     def _refuse(self, identity: bytes, job: str, text: str) -> None:
         self._refusals.warning("orchestrator refused a node of job %r: %s", job[:200], text)
+        waiting = self._jobs.get(job)
+        if waiting is not None and not waiting.formed:
+            waiting.refused.append(text)
         self._send(identity, {"t": "refused", "job": job, "message": text})
 
     def _register(self, identity: bytes, message: dict[str, Any]) -> None:
@@ -296,6 +348,9 @@ class Orchestrator:
         if node.gone is not None:
             return
         node.gone = reason
+        self._departed[node.identity] = reason  # a node that comes back is told why it is out
+        while len(self._departed) > REMEMBERED_NODES:
+            self._departed.popitem(last=False)
         log.info("job %r: node at %s %s", job.name, node.address, reason)
         for other in job.nodes.values():
             if other is not node and other.gone is None:
@@ -307,10 +362,28 @@ class Orchestrator:
             del self._jobs[job.name]
 
     def _check_heartbeats(self) -> None:
+        """Nodes silent for ``lost_after``: lost (formed job) or removed from the waiting list (not formed).
+
+        Waiting nodes send heartbeats too, so nodes of one job may start minutes apart; one that
+        dies while it waits frees its peer ids and address, and the others are told it went silent.
+        """
         now = time.monotonic()
         for job in list(self._jobs.values()):
             for node in list(job.nodes.values()):
-                if node.gone is None and now - node.last_seen > self._lost_after:
+                if node.gone is not None or now - node.last_seen <= self._lost_after:
+                    continue
+                if job.formed:
                     self._gone(job, node, f"stopped sending heartbeats ({self._lost_after:g}s)")
                     if job.name not in self._jobs:
                         break
+                    continue
+                text = (
+                    f"node at {node.address} ({describe_peers(node.peers)}) registered, then stopped "
+                    f"sending heartbeats ({self._lost_after:g}s)"
+                )
+                log.warning("job %r: %s", job.name, text)
+                job.silent.append(text)
+                del job.nodes[node.identity]
+                if not job.nodes:
+                    del self._jobs[job.name]
+                    break
