@@ -117,7 +117,8 @@ def until(peer: int, world: int, stop_file: str, pause: str = "0.1") -> int:
     """Checked all_reduces (small and 1 MiB) until every node sees ``stop_file``; "READY <peer>" after one.
 
     The nodes decide together (an all_reduce of whether each sees the file), so they stop at the
-    same step; ``pause`` seconds between rounds keep the nodes mostly idle.
+    same step. Between rounds each node idles (no collective) for ``pause`` seconds, or until the
+    file appears: after it appears, one more checked round runs.
     """
     count = 0
     for salt in itertools.count():
@@ -132,7 +133,9 @@ def until(peer: int, world: int, stop_file: str, pause: str = "0.1") -> int:
         count += 1
         if stop[0] > 0:
             return count
-        time.sleep(float(pause))
+        idle_until = time.monotonic() + float(pause)
+        while time.monotonic() < idle_until and not os.path.exists(stop_file):
+            time.sleep(min(0.05, float(pause)))
     return count
 
 

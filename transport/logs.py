@@ -21,6 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["Throttle", "nonblocking_logging"]
 
@@ -28,23 +29,31 @@ LOG_QUEUE = 1000  # records waiting for the writer thread; more are dropped
 
 
 class Throttle:
-    """Rate-limits one kind of warning: the first at once, then at most one per ``interval`` seconds."""
+    """Rate-limits warnings: per kind (``key``), the first at once, then at most one per ``interval`` s."""
+
+    KINDS = 64  # kinds tracked separately; more share one
 
     def __init__(self, logger: logging.Logger, interval: float = 5.0) -> None:
         self._logger = logger
         self._interval = interval
-        self._next = 0.0
-        self._held = 0
+        self._kinds: dict[str, list[Any]] = {}  # key -> [next time a line may go out, events held back]
         self._lock = threading.Lock()
 
-    def warning(self, message: str, *args: object) -> None:
-        """Log ``message % args`` now, or count it when a line was logged less than ``interval`` ago."""
+    def warning(self, message: str, *args: object, key: str | None = None) -> None:
+        """Log ``message % args`` now, or count it if a line of its kind went out within ``interval``.
+
+        The kind is ``key``, or the message's format string.
+        """
         with self._lock:
+            key = key if key is not None else message
+            if key not in self._kinds and len(self._kinds) >= self.KINDS:
+                key = ""
+            state = self._kinds.setdefault(key, [0.0, 0])
             now = time.monotonic()
-            if now < self._next:
-                self._held += 1
+            if now < state[0]:
+                state[1] += 1
                 return
-            held, self._held, self._next = self._held, 0, now + self._interval
+            held, state[0], state[1] = state[1], now + self._interval, 0
         if held:
             message += f" (and {held} more like it in the last {self._interval:g}s)"
         self._logger.warning(message, *args)
@@ -52,10 +61,14 @@ class Throttle:
     def flush(self, force: bool = False) -> None:
         """Log how many events were held back, once ``interval`` has passed since the last line (or now)."""
         with self._lock:
-            if not self._held or (time.monotonic() < self._next and not force):
-                return
-            held, self._held = self._held, 0
-        self._logger.warning("%d more like the last one in %gs", held, self._interval)
+            now = time.monotonic()
+            held = 0
+            for state in self._kinds.values():
+                if state[1] and (force or now >= state[0]):
+                    held += state[1]
+                    state[1] = 0
+        if held:
+            self._logger.warning("%d more like the last ones in %gs", held, self._interval)
 
 
 class _QueueHandler(logging.Handler):
