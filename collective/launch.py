@@ -15,8 +15,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
+
+from collective.errors import ConfigError
 
 __all__ = [
     "add_launch_arguments",
@@ -30,13 +32,27 @@ READY_PREFIX = "collective orchestrator: listening on "
 STOP_GRACE = 5.0
 
 
-def peer_ids_from_env(environ: dict[str, str] | None = None) -> list[int]:
-    """The peer ids ``collective launch`` gave this node (COLLECTIVE_PEER_IDS, e.g. "2,3")."""
-    text = (os.environ if environ is None else environ).get("COLLECTIVE_PEER_IDS", "")
+def peer_ids_from_env(environ: Mapping[str, str] | None = None) -> list[int]:
+    """This node's peer ids from COLLECTIVE_PEER_IDS (e.g. "2,3"), which ``collective launch`` sets.
+
+    Raises ConfigError naming the variable when it is unset, empty or not a list of distinct
+    integers >= 0 (set it yourself when starting nodes by hand).
+    """
+    text = (os.environ if environ is None else environ).get("COLLECTIVE_PEER_IDS")
+    if text is None or not text.strip():
+        raise ConfigError(
+            "COLLECTIVE_PEER_IDS is not set: it names this node's peer ids, e.g. COLLECTIVE_PEER_IDS=2,3 "
+            "(collective launch sets it; set it on every node started by hand)"
+        )
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        peers = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise ValueError(f"COLLECTIVE_PEER_IDS={text!r} is not a comma-separated list of peer ids") from None
+        peers = []
+    if not peers or min(peers) < 0 or len(set(peers)) != len(peers):
+        raise ConfigError(
+            f"COLLECTIVE_PEER_IDS={text!r} is not a comma-separated list of distinct peer ids >= 0"
+        )
+    return peers
 
 
 def node_environment(
