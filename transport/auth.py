@@ -15,6 +15,7 @@ import collections
 import contextlib
 import hashlib
 import logging
+import os
 import socket as _socket
 import threading
 import time
@@ -69,10 +70,18 @@ def handshake_failure(event: Any) -> bool:
 def _peer_name(fd: int) -> str:
     """host:port of the remote end of the TCP connection ``fd`` (a descriptor libzmq owns)."""
     try:
-        with _socket.socket(fileno=_socket.dup(fd)) as sock:  # a duplicate: libzmq's stays untouched
+        duplicate = os.dup(fd)  # libzmq's descriptor stays untouched
+    except OSError:
+        return "an unknown address"
+    try:
+        with _socket.socket(fileno=duplicate) as sock:
+            duplicate = -1  # the socket owns it now
             host, port = sock.getpeername()[:2]
     except (OSError, ValueError, TypeError):
         return "an unknown address"
+    finally:
+        if duplicate >= 0:
+            os.close(duplicate)
     return f"{host}:{port}"
 
 

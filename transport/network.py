@@ -28,6 +28,7 @@ waiting so a node or orchestrator failure noticed by the heartbeat thread ends e
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
@@ -124,6 +125,7 @@ class NodeNetwork:
         self.info = {"host": host_identity(), "shm": self._segment.path if self._segment else None}
         self._peer_segments: dict[int, PeerSegment] = {}
         self._dealers: dict[int, zmq.Socket[Any]] = {}
+        self._addresses: dict[int, str] = {}
         self._sources: dict[bytes, int] = {}
         self._queues: dict[int, deque[tuple[dict[str, Any], Any, int]]] = {}  # (header, payload, bytes)
         self._aborted: dict[int, tuple[int, str]] = {}  # step -> (node, why) for steps another node gave up
@@ -160,6 +162,7 @@ class NodeNetwork:
             )  # fmt: skip
             dealer.connect(f"tcp://{address}")
             self._dealers[other] = dealer
+            self._addresses[other] = address
             self._sources[_identity(other)] = other
             self._queues[other] = deque()
         self._drainer = threading.Thread(target=self._drain_between, name="collective-drain", daemon=True)
@@ -196,15 +199,20 @@ class NodeNetwork:
             if header["t"] == "call":
                 self._allow(header["seq"], header)
         frames: list[Any] = [encode_header(header)]
-        if payload is None:
-            self._dealers[dst].send_multipart(frames, copy=True)
-            return None
-        frames.append(payload)
-        if payload.nbytes <= zmq.COPY_THRESHOLD:
-            self._dealers[dst].send_multipart(frames, copy=True)
-            return None
-        tracker: zmq.MessageTracker | None = self._dealers[dst].send_multipart(frames, copy=False, track=True)
-        return tracker
+        if payload is not None:
+            frames.append(payload)
+        large = payload is not None and payload.nbytes > zmq.COPY_THRESHOLD
+        try:  # never blocks: SNDHWM=0 queues everything while a connection exists or is being made
+            tracker: zmq.MessageTracker | None = self._dealers[dst].send_multipart(
+                frames, zmq.NOBLOCK, copy=not large, track=large
+            )
+        except zmq.Again:  # ZeroMQ dropped the connection for good: its handshake was refused
+            raise PeerLostError(
+                f"node {self.index} cannot send to node {dst}: its data service at {self._addresses[dst]} "
+                f"refused the connection (the job token differs?)",
+                (),
+            ) from None
+        return tracker if large else None
 
     def stage(self, dst: int, data: Any) -> int | None:
         """Put a chunk for same-host node ``dst`` into shared memory: its slot, or None (use TCP)."""
@@ -221,7 +229,8 @@ class NodeNetwork:
     def abort(self, seq: int, why: str) -> None:
         """Tell every other node that this node gave up step ``seq`` (their waits in it fail at once)."""
         for other in self._dealers:
-            self.send(other, {"t": "abort", "seq": seq, "why": why[:1000]})
+            with contextlib.suppress(PeerLostError):  # tell every node that can still be told
+                self.send(other, {"t": "abort", "seq": seq, "why": why[:1000]})
 
     def release(self, src: int, seq: int, slot: int) -> None:
         """Tell node ``src`` its ``slot`` has been read."""

@@ -253,7 +253,7 @@ class Orchestrator:
         self._send(identity, reply)
 
     def _refuse(self, identity: bytes, job: str, text: str) -> None:
-        self._refusals.warning("orchestrator refused a node of job %r: %s", job[:200], text)
+        self._refusals.warning("orchestrator refused a node of job %r: %s", job[:200], text, key=job)
         waiting = self._jobs.get(job)
         if waiting is not None and not waiting.formed:
             waiting.refused.append(text)
