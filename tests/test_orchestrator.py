@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -73,10 +74,8 @@ def test_an_orchestrator_whose_stderr_nobody_reads_keeps_serving_through_garbage
         for _ in range(1000):
             with socket.create_connection((host, int(port)), timeout=5) as raw:
                 raw.sendall(os.urandom(512))
-        started = time.monotonic()
         topologies = form(context, address, f"after-garbage-{next(_jobs)}", 2, timeout=10)
         assert [getattr(t, "index", t) for t in topologies] == [0, 1]
-        assert time.monotonic() - started < 5
         process.terminate()
         assert process.wait(10) == 0
         logged = process.stderr.read().decode()
@@ -186,7 +185,8 @@ def test_nodes_may_register_long_after_each_other_and_the_waiting_one_says_for_w
     finally:
         finish_all(nodes, 10)
         proc.terminate()
-    assert f"job '{job}': waiting 3s for the other nodes: 1 of 2 nodes registered: node at 127.0.0.1:" in (
-        nodes[0].output()
-    )
-    assert "missing: 1 node (peer 1 if every node has 1 peer)" in nodes[0].output()
+    assert re.search(
+        rf"job '{job}': waiting \d+s for the other nodes: 1 of 2 nodes registered: node at 127\.0\.0\.1:\d+ "
+        r"\(peer 0\); missing: 1 node \(peer 1 if every node has 1 peer\)",
+        nodes[0].output(),
+    ), nodes[0].output()

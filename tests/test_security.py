@@ -145,7 +145,7 @@ def test_a_token_orchestrator_stops_at_once() -> None:
     orchestrator.stop()
     thread.join(5)
     assert not thread.is_alive()
-    assert time.monotonic() - started < 0.5
+    assert time.monotonic() - started < 1.0  # measured: 3 ms; it waited 2 s for its monitor thread
 
 
 CYCLES = """
@@ -193,7 +193,7 @@ def test_token_jobs_register_run_and_finish_many_times_without_an_abort() -> Non
     result = subprocess.run([sys.executable, "-c", CYCLES, "25"], capture_output=True, text=True, timeout=100)
     assert result.returncode == 0, result.stdout + result.stderr
     slowest, stop = map(float, re.findall(r"[\d.]+", result.stdout.splitlines()[-1]))
-    assert slowest < 1.0 and stop < 1.0, result.stdout
+    assert slowest < 1.5 and stop < 1.5, result.stdout  # each waited 2 s for its monitor thread
 
 
 def rss(pid: int) -> int:
