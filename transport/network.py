@@ -251,9 +251,9 @@ class NodeNetwork:
             error = self._lost(src)
             if error is not None:
                 raise error
-            if seq in self._aborted:
-                node, why = self._aborted[seq]
-                raise PeerLostError(f"node {node} gave up step {seq}: {why}", ())
+            aborted = self._aborted.get(seq)  # written by the drain thread too
+            if aborted is not None:
+                raise PeerLostError(f"node {aborted[0]} gave up step {seq}: {aborted[1]}", ())
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CollectiveTimeout(f"node {self.index} timed out waiting for {waiting_for}", ())
