@@ -52,7 +52,12 @@ class NodeJob:
         )
         try:
             self._network = NodeNetwork(
-                self._context, config.job, config.node_host, config.data_service_port, self._lost
+                self._context,
+                config.job,
+                config.node_host,
+                config.data_service_port,
+                self._lost,
+                token=config.token,
             )
         except CollectiveError:
             self._client.close()

@@ -9,6 +9,8 @@ against a reference it computes itself. Output lines: "OK <collectives>" at the 
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
 import threading
 import time
@@ -111,7 +113,33 @@ def crash(peer: int, world: int) -> int:
     return 1
 
 
-MODES = {"matrix": matrix, "loop": loop, "mismatch": mismatch, "crash": crash}
+def until(peer: int, world: int, stop_file: str, pause: str = "0.1") -> int:
+    """Checked all_reduces (small and 1 MiB) until every node sees ``stop_file``; "READY <peer>" after one.
+
+    The nodes decide together (an all_reduce of whether each sees the file), so they stop at the
+    same step. Between rounds each node idles (no collective) for ``pause`` seconds, or until the
+    file appears: after it appears, one more checked round runs.
+    """
+    count = 0
+    for salt in itertools.count():
+        for length in (5, 1 << 17):
+            everyone = [data(p, length, salt) for p in range(world)]
+            got = col.all_reduce(peer, everyone[peer])
+            np.testing.assert_array_equal(got, reference(everyone, "sum"), err_msg=f"round {salt}")
+            count += 1
+        if salt == 0:
+            say(f"READY {peer}")
+        stop = col.all_reduce(peer, np.array([float(os.path.exists(stop_file))]))
+        count += 1
+        if stop[0] > 0:
+            return count
+        idle_until = time.monotonic() + float(pause)
+        while time.monotonic() < idle_until and not os.path.exists(stop_file):
+            time.sleep(min(0.05, float(pause)))
+    return count
+
+
+MODES = {"matrix": matrix, "loop": loop, "mismatch": mismatch, "crash": crash, "until": until}
 
 
 def main() -> int:
