@@ -48,6 +48,8 @@ from collective.p2p import Mailbox, left_error
 from collective.tensors import native
 from collective.work import Sequencer
 
+HOST = Device("cpu")
+
 __all__ = ["Runtime"]
 
 Op = ReduceOp | str
@@ -304,7 +306,7 @@ class Runtime:
         if problem is not None:
             raise InvalidArgumentError(f"send: peer {peer_id}: {problem}")
         if job.node is not None and not job.node.is_local(dst, job.peer_ids):
-            job.node.send_p2p(peer_id, dst, tag, x, self._deadline(job, timeout))
+            job.node.send_p2p(peer_id, dst, tag, HOST.adopt(x).copy())  # a copy the caller cannot touch
             return
         self._mailbox.put(peer_id, dst, tag, x.copy())
 
@@ -321,7 +323,8 @@ class Runtime:
                 return left_error(source, peer_id)
             return job.node.lost_peer(source) if job.node is not None else None
 
-        data = self._mailbox.take(src, peer_id, tag, time.monotonic() + seconds, seconds, gone)
+        pump = job.node.pump if job.node is not None and not job.node.is_local(src, job.peer_ids) else None
+        data = self._mailbox.take(src, peer_id, tag, time.monotonic() + seconds, seconds, gone, pump)
         data = member.device.adopt(data)
         if out is None:
             return data

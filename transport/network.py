@@ -20,6 +20,10 @@ per-node queues hold messages of the steps this node can still need, ``[step, st
 schedule sends one node more than that; 64 MiB before the calls are known). A node that sends
 more fails that step with MismatchError on this node instead of growing its memory.
 
+Steps are counted per channel: every group of peers has its own (``ch`` in the header, 0 for the
+whole job), so the steps of different groups never mix. Point-to-point messages (``t`` = "p2p")
+belong to no step: they are handed to the ``on_message`` callback as they arrive.
+
 The ROUTER, the queues and the slots of the send segment are used under one lock: by whichever
 local peer leads the current collective, or by the drain in between. ``lost`` is polled while
 waiting so a node or orchestrator failure noticed by the heartbeat thread ends every wait within
@@ -70,7 +74,9 @@ STEPS_AHEAD = 2  # messages of steps further ahead of this node's than this are 
 BUDGET_FLOOR = 64 << 20  # bytes one node may have queued for one step before its size is known
 DRAIN_EVERY = 0.05  # seconds between background drains
 DRAIN_TURN = 256  # messages moved per turn at most, so a flood cannot keep the lock
+MAX_CHANNELS = 4096  # groups a node may use at once (each has its own steps)
 Received = tuple[dict[str, Any], Any]  # (header, payload zmq.Frame or None)
+Step = tuple[int, int]  # (channel, step): every group has its own channel and counts its own steps
 
 
 def _identity(index: int) -> bytes:
@@ -127,13 +133,15 @@ class NodeNetwork:
         self._dealers: dict[int, zmq.Socket[Any]] = {}
         self._addresses: dict[int, str] = {}
         self._sources: dict[bytes, int] = {}
-        self._queues: dict[int, deque[tuple[dict[str, Any], Any, int]]] = {}  # (header, payload, bytes)
-        self._aborted: dict[int, tuple[int, str]] = {}  # step -> (node, why) for steps another node gave up
+        # (node, channel) -> its messages, in order: (header, payload, bytes)
+        self._queues: dict[tuple[int, int], deque[tuple[dict[str, Any], Any, int]]] = {}
+        self._aborted: dict[Step, tuple[int, str]] = {}  # steps another node gave up: (node, why)
         self._lock = threading.Lock()
-        self._step = 0  # messages of earlier steps are no longer wanted
-        self._budgets: dict[int, int] = {}  # step -> bytes one node may have queued for it
-        self._queued: dict[tuple[int, int], int] = {}  # (node, step) -> bytes queued
-        self._overflowed: dict[tuple[int, int], str] = {}  # (node, step) -> why its messages were dropped
+        self._step: dict[int, int] = {}  # channel -> the step this node is at (earlier ones are over)
+        self._budgets: dict[Step, int] = {}  # bytes one node may have queued for a step
+        self._queued: dict[tuple[int, int, int], int] = {}  # (node, channel, step) -> bytes queued
+        self._overflowed: dict[tuple[int, int, int], str] = {}  # why a node's messages were dropped
+        self._deliver: Callable[[int, dict[str, Any], Any], None] | None = None  # p2p messages
         self._refused = Throttle(log)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
@@ -164,7 +172,6 @@ class NodeNetwork:
             self._dealers[other] = dealer
             self._addresses[other] = address
             self._sources[_identity(other)] = other
-            self._queues[other] = deque()
         self._drainer = threading.Thread(target=self._drain_between, name="collective-drain", daemon=True)
         self._drainer.start()
 
@@ -172,32 +179,38 @@ class NodeNetwork:
     def size(self) -> int:
         return len(self._dealers) + 1
 
-    def _enter_step(self, seq: int) -> None:
-        """This node works on step ``seq`` now: forget what earlier steps left behind (under the lock)."""
-        if seq <= self._step:
+    def _enter_step(self, channel: int, seq: int) -> None:
+        """This node works on step ``seq`` of ``channel`` now: forget what earlier steps left (lock held)."""
+        if seq <= self._step.get(channel, 0):
             return
-        self._step = seq
+        self._step[channel] = seq
         for table in (self._budgets, self._aborted):
-            for old in [s for s in table if s < seq]:
+            for old in [key for key in table if key[0] == channel and key[1] < seq]:
                 del table[old]
-        for key in [k for k in self._overflowed if k[1] < seq]:
+        for key in [k for k in self._overflowed if k[1] == channel and k[2] < seq]:
             del self._overflowed[key]
-        for src, queue in self._queues.items():
-            while queue and queue[0][0]["seq"] < seq:  # left over after a step that failed
+        for (src, ch), queue in self._queues.items():
+            while ch == channel and queue and queue[0][0]["seq"] < seq:  # left after a step that failed
                 self._pop(src, queue)
 
-    def _allow(self, seq: int, header: dict[str, Any]) -> None:
-        """A call of step ``seq`` declares its array: a node may send up to twice that (under the lock)."""
+    def _allow(self, step: Step, header: dict[str, Any]) -> None:
+        """A call of ``step`` declares its array: a node may send up to twice that (lock held)."""
         declared = 2 * _declared_bytes(header) + 2 * MAX_MESSAGE_BYTES
-        self._budgets[seq] = max(self._budgets.get(seq, BUDGET_FLOOR), declared)
+        self._budgets[step] = max(self._budgets.get(step, BUDGET_FLOOR), declared)
+
+    def on_message(self, deliver: Callable[[int, dict[str, Any], Any], None]) -> None:
+        """Hand messages that belong to no step (``t`` = "p2p") to ``deliver(node, header, payload)``."""
+        self._deliver = deliver
 
     def send(self, dst: int, header: dict[str, Any], payload: Any = None) -> zmq.MessageTracker | None:
         """Queue one message for node ``dst``; a large payload is sent without copying and tracked."""
         header = {**header, "job": self.job, "src": self.index}
-        with self._lock:
-            self._enter_step(header["seq"])
-            if header["t"] == "call":
-                self._allow(header["seq"], header)
+        if header["t"] != "p2p":
+            with self._lock:
+                channel = header.get("ch", 0)
+                self._enter_step(channel, header["seq"])
+                if header["t"] == "call":
+                    self._allow((channel, header["seq"]), header)
         frames: list[Any] = [encode_header(header)]
         if payload is not None:
             frames.append(payload)
@@ -226,32 +239,33 @@ class NodeNetwork:
         segment = self._peer_segments.get(src)
         return None if segment is None else segment.view(slot, nbytes, dtype)
 
-    def abort(self, seq: int, why: str) -> None:
-        """Tell every other node that this node gave up step ``seq`` (their waits in it fail at once)."""
-        for other in self._dealers:
+    def abort(self, seq: int, why: str, nodes: list[int] | None = None, channel: int = 0) -> None:
+        """Tell ``nodes`` (every other node) that this node gave up step ``seq`` of ``channel``."""
+        for other in self._dealers if nodes is None else [n for n in nodes if n != self.index]:
             with contextlib.suppress(PeerLostError):  # tell every node that can still be told
-                self.send(other, {"t": "abort", "seq": seq, "why": why[:1000]})
+                self.send(other, {"t": "abort", "ch": channel, "seq": seq, "why": why[:1000]})
 
-    def release(self, src: int, seq: int, slot: int) -> None:
+    def release(self, src: int, seq: int, slot: int, channel: int = 0) -> None:
         """Tell node ``src`` its ``slot`` has been read."""
-        self.send(src, {"t": "ack", "seq": seq, "slot": slot})
+        self.send(src, {"t": "ack", "ch": channel, "seq": seq, "slot": slot})
 
-    def receive(self, src: int, seq: int, deadline: float, waiting_for: str) -> Received:
-        """The next message of step ``seq`` from node ``src`` (older steps' leftovers are dropped)."""
-        queue = self._queues[src]
+    def receive(self, src: int, seq: int, deadline: float, waiting_for: str, channel: int = 0) -> Received:
+        """The next message of step ``seq`` of ``channel`` from node ``src`` (older leftovers dropped)."""
+        with self._lock:
+            queue = self._queues.setdefault((src, channel), deque())
         while True:
             with self._lock:
-                self._enter_step(seq)
+                self._enter_step(channel, seq)
                 if queue:
                     header, payload = self._pop(src, queue)
                     return header, payload
-                overflow = self._overflowed.get((src, seq))
+                overflow = self._overflowed.get((src, channel, seq))
             if overflow is not None:
                 raise MismatchError(overflow)
             error = self._lost(src)
             if error is not None:
                 raise error
-            aborted = self._aborted.get(seq)  # written by the drain thread too
+            aborted = self._aborted.get((channel, seq))  # written by the drain thread too
             if aborted is not None:
                 raise PeerLostError(f"node {aborted[0]} gave up step {seq}: {aborted[1]}", ())
             remaining = deadline - time.monotonic()
@@ -261,9 +275,22 @@ class NodeNetwork:
                 if self._poller.poll(int(1000 * min(remaining, POLL_SLICE))):
                     self._drain()
 
+    def pump(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for messages and sort them (for a receive outside any collective).
+
+        When a collective is receiving, it sorts them itself: this only waits a little then.
+        """
+        if not self._lock.acquire(timeout=seconds):
+            return
+        try:
+            if self._poller.poll(int(1000 * seconds)):
+                self._drain()
+        finally:
+            self._lock.release()
+
     def _pop(self, src: int, queue: deque[tuple[dict[str, Any], Any, int]]) -> Received:
         header, payload, size = queue.popleft()
-        key = (src, header["seq"])
+        key = (src, header.get("ch", 0), header["seq"])
         left = self._queued.get(key, 0) - size
         if left > 0:
             self._queued[key] = left
@@ -303,21 +330,29 @@ class NodeNetwork:
             header = decode_header(frames[1].buffer)
             if header["job"] != self.job or header["src"] != source:
                 raise WireError(f"job {header['job']!r} / source {header['src']} does not match")
-            seq = header["seq"]
-            if seq > self._step + STEPS_AHEAD:
-                raise WireError(
-                    f"node {source} sent a message of step {seq} while this node is at {self._step}"
-                )
+            channel, seq = header.get("ch", 0), header["seq"]
+            if not isinstance(channel, int) or isinstance(channel, bool) or channel < 0:
+                raise WireError(f"invalid channel {channel!r}")
+            if header["t"] != "p2p" and channel not in self._step and len(self._step) >= MAX_CHANNELS:
+                raise WireError(f"node {source} opened more than {MAX_CHANNELS} channels (groups)")
+            at = self._step.get(channel, 0)
+            if seq > at + STEPS_AHEAD:
+                raise WireError(f"node {source} sent a message of step {seq} while this node is at {at}")
         except WireError as exc:
             reason = str(exc)
             kind = " ".join(reason.split()[:2])  # "unknown sender", "undecodable header:", ...
             self._refused.warning("data service %s refused a message: %s", self.address, reason, key=kind)
             return
-        if header["t"] == "abort":  # handled here, never queued: every wait in that step fails
-            if seq >= self._step:
-                self._aborted[seq] = (source, str(header.get("why"))[:1000])
+        kind = header["t"]
+        if kind == "p2p":  # no step: handed on at once (the receiver bounds what it keeps)
+            if self._deliver is not None:
+                self._deliver(source, header, frames[2] if len(frames) == 3 else None)
             return
-        if header["t"] == "ack":  # a slot of our send segment was read: handled here, never queued
+        if kind == "abort":  # handled here, never queued: every wait in that step fails
+            if seq >= at:
+                self._aborted[(channel, seq)] = (source, str(header.get("why"))[:1000])
+            return
+        if kind == "ack":  # a slot of our send segment was read: handled here, never queued
             if self._segment is None or not self._segment.release(source, header.get("slot")):
                 self._refused.warning(
                     "data service %s: node %d acknowledged slot %r it was not lent",
@@ -326,13 +361,14 @@ class NodeNetwork:
                     header.get("slot"),
                 )
             return
-        if seq < self._step:
+        if seq < at:
             return  # of a step that failed before this message was read
-        if header["t"] == "call":
-            self._allow(seq, header)
+        self._step.setdefault(channel, 0)
+        if kind == "call":
+            self._allow((channel, seq), header)
         size = sum(len(frame) for frame in frames[1:])
-        key = (source, seq)
-        budget = self._budgets.get(seq, BUDGET_FLOOR)
+        key = (source, channel, seq)
+        budget = self._budgets.get((channel, seq), BUDGET_FLOOR)
         if self._queued.get(key, 0) + size > budget:
             why = (
                 f"node {source} sent more than {budget >> 20} MiB for step {seq} before this node read it "
@@ -343,7 +379,8 @@ class NodeNetwork:
             self._overflowed[key] = why
             return
         self._queued[key] = self._queued.get(key, 0) + size
-        self._queues[source].append((header, frames[2] if len(frames) == 3 else None, size))
+        queue = self._queues.setdefault((source, channel), deque())
+        queue.append((header, frames[2] if len(frames) == 3 else None, size))
 
     def close(self) -> None:
         self._closing.set()
