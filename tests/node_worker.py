@@ -111,7 +111,111 @@ def crash(peer: int, world: int) -> int:
     return 1
 
 
-MODES = {"matrix": matrix, "loop": loop, "mismatch": mismatch, "crash": crash}
+# -- the collective set ("collective_set" mode) ---------------------------------------------------
+
+# Elements per block: tiny blocks travel inside the call exchange among leaders; 200 KiB blocks
+# (float64) exceed its 64 KiB and move over the ZeroMQ link with the global strategy.
+SET_BLOCKS = [0, 1, 3, 17, (200 << 10) // 8]
+SET_OPS = ["sum", "mean", "max"]
+
+
+def _check(got: Any, expected: np.ndarray | None, what: str) -> None:
+    if expected is None:
+        assert got is None, f"{what}: expected None, got {got!r}"
+        return
+    assert isinstance(got, np.ndarray), f"{what}: expected an array, got {got!r}"
+    assert got.shape == expected.shape and got.dtype == expected.dtype, (
+        f"{what}: got {got.shape} {got.dtype}, expected {expected.shape} {expected.dtype}"
+    )
+    if expected.dtype.kind == "f":
+        np.testing.assert_allclose(got, expected, rtol=1e-12, err_msg=what)
+    else:
+        np.testing.assert_array_equal(got, expected, err_msg=what)
+
+
+def every_collective(peer: int, members: list[int], group: Any, salt: int) -> int:
+    """Every new collective among ``members`` (``group`` None for the whole job), checked here."""
+    n, rank, count = len(members), members.index(peer), 0
+    for size_index, e in enumerate(SET_BLOCKS):
+        tag = f"group {members} block {e}"
+        seed = 100 * salt + size_index
+        single = [data(p, e, seed) for p in members]
+        blocked = [data(p, n * e, seed + 50) for p in members]
+        mine, my_rows = single[rank], blocked[rank]
+        got = col.all_gather(peer, mine, group=group)
+        _check(got, np.stack(single), f"all_gather {tag}")
+        for op in SET_OPS:
+            got = col.reduce_scatter(peer, my_rows, op, group=group)
+            _check(got, reference(blocked, op)[rank * e : (rank + 1) * e], f"reduce_scatter {op} {tag}")
+        got = col.all_to_all(peer, my_rows, group=group)
+        expected = np.concatenate([x[rank * e : (rank + 1) * e] for x in blocked])
+        _check(got, expected, f"all_to_all {tag}")
+        for root_rank, root in enumerate(members):
+            got = col.gather(peer, mine, root=root, group=group)
+            _check(got, np.stack(single) if peer == root else None, f"gather root {root} {tag}")
+            stack = data(root, n * e, seed + 70).reshape(n, e)
+            got = col.scatter(peer, stack if peer == root else None, root=root, group=group)
+            _check(got, stack[rank], f"scatter root {root} {tag}")
+            del root_rank
+        assert col.barrier(peer, group=group) is None
+        ints = [(np.arange(5) * (p + 1)).astype(np.int32) for p in members]
+        got_list = col.all_reduce_coalesced(peer, [mine, my_rows, ints[rank]], "sum", group=group)
+        for got, everyone, what in zip(
+            got_list, (single, blocked, ints), ("block", "rows", "ints"), strict=True
+        ):
+            _check(got, reference(everyone, "sum"), f"all_reduce_coalesced {what} {tag}")
+        count += 4 + len(SET_OPS) + 2 * n
+    return count
+
+
+def set_groups(world: int) -> list[list[int]]:
+    """Groups spanning nodes (3 nodes x 2 peers: node k holds peers 2k, 2k+1): one peer per node;
+    nodes 0 and 1; two peers of node 1 with one of node 2 (nodes holding different counts)."""
+    if world == 6:
+        return [[0, 3, 4], [1, 2], [2, 3, 5]]
+    return [[world - 1], list(range(world))]
+
+
+def collective_set(peer: int, world: int, *parts: str) -> int:
+    """The new collectives over the whole job ("world"), then on groups one at a time ("groups"),
+    then on the first two groups (disjoint when 3 nodes) at the same time ("concurrent_groups")."""
+    count = 0
+    if "world" in parts:
+        count += every_collective(peer, list(range(world)), None, 1)
+    if "groups" in parts:
+        for index, members in enumerate(set_groups(world)):
+            if peer in members:
+                count += every_collective(peer, members, col.new_group(members), 2 + index)
+            col.barrier(peer)  # one group at a time
+    if "concurrent_groups" in parts:
+        for index, members in enumerate(set_groups(world)[:2]):
+            if peer in members:  # each peer runs its own group's calls, the groups at once
+                count += every_collective(peer, members, col.new_group(members), 10 + index)
+        col.barrier(peer)
+    return count
+
+
+def collective_set_count(world: int, *parts: str) -> int:
+    """What every peer of the job adds up to in collective_set (the test's expected total)."""
+    per_group = len(SET_BLOCKS) * (4 + len(SET_OPS))
+    count = 0
+    if "world" in parts:
+        count += world * (per_group + len(SET_BLOCKS) * 2 * world)
+    groups = set_groups(world)
+    for members in (groups if "groups" in parts else []) + (
+        groups[:2] if "concurrent_groups" in parts else []
+    ):
+        count += len(members) * (per_group + len(SET_BLOCKS) * 2 * len(members))
+    return count
+
+
+MODES = {
+    "matrix": matrix,
+    "loop": loop,
+    "mismatch": mismatch,
+    "crash": crash,
+    "collective_set": collective_set,
+}
 
 
 def main() -> int:
