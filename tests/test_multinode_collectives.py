@@ -56,7 +56,7 @@ def strategies(strategy: str) -> dict[str, str]:
 def test_every_new_collective_over_the_job_and_over_groups(
     orchestrator: str, nodes: int, devices: int, strategy: str
 ) -> None:
-    run_job(orchestrator, nodes, devices, ["world", "groups"], **strategies(strategy))
+    run_job(orchestrator, nodes, devices, ["world", "dtypes", "groups"], **strategies(strategy))
 
 
 @pytest.mark.xfail(
