@@ -348,11 +348,26 @@ class Runtime:
     def _road(
         self, peer_id: int, group: Group | None, timeout: float | None
     ) -> tuple[_Peer, tuple[int, ...], Callable[[Call], Any]]:
-        """This peer, its group, and what runs one call there (the group's rendezvous)."""
+        """This peer, its group, and what runs one call there (the group's rendezvous).
+
+        A bad ``timeout`` fails the call on every peer (the config's timeout bounds that step).
+        """
         job = self._member(peer_id)
         member, members = self._group_of(peer_id, group)
-        seconds = job.config.timeout if timeout is None else _seconds(timeout)
-        return member, members, partial(job.rendezvous(members).run, member.peer, member.device, seconds)
+        seconds, problem = job.config.timeout, None
+        if timeout is not None:
+            try:
+                seconds = _seconds(timeout)
+            except InvalidArgumentError as exc:
+                problem = str(exc)
+        rendezvous = job.rendezvous(members)
+
+        def run(call: Call) -> Any:
+            if problem is not None:
+                call.refuse(problem)
+            return rendezvous.run(member.peer, member.device, seconds, call)
+
+        return member, members, run
 
     def _sequence(self, member: _Peer, members: tuple[int, ...], run: Any, label: str, async_op: bool) -> Any:
         sequencer = member.sequencer(members)

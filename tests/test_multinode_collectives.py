@@ -59,18 +59,6 @@ def test_every_new_collective_over_the_job_and_over_groups(
     run_job(orchestrator, nodes, devices, ["world", "dtypes", "groups"], **strategies(strategy))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "concurrent groups spanning nodes share one message stream per pair of nodes: "
-        "collective/node.py agree() and link() tag a step's messages with the group's own step "
-        "number only, and transport/network.py NodeNetwork.receive(src, seq) takes the next message "
-        "of that node with seq >= the step (dropping lower ones as stale). With [0, 3, 4] and [1, 2] "
-        "running at once on 3 nodes x 2 peers, nodes 0 and 1 carry both groups and a leader gets the "
-        "other group's call: MismatchError 'node 1 (peers 2-3) sent the call of step 3: the nodes "
-        "called different numbers of collectives' (needs per-group channels or a group id in the header)"
-    ),
-)
 @pytest.mark.parametrize("strategy", ["ring", "tree:2"])
 def test_disjoint_groups_spanning_nodes_at_the_same_time(orchestrator: str, strategy: str) -> None:
     """[0, 3, 4] and [1, 2] (3 nodes x 2 peers) call their collectives concurrently."""
