@@ -298,7 +298,33 @@ def collective_set_count(world: int, *parts: str) -> int:
     return count
 
 
+def p2p(peer: int, world: int) -> int:
+    """Point to point across nodes: a ring with two tags, every pair sending both ways before
+    receiving, shapes and dtypes that travel, order per (src, dst, tag); then the job still works."""
+    right, left = (peer + 1) % world, (peer - 1) % world
+    count = 0
+    for round_ in range(3):
+        big = np.full((300, 100), peer * 10 + round_, np.float32)  # 117 KiB: a payload frame of its own
+        col.send(peer, big, right, tag=1)
+        col.send(peer, np.array(peer + round_, np.int16), right, tag=2)  # 0-d, another dtype
+        small = col.recv(peer, left, tag=2)
+        assert small.shape == () and small.dtype == np.int16 and int(small) == left + round_, small
+        got = col.recv(peer, left, tag=1)
+        np.testing.assert_array_equal(got, np.full((300, 100), left * 10 + round_, np.float32))
+        count += 2
+    for other in range(world):  # every pair: send to each other first, then receive
+        if other != peer:
+            col.send(peer, np.arange(5.0) + peer, other, tag=7)
+    for other in range(world):
+        if other != peer:
+            np.testing.assert_array_equal(col.recv(peer, other, tag=7), np.arange(5.0) + other)
+            count += 1
+    np.testing.assert_array_equal(col.all_reduce(peer, np.ones(3)), np.full(3, world))
+    return count
+
+
 MODES = {
+    "p2p": p2p,
     "matrix": matrix,
     "loop": loop,
     "mismatch": mismatch,

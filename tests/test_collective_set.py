@@ -418,10 +418,6 @@ MISMATCHES: dict[str, tuple[Callable[[col.Runtime, int], Any], str]] = {
         lambda rt, p: rt.scatter(p, _z(3, 2) if p < 2 else None, root=p if p < 2 else 0),
         "scatter #0: peers disagree on root: peers 0, 2 passed 0, peer 1 passed 1",
     ),
-    "broadcast-two-sources": (
-        lambda rt, p: rt.broadcast(p, _z(2) if p < 2 else None),
-        "broadcast #0: exactly one peer (the root) must pass an array; peers 0-1 passed one",
-    ),
     "scatter-out-shape": (
         lambda rt, p: rt.scatter(p, _z(3, 2) if p == 0 else None, root=0, out=_z(5) if p == 2 else None),
         "scatter #0: peers disagree on shape: peer 0 passed (2,), peer 2 passed (5,)",
@@ -494,7 +490,8 @@ INVALID: dict[str, tuple[Callable[[col.Runtime, int], Any], str]] = {
     ),
     "all_gather-not-an-array": (
         lambda rt, p: rt.all_gather(p, [1.0] if p == 2 else _z(1)),
-        "peer 2: x must be an array (numpy, CuPy, torch, JAX, or anything with __array_interface__ or __dlpack__), got list",
+        "peer 2: x must be an array (numpy, CuPy, torch, JAX, or anything with __array_interface__ or "
+        "__dlpack__), got list",
     ),
     "gather-root-outside": (
         lambda rt, p: rt.gather(p, _z(2), root=3),

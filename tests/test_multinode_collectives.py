@@ -63,3 +63,12 @@ def test_every_new_collective_over_the_job_and_over_groups(
 def test_disjoint_groups_spanning_nodes_at_the_same_time(orchestrator: str, strategy: str) -> None:
     """[0, 3, 4] and [1, 2] (3 nodes x 2 peers) call their collectives concurrently."""
     run_job(orchestrator, 3, 2, ["concurrent_groups"], timeout=5, **strategies(strategy))
+
+
+@pytest.mark.parametrize(("nodes", "devices"), [(3, 2), (2, 1)], ids=["3x2", "2x1"])
+def test_send_and_recv_between_nodes(orchestrator: str, nodes: int, devices: int) -> None:
+    world = nodes * devices
+    procs = start_nodes(orchestrator, f"p2p-{next(_jobs)}", nodes, devices, "p2p")
+    for proc, code in zip(procs, finish_all(procs, 90), strict=True):
+        assert code == 0, proc.output()
+        assert f"OK {devices * (6 + world - 1)}" in proc.output(), proc.output()
