@@ -9,7 +9,8 @@ node -> orchestrator                       orchestrator -> node
                                              waiting  {num_nodes, nodes: [{address, peers}], refused,
                                                        silent, bad_token?}  (it has not formed yet)
                                              evicted  {reason}              (not, or no longer, a member)
-  leave                                      lost     {node, peers, reason} (to the other nodes)
+  leave                                      lost     {node, peers, reason, gone: "left" | "lost"}
+                                                                            (to the other nodes)
 
 The node side (registration, heartbeats) is transport.orchestrator_client.
 
@@ -221,7 +222,7 @@ class Orchestrator:
             self._answer_heartbeat(identity, message["job"], job, node)
         elif kind == "leave" and job is not None and node is not None:
             if job.formed:
-                self._gone(job, node, "left the job")
+                self._gone(job, node, "left the job", "left")
             else:  # gave up waiting: its peer ids and address are free again
                 del job.nodes[identity]
                 if not job.nodes:
@@ -343,7 +344,8 @@ class Orchestrator:
         job.formed = True
         log.info("job %r formed: %d nodes, %d peers", job.name, len(nodes), len(every))
 
-    def _gone(self, job: _Job, node: _Node, reason: str) -> None:
+    def _gone(self, job: _Job, node: _Node, reason: str, how: str = "lost") -> None:
+        """``node`` is out of ``job``: it ``left`` (finished cleanly) or was ``lost``; tell the others."""
         if node.gone is not None:
             return
         node.gone = reason
@@ -355,7 +357,14 @@ class Orchestrator:
             if other is not node and other.gone is None:
                 self._send(
                     other.identity,
-                    {"t": "lost", "job": job.name, "node": node.index, "peers": node.peers, "reason": reason},
+                    {
+                        "t": "lost",
+                        "job": job.name,
+                        "node": node.index,
+                        "peers": node.peers,
+                        "reason": reason,
+                        "gone": how,
+                    },
                 )
         if all(n.gone is not None for n in job.nodes.values()):
             del self._jobs[job.name]

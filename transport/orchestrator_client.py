@@ -323,7 +323,7 @@ class OrchestratorClient:
             return
         peers = raw_peers
         self._left[node] = (str(reason), time.monotonic())
-        if "left" not in str(reason):
+        if message.get("gone") != "left":  # lost: it died or went silent
             self._fail(PeerLostError(f"node {node} ({describe_peers(peers)}) {reason}", peers))
 
     def close(self) -> None:
