@@ -42,7 +42,7 @@ from collective.init import init_with_store
 from collective.runtime import Runtime
 from collective.torch_ops import Ops
 from collective.torch_p2p import PointToPoint
-from collective.torch_work import backend_error, seconds
+from collective.torch_work import TorchWork, backend_error, seconds
 from collective.work import Sequencer
 
 torch: Any = importlib.import_module("torch")
@@ -77,6 +77,7 @@ class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ign
         self._sent: dict[tuple[int, int], int] = {}
         self._taken: dict[tuple[int, int], int] = {}
         self._p2p_lock = threading.Lock()
+        self._done = TorchWork.completed([], "blocking call")
         self._collectives = Sequencer(f"torch{peer}")
         self._receives = Sequencer(f"torch{peer}-recv")
 

@@ -2,8 +2,10 @@
 
 The methods carry torch's ProcessGroup names and arguments (``allreduce(tensors, opts)``, ...);
 ``collective.torch.CollectiveProcessGroup`` mixes them into its ProcessGroup. Each builds a
-``body`` that calls the runtime with this process's peer and group and writes the results into
-torch's output tensors, and hands it to ``launch`` (now, or queued for ``async_op``).
+``body`` that calls the runtime with this process's peer and group on numpy views of torch's
+tensors (results land in the output tensors' memory) and hands it to ``launch``: run now for a
+blocking call, which returns the group's one completed work (torch only waits on it), or queued
+for ``async_op`` (and DDP), which returns a new ``TorchWork``.
 
 =============================  =====================================================
 torch                           ours
@@ -29,9 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from collective.errors import InvalidArgumentError
 from collective.groups import Group
 from collective.runtime import Runtime
-from collective.torch_work import TorchWork, backend_error, host, seconds, store_back
+from collective.torch_work import TorchWork, array, backend_error, fill, host, seconds, store_back
 from collective.work import Sequencer
 
 torch: Any = importlib.import_module("torch")
@@ -39,8 +42,10 @@ dist: Any = importlib.import_module("torch.distributed")
 
 __all__ = ["Ops", "reduce_op"]
 
-_OPS = {"SUM": "sum", "AVG": "mean", "PRODUCT": "prod", "MIN": "min", "MAX": "max"}
-_BOOL_OPS = {"SUM": "max", "MAX": "max", "BOR": "max", "PRODUCT": "min", "MIN": "min", "BAND": "min"}
+_KINDS = dist.ReduceOp.RedOpType
+_OPS = {_KINDS.SUM: "sum", _KINDS.AVG: "mean", _KINDS.PRODUCT: "prod", _KINDS.MIN: "min", _KINDS.MAX: "max"}
+_BOOL_OPS = {_KINDS.SUM: "max", _KINDS.MAX: "max", _KINDS.BOR: "max",
+             _KINDS.PRODUCT: "min", _KINDS.MIN: "min", _KINDS.BAND: "min"}  # fmt: skip
 
 
 def _invalid(message: str) -> BaseException:
@@ -51,13 +56,13 @@ def _invalid(message: str) -> BaseException:
 def reduce_op(op: Any, dtype: Any) -> tuple[str, Any]:
     """Our op for torch's ``op`` on ``dtype`` tensors, and PREMUL_SUM's factor (else None)."""
     kind = getattr(op, "op", op)  # a ReduceOp object carries its RedOpType in .op
-    name = str(getattr(kind, "name", kind)).rpartition(".")[2].upper()
-    if name == "PREMUL_SUM":
+    if kind == _KINDS.PREMUL_SUM:
         return "sum", op.factor
-    table = _BOOL_OPS if dtype == torch.bool else _OPS
-    if name not in table:
+    found = (_BOOL_OPS if dtype == torch.bool else _OPS).get(kind)
+    if found is None:
+        name = str(getattr(kind, "name", kind)).rpartition(".")[2]
         raise _invalid(f"ReduceOp.{name} on {dtype} is not supported by the collective backend")
-    return table[name], None
+    return found, None
 
 
 def _single(tensors: Sequence[Any], what: str) -> Any:
@@ -75,6 +80,7 @@ class Ops:
     members: tuple[int, ...]
     _collectives: Sequencer
     _receives: Sequencer
+    _done: TorchWork
 
     # -- the one road -----------------------------------------------------------------------
 
@@ -83,7 +89,7 @@ class Ops:
     ) -> TorchWork:
         """Run ``body`` now (a blocking call) or queued (``opts.asyncOp``); a TorchWork either way."""
         sequencer = self._receives if p2p else self._collectives
-        if getattr(opts, "asyncOp", False):
+        if getattr(opts, "asyncOp", True):
             work = TorchWork(outputs, label)
             sequencer.submit(lambda: work.run(body), label)
             return work
@@ -91,7 +97,7 @@ class Ops:
             sequencer.call(body, label)
         except BaseException as exc:
             raise backend_error(exc) from exc
-        return TorchWork.completed(outputs, label)
+        return self._done
 
     def peer_of(self, group_rank: int) -> int:
         """The peer id (global rank) of ``group_rank``."""
@@ -102,25 +108,39 @@ class Ops:
     def _kw(self, opts: Any) -> dict[str, Any]:
         return {"group": self.group, "timeout": seconds(getattr(opts, "timeout", None))}
 
-    @property
-    def _me(self) -> int:
-        return self.members.index(self.peer)
+    def _reduction(
+        self, tensor: Any, opts: Any, what: str, run: Callable[[Any, Any, str], None]
+    ) -> TorchWork:
+        """all_reduce / reduce of one tensor: ``run(source, buffer, op)`` writes the result in buffer."""
+        op, factor = reduce_op(opts.reduceOp, tensor.dtype)
+
+        def body() -> None:
+            buffer = host(tensor)
+            values = array(buffer)
+            run(values if factor is None else values * _scalar(factor), values, op)
+            store_back(buffer, tensor)
+
+        return self.launch(what, body, [tensor], opts)
 
     # -- reductions ---------------------------------------------------------------------------
 
     def allreduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllreduceOptions()
-        tensor = _single(tensors, "all_reduce")
-        op, factor = reduce_op(opts.reduceOp, tensor.dtype)
-        kw = self._kw(opts)
+        group, timeout = self.group, seconds(opts.timeout)
 
-        def body() -> None:
-            buffer = host(tensor)
-            source = buffer if factor is None else buffer * factor
-            self.runtime.all_reduce(self.peer, source, op, out=buffer, **kw)
-            store_back(buffer, tensor)
+        def run(source: Any, out: Any, op: str) -> None:
+            self.runtime.all_reduce(self.peer, source, op, group=group, timeout=timeout, out=out)
 
-        return self.launch("all_reduce", body, [tensor], opts)
+        return self._reduction(_single(tensors, "all_reduce"), opts, "all_reduce", run)
+
+    def reduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        root, kw = self.peer_of(opts.rootRank), self._kw(opts)
+
+        def run(source: Any, out: Any, op: str) -> None:
+            self.runtime.reduce(self.peer, source, op, root, out=out, **kw)
+
+        return self._reduction(_single(tensors, "reduce"), opts, "reduce", run)
 
     def allreduce_coalesced(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -131,27 +151,13 @@ class Ops:
 
         def body() -> None:
             buffers = [host(t) for t in tensors]
-            sources = buffers if factor is None else [b * factor for b in buffers]
-            self.runtime.all_reduce_coalesced(self.peer, sources, op, out=buffers, **kw)
+            views = [array(b) for b in buffers]
+            sources = views if factor is None else [v * _scalar(factor) for v in views]
+            self.runtime.all_reduce_coalesced(self.peer, sources, op, out=views, **kw)
             for buffer, tensor in zip(buffers, tensors, strict=True):
                 store_back(buffer, tensor)
 
         return self.launch("all_reduce_coalesced", body, tensors, opts)
-
-    def reduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
-        opts = opts if opts is not None else dist.ReduceOptions()
-        tensor = _single(tensors, "reduce")
-        op, factor = reduce_op(opts.reduceOp, tensor.dtype)
-        root, kw = self.peer_of(opts.rootRank), self._kw(opts)
-
-        def body() -> None:
-            buffer = host(tensor)
-            source = buffer if factor is None else buffer * factor
-            self.runtime.reduce(self.peer, source, op, root, out=buffer, **kw)
-            if self.peer == root:
-                store_back(buffer, tensor)
-
-        return self.launch("reduce", body, [tensor], opts)
 
     def reduce_scatter(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
@@ -166,11 +172,9 @@ class Ops:
         kw = self._kw(opts)
 
         def body() -> None:
-            stacked = torch.stack([host(p) for p in parts])
-            buffer = host(output)
-            source = stacked if factor is None else stacked * factor
-            self.runtime.reduce_scatter(self.peer, source, op, out=buffer.view(1, *buffer.shape), **kw)
-            store_back(buffer, output)
+            stacked = np.stack([array(host(p)) for p in parts])
+            source = stacked if factor is None else stacked * _scalar(factor)
+            fill(output, self.runtime.reduce_scatter(self.peer, source, op, **kw))
 
         return self.launch("reduce_scatter", body, [output], opts)
 
@@ -186,9 +190,10 @@ class Ops:
         kw = self._kw(opts)
 
         def body() -> None:
-            source, buffer = host(input).view(size, -1), host(output)
-            source = source if factor is None else source * factor
-            self.runtime.reduce_scatter(self.peer, source, op, out=buffer.view(1, -1), **kw)
+            source = array(host(input)).reshape(size, -1)
+            source = source if factor is None else source * _scalar(factor)
+            buffer = host(output)
+            self.runtime.reduce_scatter(self.peer, source, op, out=array(buffer).reshape(1, -1), **kw)
             store_back(buffer, output)
 
         return self.launch("reduce_scatter_tensor", body, [output], opts)
@@ -199,7 +204,7 @@ class Ops:
         self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None
     ) -> TorchWork:
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return works[-1] if works else TorchWork.completed([], "reduce_scatter_tensor_coalesced")
+        return works[-1] if works else self._done
 
     # -- copies -------------------------------------------------------------------------------
 
@@ -210,9 +215,9 @@ class Ops:
 
         def body() -> None:
             buffer = host(tensor)
-            self.runtime.broadcast(self.peer, buffer if is_root else None, out=buffer, **kw)
-            if not is_root:
-                store_back(buffer, tensor)
+            values = array(buffer)
+            self.runtime.broadcast(self.peer, values if is_root else None, out=values, **kw)
+            store_back(buffer, tensor)
 
         return self.launch("broadcast", body, [tensor], opts)
 
@@ -228,9 +233,9 @@ class Ops:
         kw = self._kw(opts)
 
         def body() -> None:
-            gathered = self.runtime.all_gather(self.peer, host(tensor), **kw)
+            gathered = self.runtime.all_gather(self.peer, array(host(tensor)), **kw)
             for row, target in zip(gathered, targets, strict=True):
-                store_back(row, target)
+                fill(target, row)
 
         return self.launch("all_gather", body, [targets], opts)
 
@@ -246,7 +251,8 @@ class Ops:
 
         def body() -> None:
             buffer = host(output)
-            self.runtime.all_gather(self.peer, host(input), out=buffer.view(size, *input.shape), **kw)
+            out = array(buffer).reshape(size, *input.shape)
+            self.runtime.all_gather(self.peer, array(host(input)), out=out, **kw)
             store_back(buffer, output)
 
         return self.launch("all_gather_into_tensor", body, [output], opts)
@@ -257,13 +263,13 @@ class Ops:
         self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None
     ) -> TorchWork:
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return works[-1] if works else TorchWork.completed([], "all_gather_into_tensor_coalesced")
+        return works[-1] if works else self._done
 
     def allgather_coalesced(
         self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], opts: Any = None
     ) -> TorchWork:
         works = [self.allgather([o], [i], opts) for o, i in zip(outputs, inputs, strict=True)]
-        return works[-1] if works else TorchWork.completed([], "all_gather_coalesced")
+        return works[-1] if works else self._done
 
     def gather(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.GatherOptions()
@@ -274,9 +280,9 @@ class Ops:
             raise _invalid(f"gather: the root passes {len(self.members)} output tensors, got {len(targets)}")
 
         def body() -> None:
-            gathered = self.runtime.gather(self.peer, host(tensor), root, **kw)
+            gathered = self.runtime.gather(self.peer, array(host(tensor)), root, **kw)
             for row, target in zip(gathered if gathered is not None else [], targets, strict=False):
-                store_back(row.reshape(target.shape), target)
+                fill(target, row)
 
         return self.launch("gather", body, [targets], opts)
 
@@ -289,9 +295,9 @@ class Ops:
             raise _invalid(f"scatter: the root passes {len(self.members)} input tensors, got {len(parts)}")
 
         def body() -> None:
-            stacked = torch.stack([host(p) for p in parts]) if parts else None
+            stacked = np.stack([array(host(p)) for p in parts]) if parts else None
             buffer = host(output)
-            self.runtime.scatter(self.peer, stacked, root, out=buffer, **kw)
+            self.runtime.scatter(self.peer, stacked, root, out=array(buffer), **kw)
             store_back(buffer, output)
 
         return self.launch("scatter", body, [output], opts)
@@ -318,16 +324,14 @@ class Ops:
 
         def body() -> None:
             buffer = host(output)
+            source, out = array(host(input)), array(buffer)
             if even:
-                self.runtime.all_to_all(
-                    self.peer, host(input).view(size, -1), out=buffer.view(size, -1), **kw
-                )
+                self.runtime.all_to_all(self.peer, source.reshape(size, -1), out=out.reshape(size, -1), **kw)
             else:
-                rows = input.shape[0] if input.dim() else 1
-                sent = list(input_splits) or [rows // size] * size
-                expected = list(output_splits) or [output.shape[0] // size] * size
-                blocks = self._uneven(host(input).split(sent), expected, kw)
-                torch.cat(blocks, out=buffer.view(-1, *buffer.shape[1:]))
+                sent = list(input_splits) or [source.shape[0] // size] * size
+                expected = list(output_splits) or [out.shape[0] // size] * size
+                blocks = np.split(source, np.cumsum(sent)[:-1]) if source.ndim else [source]
+                np.concatenate(self._uneven(blocks, expected, kw), out=out.reshape(-1, *out.shape[1:]))
             store_back(buffer, output)
 
         return self.launch("all_to_all_single", body, [output], opts)
@@ -341,10 +345,10 @@ class Ops:
             raise _invalid(f"all_to_all takes {len(self.members)} input and output tensors each")
 
         def body() -> None:
-            flat = [host(t).reshape(-1) for t in inputs]
+            flat = [array(host(t)).reshape(-1) for t in inputs]
             blocks = self._uneven(flat, [t.numel() for t in outputs], kw)
             for block, target in zip(blocks, outputs, strict=True):
-                store_back(block.reshape(target.shape).contiguous(), target)
+                fill(target, block)
 
         return self.launch("all_to_all", body, outputs, opts)
 
@@ -355,14 +359,19 @@ class Ops:
         """
         size = len(self.members)
         if len(blocks) != size or len(expected) != size:
-            raise _invalid(
-                f"all_to_all: split sizes name {len(blocks)} and {len(expected)} ranks, not {size}"
+            raise InvalidArgumentError(
+                f"all_to_all: the splits name {len(blocks)} and {len(expected)} ranks, not {size}"
             )
         rest, dtype = tuple(blocks[0].shape[1:]), blocks[0].dtype
         local = max([*(b.shape[0] for b in blocks), *expected, 0])
         largest = int(self.runtime.all_reduce(self.peer, np.array([local], np.int64), "max", **kw)[0])
-        padded = torch.zeros((size, largest, *rest), dtype=dtype)
+        padded = np.zeros((size, largest, *rest), dtype=dtype)
         for j, block in enumerate(blocks):
             padded[j, : block.shape[0]] = block
         received = self.runtime.all_to_all(self.peer, padded, **kw)
         return [received[j, :rows] for j, rows in enumerate(expected)]
+
+
+def _scalar(factor: Any) -> Any:
+    """PREMUL_SUM's factor (a number or a one-element tensor) as a Python number."""
+    return factor.item() if hasattr(factor, "item") else factor

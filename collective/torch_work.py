@@ -8,9 +8,9 @@ to torch lives here:
   (what DDP's reducer and comm hooks read). A blocking call returns one already completed.
 * ``backend_error``: our errors as ``torch.distributed.DistBackendError`` (a RuntimeError), with
   our message (prefixed with the error's class) and our error as ``__cause__``.
-* ``host`` / ``store_back``: the contiguous CPU tensor a collective reads and writes, and the copy
-  back into the caller's tensor where that is another one (a CUDA or non-contiguous tensor). bool
-  tensors travel as uint8.
+* ``host`` / ``array`` / ``fill``: the contiguous CPU tensor a collective reads and writes (a copy
+  of a CUDA or non-contiguous tensor, copied back with ``store_back``), the numpy view of it the
+  runtime works on (bool as uint8), and writing a numpy result into a tensor.
 
 torch is optional: it is imported through importlib, so type checkers see the same (Any) types
 whether or not it is installed.
@@ -24,12 +24,14 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
+
 from collective.errors import CollectiveError
 
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
 
-__all__ = ["TorchWork", "backend_error", "host", "seconds", "store_back"]
+__all__ = ["TorchWork", "array", "backend_error", "fill", "host", "seconds", "store_back", "tensor_of"]
 
 
 def backend_error(exc: BaseException) -> BaseException:
@@ -125,18 +127,93 @@ class TorchWork(dist.Work):  # type: ignore[misc]
 def host(tensor: Any) -> Any:
     """The contiguous CPU tensor a collective works on: ``tensor`` itself where it is one.
 
-    CUDA tensors are staged through host memory; bool tensors are viewed as uint8.
+    CUDA tensors are staged through host memory, non-contiguous ones copied.
     """
-    buffer = tensor.detach()
-    if buffer.device.type != "cpu":
-        buffer = buffer.cpu()
-    buffer = buffer.contiguous()
-    return buffer.view(torch.uint8) if buffer.dtype == torch.bool else buffer
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor
+    return tensor.detach().cpu().contiguous()
+
+
+class _Holder:
+    """Keeps a tensor alive under the numpy array that views its memory."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, tensor: Any, interface: dict[str, Any]) -> None:
+        self.tensor = tensor
+        self.__array_interface__ = interface
+
+
+def array(tensor: Any) -> Any:
+    """A numpy view of a contiguous CPU tensor (bool as uint8, bfloat16 as ml_dtypes' bfloat16).
+
+    Built from the tensor's pointer, shape and strides, with no call that releases the GIL
+    (``Tensor.numpy()`` and ``detach()`` do, and each release costs tens of microseconds when
+    other threads want the GIL); writing the view writes the tensor, whether or not it requires
+    grad.
+    """
+    typestr = _TYPESTR.get(tensor.dtype)
+    if typestr is None or tensor.is_neg() or (tensor.dtype.is_complex and tensor.is_conj()):
+        return _slow_array(tensor)
+    size = int(typestr[2:])
+    interface = {
+        "data": (tensor.data_ptr(), False),
+        "shape": tuple(tensor.shape),
+        "strides": tuple(step * size for step in tensor.stride()),
+        "typestr": typestr,
+        "version": 3,
+    }
+    view = np.asarray(_Holder(tensor, interface))
+    return view.view(_bfloat16()) if tensor.dtype == torch.bfloat16 else view
+
+
+def _slow_array(tensor: Any) -> Any:
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    if tensor.dtype == torch.bool:
+        return tensor.view(torch.uint8).numpy()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(_bfloat16())
+    return tensor.numpy()
+
+
+def _bfloat16() -> Any:
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+def tensor_of(values: Any) -> Any:
+    """A CPU tensor viewing the numpy array ``values`` (bfloat16 too)."""
+    values = np.ascontiguousarray(values)
+    if values.dtype.name == "bfloat16":
+        return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(values)
+
+
+def fill(tensor: Any, values: Any) -> None:
+    """Write the numpy array ``values`` (the tensor's element count) into ``tensor``."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        target = array(tensor)
+        if target.size and target.__array_interface__["data"][0] == values.__array_interface__["data"][0]:
+            return  # the result is already there (in place)
+        np.copyto(target, values.reshape(target.shape), casting="no")
+        return
+    source = tensor_of(values).reshape(tensor.shape)
+    tensor.detach().copy_(source.view(torch.bool) if tensor.dtype == torch.bool else source)
 
 
 def store_back(buffer: Any, tensor: Any) -> None:
-    """Copy ``buffer`` (from ``host(tensor)``) into ``tensor`` unless it is ``tensor``'s own memory."""
-    target = tensor.detach()
-    if buffer.data_ptr() == target.data_ptr() and target.device.type == "cpu" and target.is_contiguous():
-        return
-    target.copy_(buffer.view(torch.bool) if target.dtype == torch.bool else buffer)
+    """Copy ``buffer`` (from ``host(tensor)``) into ``tensor`` unless it is ``tensor`` itself."""
+    if buffer is not tensor:
+        tensor.detach().copy_(buffer)
+
+
+_TYPESTR: dict[Any, str] = {
+    getattr(torch, name): code
+    for name, code in (
+        ("float32", "<f4"), ("float64", "<f8"), ("float16", "<f2"), ("bfloat16", "<i2"), ("int8", "|i1"),
+        ("int16", "<i2"), ("int32", "<i4"), ("int64", "<i8"), ("uint8", "|u1"), ("uint16", "<u2"),
+        ("uint32", "<u4"), ("uint64", "<u8"), ("bool", "|u1"), ("complex64", "<c8"), ("complex128", "<c16"),
+    )
+    if hasattr(torch, name)
+}  # fmt: skip
