@@ -256,7 +256,7 @@ def run_torch(
         parser.error(
             "argument --backend torch: needs torch (pip install torch==2.13.0 installs the CPU build)"
         )
-    if args.compare == "trivial" or args.peers != 4 and args.peers != 1:
+    if args.compare == "trivial" or args.peers not in (1, 4):
         parser.error("argument --backend torch: runs one process per rank (--nodes N), beside gloo")
     ops = list(OPS) if not args.op or "all" in args.op else list(dict.fromkeys(args.op))
     try:

@@ -18,9 +18,9 @@ written into torch's tensors in place. CPU tensors are used as they are; CUDA te
 through host memory.
 
 A blocking call runs in the caller's thread; ``async_op=True`` (and DDP's reducer) queues it on
-the group's sequencer (calls of one group complete in the order they were issued) and returns a
-``TorchWork`` at once. Point-to-point receives have their own queue, so a pending ``irecv`` never
-holds up a collective. Errors are ``torch.distributed.DistBackendError`` with our message, caused
+the group's worker thread (calls of one group complete in the order they were issued) and returns
+a ``TorchWork`` at once. Point-to-point receives have their own worker, so a pending ``irecv``
+never holds up a collective. Errors are ``torch.distributed.DistBackendError`` with our message, caused
 by our error; a lost peer is one within seconds on every other rank (heartbeats), whatever
 torch's timeout.
 """
@@ -42,8 +42,7 @@ from collective.init import init_with_store
 from collective.runtime import Runtime
 from collective.torch_ops import Ops
 from collective.torch_p2p import PointToPoint
-from collective.torch_work import TorchWork, backend_error, seconds
-from collective.work import Sequencer
+from collective.torch_work import TorchWork, Worker, backend_error, seconds
 
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
@@ -78,8 +77,8 @@ class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ign
         self._taken: dict[tuple[int, int], int] = {}
         self._p2p_lock = threading.Lock()
         self._done = TorchWork.completed([], "blocking call")
-        self._collectives = Sequencer(f"torch{peer}")
-        self._receives = Sequencer(f"torch{peer}-recv")
+        self._collectives = Worker(f"collective-torch-{peer}")
+        self._receives = Worker(f"collective-torch-{peer}-recv")
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -90,7 +89,9 @@ class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ign
     # -- life cycle ---------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """destroy_process_group(): the group that registered the peer finishes it."""
+        """destroy_process_group(): the workers end; the group that registered the peer finishes it."""
+        self._collectives.close()
+        self._receives.close()
         if self._owns:
             self._owns = False
             with contextlib.suppress(RegistrationError):  # already finished, or the job is gone

@@ -34,8 +34,7 @@ import numpy as np
 from collective.errors import InvalidArgumentError
 from collective.groups import Group
 from collective.runtime import Runtime
-from collective.torch_work import TorchWork, array, backend_error, fill, host, seconds, store_back
-from collective.work import Sequencer
+from collective.torch_work import TorchWork, Worker, array, backend_error, fill, host, seconds, store_back
 
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
@@ -78,8 +77,8 @@ class Ops:
     peer: int
     group: Group | None
     members: tuple[int, ...]
-    _collectives: Sequencer
-    _receives: Sequencer
+    _collectives: Worker
+    _receives: Worker
     _done: TorchWork
 
     # -- the one road -----------------------------------------------------------------------
@@ -88,13 +87,13 @@ class Ops:
         self, label: str, body: Callable[[], None], outputs: Sequence[Any], opts: Any, p2p: bool = False
     ) -> TorchWork:
         """Run ``body`` now (a blocking call) or queued (``opts.asyncOp``); a TorchWork either way."""
-        sequencer = self._receives if p2p else self._collectives
+        worker = self._receives if p2p else self._collectives
         if getattr(opts, "asyncOp", True):
             work = TorchWork(outputs, label)
-            sequencer.submit(lambda: work.run(body), label)
+            worker.submit(lambda: work.run(body))
             return work
         try:
-            sequencer.call(body, label)
+            worker.call(body)
         except BaseException as exc:
             raise backend_error(exc) from exc
         return self._done
