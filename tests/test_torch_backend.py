@@ -194,3 +194,31 @@ def test_torch_work_success_failure_and_futures() -> None:
     assert isinstance(caught.value.__cause__, MismatchError)
     with pytest.raises(RuntimeError, match="MismatchError: peer 0 called"):
         failed.get_future().wait()  # failed in torch's C++ too (what DDP's reducer sees)
+
+
+# -- the benchmarks ---------------------------------------------------------------------------------
+
+
+def test_bench_backend_torch_times_ours_beside_gloo(capsys: pytest.CaptureFixture[str]) -> None:
+    from collective.bench import cli as bench_cli
+
+    argv = ["--backend", "torch", "--op", "all_reduce", "--nodes", "2", "-b", "8", "-e", "64", "-f", "8",
+            "-w", "1", "-n", "3"]  # fmt: skip
+    parser = bench_cli.argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    status = bench_cli.run(parser.parse_args(argv), parser, argv, sys.stdout)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "# all_reduce  torch.distributed gloo  peers=2" in out
+    assert "# all_reduce  torch.distributed backend collective  peers=2" in out and "speedup vs gloo" in out
+    assert "4 rows" in out and "wrong elements: 0" in out
+
+
+def test_ddp_step_bench_compares_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    from collective.bench import ddp_step
+
+    assert ddp_step.main(["--rounds", "1", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    for name in ddp_step.MODELS:
+        line = next(line for line in out.splitlines() if line.strip().startswith(name))
+        assert float(line.split()[-1]) <= 1e-5, line  # the largest parameter difference to gloo
