@@ -11,10 +11,11 @@ from typing import IO
 
 from collective.algorithms.strategies import parse_strategy
 from collective.bench.multinode import run_gloo, run_nodes, torch_available
+from collective.bench.ops import OPS, ROOTED, TRIVIAL_OPS
 from collective.bench.plot import MISSING as PLOT_MISSING
 from collective.bench.plot import plot_rows
 from collective.bench.report import format_size, parse_size, print_summary, print_table, write_json
-from collective.bench.sweep import OPS, Case, Row, resolve_dtype, run_case
+from collective.bench.sweep import Case, Row, resolve_dtype, run_case
 from collective.errors import ConfigError
 from collective.executors import DEFAULT_SHARE_BELOW
 from collective.transport.wire import SMALL_BYTES
@@ -25,12 +26,13 @@ ALL_STRATEGIES = ("centralized", "tree:2", "ring", "direct")
 DTYPES = ("float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64",
           "uint8", "uint16", "uint32", "uint64")  # fmt: skip
 REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
+DEFAULT_OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
 
 
 def _op(text: str) -> str:
     value = text.strip().lower().replace("-", "_")
     if value != "all" and value not in OPS:
-        raise argparse.ArgumentTypeError(f"unknown op {text!r}: use all_reduce, reduce, broadcast or all")
+        raise argparse.ArgumentTypeError(f"unknown op {text!r}: use one of {', '.join(OPS)}, or all")
     return value
 
 
@@ -73,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--op",
         type=_op,
         action="append",
-        help="all_reduce, reduce, broadcast or all (repeatable; default all)",
+        help=f"{', '.join(OPS)} or all (repeatable; default: {', '.join(DEFAULT_OPS)})",
     )
     parser.add_argument(
         "--strategy",
@@ -189,7 +191,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
         parser.error(
             "argument --compare: gloo needs torch (pip install torch==2.13.0 installs the CPU build)"
         )
-    ops = list(OPS) if not args.op or "all" in args.op else list(dict.fromkeys(args.op))
+    ops = (
+        list(DEFAULT_OPS) if not args.op else list(OPS) if "all" in args.op else list(dict.fromkeys(args.op))
+    )
+    if "sendrecv" in ops and args.peers * args.nodes < 2:
+        parser.error("argument --op: sendrecv needs at least 2 peers")
     chosen = args.strategy or ["all"]
     strategies = list(ALL_STRATEGIES) if "all" in chosen else list(dict.fromkeys(chosen))
     try:
@@ -214,8 +220,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
         )
         for op in ops
         for system in systems
+        if system != "trivial" or op in TRIVIAL_OPS
         for size in sizes
-        for root in (roots if op != "all_reduce" else [0])
+        for root in (roots if op in ROOTED else [0])
     ]
     where = (
         f"{args.peers} local peers" if args.nodes == 1 else f"{args.nodes} nodes x {args.peers} local peers"

@@ -15,44 +15,91 @@ import os
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from collective.bench.harness import Measurement
-from collective.bench.sweep import Case, count_wrong, expected_value, input_value, resolve_dtype, row_from
+from collective.bench.sweep import Buffers, Case, row_from
 
-OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-       "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}  # fmt: skip
+REDUCE = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+          "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}  # fmt: skip
+IN_PLACE = ("all_reduce", "reduce", "broadcast", "all_reduce_coalesced")  # gloo overwrites the input
+
+
+def _function(*names: str) -> Any:
+    """The first of ``names`` this torch has (it renamed the tensor collectives)."""
+    return next(getattr(dist, name) for name in names if hasattr(dist, name))
+
+
+def run_op(case: Case, rank: int, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor | None:
+    """One iteration of ``case`` with gloo; the flat result (None where this rank gets none)."""
+    op, n, root = case.op, case.peers, case.root
+    redop = REDUCE[case.redop]
+    if op == "all_reduce":
+        dist.all_reduce(x, redop)
+        return x
+    if op == "reduce":
+        dist.reduce(x, root, redop)
+        return x if rank == root else None
+    if op == "broadcast":
+        dist.broadcast(x, root)
+        return x
+    if op == "all_gather":
+        _function("all_gather_single", "all_gather_into_tensor")(out, x)
+        return out
+    if op == "reduce_scatter":
+        _function("reduce_scatter_single", "reduce_scatter_tensor")(out, x, redop)
+        return out
+    if op == "all_to_all":
+        dist.all_to_all_single(out, x)
+        return out
+    if op == "gather":
+        dist.gather(x, list(out.view(n, -1)) if rank == root else None, root)
+        return out if rank == root else None
+    if op == "scatter":
+        dist.scatter(out, list(x.view(n, -1)) if rank == root else None, root)
+        return out
+    if op == "sendrecv":
+        sent = dist.isend(x, (rank + 1) % n)
+        dist.recv(out, (rank - 1) % n)
+        if sent is not None:
+            sent.wait()
+        return out
+    if op == "all_reduce_coalesced":
+        pieces = list(torch.tensor_split(x, min(26, max(1, x.numel()))))
+        dist.all_reduce_coalesced(pieces, redop)
+        return x
+    dist.barrier()
+    return out
 
 
 def measure(rank: int, case: Case, warmup: int, iterations: int) -> Measurement:
-    dtype = resolve_dtype(case.dtype)
-    count = case.size // dtype.itemsize
-    torch_dtype = getattr(torch, case.dtype)
-    inputs = [torch.full((count,), input_value(rank, parity), dtype=torch_dtype) for parity in (0, 1)]
-    expected = [expected_value(case, dtype, parity) for parity in (0, 1)]
-    buffer = torch.empty(count, dtype=torch_dtype)
+    buffers = Buffers(case, rank)
+    inputs = [torch.from_numpy(x) for x in buffers.inputs]
+    work = torch.empty_like(inputs[0])
+    out = torch.from_numpy(buffers.out)
     times = torch.zeros(iterations, dtype=torch.float64)
     wrong = 0
-    should_have = case.op != "reduce" or rank == case.root
     for i in range(warmup + iterations):
-        buffer.copy_(inputs[i % 2])
+        x = inputs[i % 2]
+        if case.op in IN_PLACE:
+            work.copy_(x)
+            x = work
         dist.barrier()
         started = time.perf_counter()
-        if case.op == "all_reduce":
-            dist.all_reduce(buffer, OPS[case.redop])
-        elif case.op == "reduce":
-            dist.reduce(buffer, case.root, OPS[case.redop])
-        else:
-            dist.broadcast(buffer, case.root)
-        if case.redop == "mean" and case.op != "broadcast" and should_have:
-            buffer.div_(case.peers) if dtype.kind == "f" else buffer.floor_divide_(case.peers)
+        result = run_op(case, rank, x, out)
+        if (
+            case.redop == "mean"
+            and result is not None
+            and case.op not in ("broadcast", "all_gather", "gather", "all_to_all", "scatter", "sendrecv")
+        ):
+            result.div_(case.peers) if result.is_floating_point() else result.floor_divide_(case.peers)
         if i >= warmup:
             times[i - warmup] = time.perf_counter() - started
-        result = buffer.numpy() if should_have else None
-        wrong += count_wrong(result, expected[i % 2], should_have, count)
+        wrong += buffers.wrong(None if result is None else result.numpy(), i)
     dist.all_reduce(times, dist.ReduceOp.MAX)
     total_wrong = torch.tensor([wrong])
     dist.all_reduce(total_wrong)
@@ -77,7 +124,7 @@ def main() -> int:
             case = Case(**{**fields, "system": system, "strategy": system, "peers": world})
             measured = measure(rank, case, plan["warmup"], plan["iters"])
             if rank == 0:
-                row = row_from(case, case.size // resolve_dtype(case.dtype).itemsize, measured)
+                row = row_from(case, measured)
                 print("ROW " + json.dumps(row.as_dict()), flush=True)
     finally:
         dist.destroy_process_group()

@@ -18,40 +18,26 @@ from typing import Any
 
 import numpy as np
 
-from collective.algorithms.ops import ReduceOp
 from collective.bench.harness import Measurement
-from collective.bench.sweep import Case, count_wrong, expected_value, input_value, resolve_dtype, row_from
+from collective.bench.sweep import Case, measure_peer, row_from, strategy_fields
 from collective.config import CollectiveConfig
 from collective.launch import peer_ids_from_env
 from collective.runtime import Runtime
 
-STRATEGY_FIELDS = ("all_reduce", "reduce", "broadcast")
-
 
 def measure(runtime: Runtime, peer: int, case: Case, warmup: int, iterations: int) -> Measurement:
-    dtype = resolve_dtype(case.dtype)
-    count = case.size // dtype.itemsize
-    inputs = [np.full(count, input_value(peer, parity), dtype) for parity in (0, 1)]
-    expected = [expected_value(case, dtype, parity) for parity in (0, 1)]
-    out = np.empty(count, dtype)
-    op = ReduceOp.parse(case.redop)
+    call, buffers = measure_peer(runtime, case, peer)
     barrier = np.zeros(1, np.int8)
     times = np.zeros(iterations)
     wrong = 0
-    should_have = case.op != "reduce" or peer == case.root
     for i in range(warmup + iterations):
-        x = inputs[i % 2]
+        x = buffers.inputs[i % 2]
         runtime.all_reduce(peer, barrier)
         started = time.perf_counter()
-        if case.op == "all_reduce":
-            result = runtime.all_reduce(peer, x, op, out=out)
-        elif case.op == "reduce":
-            result = runtime.reduce(peer, x, op, case.root, out=out)
-        else:
-            result = runtime.broadcast(peer, x if peer == case.root else None, out=out)
+        result = call(x, buffers.out)
         if i >= warmup:
             times[i - warmup] = time.perf_counter() - started
-        wrong += count_wrong(result, expected[i % 2], should_have, count)
+        wrong += buffers.wrong(result, i)
     slowest = runtime.all_reduce(peer, times, "max")
     total_wrong = int(runtime.all_reduce(peer, np.array([wrong], np.int64))[0])
     return Measurement(float(np.median(slowest)) * 1e6, float(slowest.min()) * 1e6, iterations, total_wrong)
@@ -64,9 +50,7 @@ def main() -> int:
     failures: list[BaseException] = []
     for strategy in dict.fromkeys(case.strategy for case in cases):
         base = CollectiveConfig.from_env()
-        strategies: dict[str, Any] = {
-            f"{scope}_{kind}_strategy": strategy for scope in ("global", "local") for kind in STRATEGY_FIELDS
-        }
+        strategies: dict[str, Any] = strategy_fields(strategy, ("global", "local"))
         config = CollectiveConfig.from_env(
             None, job=f"{base.job}-{strategy}", timeout=plan["timeout"], **strategies
         )
@@ -80,7 +64,7 @@ def main() -> int:
                 for case in (c for c in cases if c.strategy == strategy):
                     measured = measure(runtime, peer, case, plan["warmup"], plan["iters"])
                     if peer == 0:
-                        row = row_from(case, case.size // resolve_dtype(case.dtype).itemsize, measured)
+                        row = row_from(case, measured)
                         print("ROW " + json.dumps(row.as_dict()), flush=True)
                 runtime.finish(peer)
             except BaseException as exc:

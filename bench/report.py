@@ -10,6 +10,7 @@ from typing import IO, Any
 
 import numpy as np
 
+from collective.bench.ops import REDUCING, ROOTED
 from collective.bench.sweep import Row
 
 __all__ = ["format_size", "parse_size", "print_summary", "print_table", "write_json"]
@@ -56,8 +57,8 @@ def print_table(rows: Sequence[Row], baseline: dict[tuple[str, int, int], Row] |
     print(HEADER + (f"  speedup vs {versus}" if baseline else ""), file=out)
     for row in rows:
         c = row.case
-        redop = "-" if c.op == "broadcast" else c.redop
-        root = "-" if c.op == "all_reduce" else str(c.root)
+        redop = c.redop if c.op in REDUCING else "-"
+        root = str(c.root) if c.op in ROOTED else "-"
         line = (
             f"{c.size:>12} {row.count:>11} {c.dtype:>9} {redop:>6} {root:>5} {row.time_us:>11.1f} "
             f"{row.algbw:>13.3f} {row.busbw:>13.3f} {row.wrong:>7}"

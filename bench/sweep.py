@@ -14,26 +14,13 @@ from typing import Any
 import numpy as np
 
 from collective.algorithms.ops import ReduceOp
-from collective.arrays import scale_for_mean
 from collective.bench.harness import Measurement, PeerStep, measure_threads
+from collective.bench.ops import OPS, OpBench, busbw_factor, count_wrong, expected_blocks, make_input, shapes
 from collective.bench.trivial import TrivialGroup
-from collective.config import CollectiveConfig
+from collective.config import KINDS, CollectiveConfig
 from collective.runtime import Runtime
 
-__all__ = [
-    "OPS",
-    "Case",
-    "Row",
-    "busbw_factor",
-    "count_wrong",
-    "expected_value",
-    "input_value",
-    "resolve_dtype",
-    "row_from",
-    "run_case",
-]
-
-OPS = ("all_reduce", "reduce", "broadcast")
+__all__ = ["OPS", "Case", "Row", "busbw_factor", "measure_peer", "resolve_dtype", "row_from", "run_case"]
 
 
 @dataclass(frozen=True)
@@ -71,39 +58,6 @@ class Row:
         return cls(case, **{k: v for k, v in fields.items() if k not in case_names})
 
 
-def busbw_factor(op: str, peers: int) -> float:
-    """nccl-tests' bus bandwidth factors: 2(n-1)/n for all_reduce, 1 for reduce and broadcast."""
-    return 2 * (peers - 1) / peers if op == "all_reduce" else 1.0
-
-
-def input_value(peer: int, parity: int) -> int:
-    """Every element of ``peer``'s input on iterations of this parity (small: exact in every dtype)."""
-    return peer + 1 + parity
-
-
-def expected_value(case: Case, dtype: Any, parity: int) -> Any:
-    """The exact result for inputs filled with input_value (small integers: exact in every dtype)."""
-    if case.op == "broadcast":
-        return np.full(1, input_value(case.root, parity), dtype)[0]
-    op = ReduceOp.parse(case.redop)
-    ufunc = getattr(np, op.ufunc_name)
-    acc = np.full(1, input_value(0, parity), dtype)
-    for peer in range(1, case.peers):
-        ufunc(acc, np.full(1, input_value(peer, parity), dtype), out=acc)
-    if op is ReduceOp.MEAN:
-        scale_for_mean(acc, case.peers)
-    return acc[0]
-
-
-def count_wrong(result: Any, expected: Any, should_have: bool, count: int) -> int:
-    """Wrong elements in ``result`` (all of them if it is missing, or present where it should not be)."""
-    if not should_have:
-        return 0 if result is None else count
-    if result is None or result.shape != (count,):
-        return count
-    return int(np.count_nonzero(result != expected))
-
-
 def resolve_dtype(name: str) -> Any:
     if name == "bfloat16":
         import ml_dtypes
@@ -112,32 +66,46 @@ def resolve_dtype(name: str) -> Any:
     return np.dtype(name)
 
 
+class Buffers:
+    """One peer's inputs (two value sets), result buffer and expected block values for ``case``."""
+
+    def __init__(self, case: Case, peer: int) -> None:
+        dtype = resolve_dtype(case.dtype)
+        self.counts = shapes(case.op, case.size // dtype.itemsize, case.peers)
+        self.inputs = [make_input(case.op, peer, parity, self.counts, dtype) for parity in (0, 1)]
+        self.expected = [
+            expected_blocks(case.op, peer, case.peers, case.root, case.redop, parity, dtype)
+            for parity in (0, 1)
+        ]
+        self.out = np.empty(self.counts.result, dtype)
+
+    def wrong(self, result: Any, i: int) -> int:
+        return count_wrong(result, self.expected[i % 2], self.counts.result)
+
+
 def run_case(case: Case, warmup: int, iterations: int, timeout: float = 600.0) -> Row:
-    """Time ``case`` and count wrong elements in every result."""
-    dtype = resolve_dtype(case.dtype)
-    count = case.size // dtype.itemsize
-    expected = [expected_value(case, dtype, parity) for parity in (0, 1)]
+    """Time ``case`` on local peers (threads) and count wrong elements in every result."""
     op = ReduceOp.parse(case.redop)
 
     def steps(call: Callable[[int, Any, Any], Any]) -> Callable[[int], PeerStep]:
         def make_step(peer: int) -> PeerStep:
-            inputs = [np.full(count, input_value(peer, parity), dtype) for parity in (0, 1)]
-            out = np.empty(count, dtype)
+            buffers = Buffers(case, peer)
             latest: list[Any] = [None]
-            should_have = case.op != "reduce" or peer == case.root
 
             def run(i: int) -> None:
-                latest[0] = call(peer, inputs[i % 2], out)
+                latest[0] = call(peer, buffers.inputs[i % 2], buffers.out)
 
             def check(i: int) -> int:
-                return count_wrong(latest[0], expected[i % 2], should_have, count)
+                return buffers.wrong(latest[0], i)
 
             return run, check
 
         return make_step
 
     if case.system == "trivial":
-        group = TrivialGroup(case.peers, count, dtype, timeout)
+        group = TrivialGroup(
+            case.peers, case.size // resolve_dtype(case.dtype).itemsize, resolve_dtype(case.dtype), timeout
+        )
 
         def trivial_call(peer: int, x: Any, out: Any) -> Any:
             if case.op == "all_reduce":
@@ -151,14 +119,17 @@ def run_case(case: Case, warmup: int, iterations: int, timeout: float = 600.0) -
 
         measurement = measure_threads(case.peers, steps(trivial_call), warmup, iterations, timeout)
     else:
-        measurement = _run_collective(case, steps, timeout, warmup, iterations, op)
-    return row_from(case, count, measurement)
+        measurement = _run_collective(case, steps, timeout, warmup, iterations)
+    return row_from(case, measurement)
 
 
-def row_from(case: Case, count: int, measurement: Measurement) -> Row:
+def row_from(case: Case, measurement: Measurement) -> Row:
     """The table row of a measurement: algbw = size / time, busbw = algbw x the op's factor."""
     algbw = case.size / (measurement.median_us * 1e-6) / 1e9 if measurement.median_us > 0 else 0.0
+    if case.op == "barrier":
+        algbw = 0.0
     busbw = algbw * busbw_factor(case.op, case.peers)
+    count = shapes(case.op, case.size // resolve_dtype(case.dtype).itemsize, case.peers).result
     return Row(
         case,
         count,
@@ -171,27 +142,34 @@ def row_from(case: Case, count: int, measurement: Measurement) -> Row:
     )
 
 
+def strategy_fields(strategy: str, scopes: tuple[str, ...] = ("local",)) -> dict[str, Any]:
+    """Every collective kind of a config set to ``strategy``."""
+    return {f"{scope}_{kind}_strategy": strategy for scope in scopes for kind in KINDS}
+
+
+def measure_peer(runtime: Runtime, case: Case, peer: int) -> tuple[Callable[[Any, Any], Any], Buffers]:
+    """How ``peer`` runs one iteration of ``case`` (input, out) -> result, and its buffers."""
+    bench = OpBench(case.op)
+
+    def call(x: Any, out: Any) -> Any:
+        return bench.run(runtime, peer, x, None if case.alloc else out, case.peers, case.root, case.redop)
+
+    return call, Buffers(case, peer)
+
+
 def _run_collective(
     case: Case,
     steps: Callable[..., Callable[[int], PeerStep]],
     timeout: float,
     warmup: int,
     iterations: int,
-    op: ReduceOp,
 ) -> Measurement:
-    config = CollectiveConfig(
-        num_devices=case.peers, local_all_reduce_strategy=case.strategy, local_reduce_strategy=case.strategy,
-        local_broadcast_strategy=case.strategy, timeout=timeout,
-    )  # fmt: skip
+    config = CollectiveConfig(num_devices=case.peers, timeout=timeout, **strategy_fields(case.strategy))
     with Runtime() as runtime:
+        bench = OpBench(case.op)
 
         def call(peer: int, x: Any, out: Any) -> Any:
-            target = None if case.alloc else out
-            if case.op == "all_reduce":
-                return runtime.all_reduce(peer, x, op, out=target)
-            if case.op == "reduce":
-                return runtime.reduce(peer, x, op, case.root, out=target)
-            return runtime.broadcast(peer, x if peer == case.root else None, out=target)
+            return bench.run(runtime, peer, x, None if case.alloc else out, case.peers, case.root, case.redop)
 
         registering = steps(call)
 

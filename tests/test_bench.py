@@ -36,7 +36,8 @@ def test_tiny_sweep_prints_nccl_tables_and_a_summary(
 ) -> None:
     out_json = tmp_path / "rows.json"
     argv = ["bench", "--peers", "3", "-b", "8", "-e", "128K", "-f", "128", "-w", "1", "-n", "3",
-            "--root", "all", "--compare", "trivial", "--json", str(out_json)]  # fmt: skip
+            "--root", "all", "--compare", "trivial", "--json", str(out_json),
+            "--op", "all_reduce", "--op", "reduce", "--op", "broadcast"]  # fmt: skip
     status, out, _ = run_cli(argv, capsys)
     assert status == 0, out
     for op in ("all_reduce", "reduce", "broadcast"):
@@ -144,7 +145,8 @@ def test_trivial_baseline_matches_numpy() -> None:
 def test_a_tiny_sweep_across_two_nodes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out_json = tmp_path / "nodes.json"
     argv = ["bench", "--nodes", "2", "--peers", "2", "-b", "8", "-e", "1M", "-f", "131072", "-w", "1",
-            "-n", "3", "--strategy", "ring", "--strategy", "tree:2", "--json", str(out_json)]  # fmt: skip
+            "-n", "3", "--strategy", "ring", "--strategy", "tree:2", "--json", str(out_json),
+            "--op", "all_reduce", "--op", "reduce", "--op", "broadcast"]  # fmt: skip
     status, out, _ = run_cli(argv, capsys)
     assert status == 0, out
     assert "# collective bench: 2 nodes x 2 local peers" in out
@@ -246,3 +248,40 @@ def test_ctrl_c_prints_what_was_measured_and_exits_130(
     assert status == 130
     assert "# interrupted: the rows above are what was measured" in out
     assert "# 2 rows in" in out
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_every_op_is_measured_and_checked(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, nodes: int
+) -> None:
+    """Every op of the collective set, in one process and across nodes: right results, right factors."""
+    from collective.bench.ops import OPS
+
+    out_json = tmp_path / "ops.json"
+    argv = ["bench", "--op", "all", "--nodes", str(nodes), "--peers", str(4 // nodes), "-b", "64",
+            "-e", "512K", "-f", "8192", "-w", "1", "-n", "2", "--strategy", "ring", "--root", "all",
+            "--json", str(out_json)]  # fmt: skip
+    status, out, _ = run_cli(argv, capsys)
+    assert status == 0, out
+    rows = json.loads(out_json.read_text())["rows"]
+    assert {row["op"] for row in rows} == set(OPS)
+    for row in rows:
+        assert row["wrong"] == 0, row
+        assert row["busbw"] == pytest.approx(row["algbw"] * busbw_factor(row["op"], 4))
+    assert busbw_factor("all_gather", 4) == busbw_factor("reduce_scatter", 4) == 0.75
+    assert busbw_factor("gather", 4) == busbw_factor("sendrecv", 4) == 1
+    gathers = [row for row in rows if row["op"] == "gather" and row["size"] == 512 << 10]
+    assert sorted(row["root"] for row in gathers) == [0, 1, 2, 3]
+
+
+def test_every_op_against_gloo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    out_json = tmp_path / "gloo.json"
+    argv = ["bench", "--op", "all", "--nodes", "2", "--peers", "1", "-b", "1K", "-e", "1K", "-w", "1",
+            "-n", "2", "--strategy", "ring", "--compare", "gloo", "--json", str(out_json)]  # fmt: skip
+    status, out, _ = run_cli(argv, capsys)
+    assert status == 0, out
+    rows = json.loads(out_json.read_text())["rows"]
+    gloo = {row["op"] for row in rows if row["system"] == "gloo"}
+    assert gloo == {row["op"] for row in rows if row["system"] == "collective"}
+    assert all(row["wrong"] == 0 for row in rows)

@@ -1,0 +1,233 @@
+"""Data-parallel training helpers: a gradient synchroniser with buckets and overlap, parameter broadcast.
+
+``GradientSync`` averages gradients across peers the way torch's DDP reducer does, for any
+framework's arrays (numpy, CuPy, torch, JAX through numpy):
+
+* gradients are packed into buckets of about ``bucket_bytes`` (25 MiB), in reverse order of the
+  parameters (backward produces the last layers' gradients first);
+* ``ready(name, grad)`` marks one gradient ready; when every gradient of a bucket is ready, one
+  asynchronous ``all_reduce_coalesced`` of the bucket starts, so communication overlaps the rest
+  of backward. Buckets start in bucket order on every peer (a bucket that fills early waits for
+  the ones before it), so every peer issues the same calls in the same order;
+* ``wait()`` before the optimizer step: every bucket's result is written into the gradients
+  handed to ``ready`` (in place) and they are returned by name;
+* ``with sync.no_sync():`` accumulates gradients locally over micro-batches (``ready`` adds them
+  up, nothing is sent); the first ``ready`` after it adds the accumulated sum and syncs once;
+* ``stale=True`` double-buffers (burn's GradsSyncer): ``wait()`` returns the previous step's
+  averaged gradients without waiting for this step's, so step k's sync overlaps step k+1's compute.
+  The optimizer then applies gradients one step old (staleness 1): cheaper steps, slightly different
+  training dynamics; the first ``wait()`` returns None.
+
+``broadcast_parameters`` makes every peer start from the root's weights. ``attach_torch`` hooks a
+torch module's parameters so backward calls ``ready`` by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+from collective.algorithms.ops import array_module
+from collective.api import default_runtime
+from collective.errors import InvalidArgumentError
+from collective.groups import Group
+from collective.runtime import Runtime
+from collective.tensors import native
+from collective.work import Work
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "GradientSync", "attach_torch", "broadcast_parameters", "torch_no_sync"]
+
+DEFAULT_BUCKET_BYTES = 25 << 20
+
+
+@dataclass
+class _Bucket:
+    names: list[str]
+    grads: dict[str, Any] = field(default_factory=dict)  # handed to ready() this step
+    work: Work | None = None
+
+
+def _nbytes(value: Any) -> int:
+    array, _ = native(value)
+    return int(array.nbytes)
+
+
+class GradientSync:
+    """Averages (by default) named gradients across the peers of ``group``, bucket by bucket.
+
+    ``params`` maps names to arrays shaped like the gradients (the parameters themselves will do),
+    in the order the model defines them.
+    """
+
+    def __init__(
+        self,
+        peer: int,
+        params: Mapping[str, Any],
+        *,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        op: str = "mean",
+        group: Group | None = None,
+        stale: bool = False,
+        runtime: Runtime | None = None,
+    ) -> None:
+        if not params:
+            raise InvalidArgumentError("GradientSync needs at least one parameter")
+        if bucket_bytes <= 0:
+            raise InvalidArgumentError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self.peer = peer
+        self.op = op
+        self.group = group
+        self.stale = stale
+        self._runtime = runtime or default_runtime()
+        self._buckets: list[_Bucket] = []
+        size = 0
+        for name in reversed(list(params)):  # backward makes the last gradients first
+            if not self._buckets or size >= bucket_bytes:
+                self._buckets.append(_Bucket([]))
+                size = 0
+            self._buckets[-1].names.append(name)
+            size += _nbytes(params[name])
+        self._bucket_of = {name: i for i, bucket in enumerate(self._buckets) for name in bucket.names}
+        self._next = 0  # the next bucket to start, in bucket order
+        self._accumulating = False
+        self._accumulated: dict[str, Any] = {}
+        self._previous: list[_Bucket] | None = None  # stale=True: the step whose sync is in flight
+        self.paused = False  # attach_torch's hooks do nothing while set (torch_no_sync)
+
+    @property
+    def buckets(self) -> list[list[str]]:
+        """The parameter names of each bucket, in the order buckets are started."""
+        return [list(bucket.names) for bucket in self._buckets]
+
+    def ready(self, name: str, grad: Any) -> None:
+        """``grad`` (this micro-batch's gradient of ``name``) is final: sync it with its bucket."""
+        index = self._bucket_of.get(name)
+        if index is None:
+            raise InvalidArgumentError(f"ready({name!r}): not a parameter of this GradientSync")
+        if self._accumulating:
+            self._accumulate(name, grad)
+            return
+        held = self._accumulated.pop(name, None)
+        if held is not None:
+            array, _ = native(grad)
+            array += held
+        bucket = self._buckets[index]
+        if name in bucket.grads:
+            raise InvalidArgumentError(f"ready({name!r}) called twice in one step: call wait() first")
+        bucket.grads[name] = grad
+        self._start_ready_buckets()
+
+    def _accumulate(self, name: str, grad: Any) -> None:
+        array, _ = native(grad)
+        held = self._accumulated.get(name)
+        if held is None:
+            self._accumulated[name] = array.copy()
+        else:
+            held += array
+
+    def _start_ready_buckets(self) -> None:
+        while self._next < len(self._buckets):
+            bucket = self._buckets[self._next]
+            if len(bucket.grads) < len(bucket.names):
+                return
+            if self.stale:  # the caller reuses its gradients next step: sync copies of them
+                bucket.grads = {name: native(grad)[0].copy() for name, grad in bucket.grads.items()}
+            grads = [bucket.grads[name] for name in bucket.names]
+            bucket.work = self._runtime.all_reduce_coalesced(
+                self.peer, grads, self.op, group=self.group, async_op=True, out=grads
+            )
+            self._next += 1
+
+    def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
+        """Every gradient of this step averaged, written into the arrays given to ``ready``, by name.
+
+        With ``stale=True``: the previous step's (None at the first step), without waiting for this
+        step's. Raises the collective's error (PeerLostError when a peer died mid-step, ...).
+        """
+        missing = [name for bucket in self._buckets for name in bucket.names if name not in bucket.grads]
+        if missing:
+            raise InvalidArgumentError(f"wait(): no gradient was made ready for {missing[:5]}")
+        current = self._buckets
+        self._buckets = [_Bucket(bucket.names) for bucket in current]
+        self._next = 0
+        if self.stale:
+            finished, self._previous = self._previous, current
+            return None if finished is None else self._collect(finished, timeout)
+        return self._collect(current, timeout)
+
+    def _collect(self, buckets: list[_Bucket], timeout: float | None) -> dict[str, Any]:
+        synced: dict[str, Any] = {}
+        for bucket in buckets:
+            assert bucket.work is not None
+            bucket.work.wait(timeout)
+            synced.update(bucket.grads)
+        return synced
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate the gradients handed to ``ready`` inside the block; sync them with the next step."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
+
+
+def broadcast_parameters(
+    peer: int,
+    params: Iterable[Any],
+    root: int = 0,
+    *,
+    group: Group | None = None,
+    runtime: Runtime | None = None,
+) -> None:
+    """Overwrite every array of ``params`` (in place) with the root's: one broadcast per dtype."""
+    runtime = runtime or default_runtime()
+    arrays = [native(p)[0] for p in params]
+    by_dtype: dict[str, list[Any]] = {}
+    for array in arrays:
+        by_dtype.setdefault(str(array.dtype), []).append(array)
+    for members in by_dtype.values():
+        xp = array_module(members[0])
+        flat = xp.concatenate([a.reshape(-1) for a in members]) if peer == root else None
+        buffer = xp.empty(sum(a.size for a in members), members[0].dtype) if peer != root else None
+        result = runtime.broadcast(peer, flat, group=group, out=buffer)
+        offset = 0
+        for array in members:
+            array[...] = result[offset : offset + array.size].reshape(array.shape)
+            offset += array.size
+
+
+def attach_torch(module: Any, sync: GradientSync) -> list[Any]:
+    """Call ``sync.ready`` from each parameter's post-accumulate-grad hook; returns the hook handles.
+
+    The hook hands ``param.grad`` as torch left it, and nothing of ours holds a gradient between
+    steps, so ``zero_grad(set_to_none=True)`` is safe. For gradient accumulation run the backward
+    passes of all micro-batches but the last inside ``torch_no_sync(sync)``: torch sums
+    ``param.grad`` by itself and the last backward syncs the sum.
+    """
+    names = {id(p): name for name, p in module.named_parameters() if p.requires_grad}
+    handles = []
+    for param in module.parameters():
+        if id(param) in names:
+            hook = partial(_hook, sync, names[id(param)])
+            handles.append(param.register_post_accumulate_grad_hook(hook))
+    return handles
+
+
+def _hook(sync: GradientSync, name: str, param: Any) -> None:
+    if not sync.paused:
+        sync.ready(name, param.grad)
+
+
+@contextmanager
+def torch_no_sync(sync: GradientSync) -> Iterator[None]:
+    """For ``attach_torch``: backward passes inside the block only accumulate (torch sums param.grad)."""
+    sync.paused = True
+    try:
+        yield
+    finally:
+        sync.paused = False
