@@ -265,7 +265,9 @@ def run_torch(
         )
     if args.compare == "trivial" or args.peers not in (1, 4):
         parser.error("argument --backend torch: runs one process per rank (--nodes N), beside gloo")
-    ops = list(OPS) if not args.op or "all" in args.op else list(dict.fromkeys(args.op))
+    ops = (
+        list(DEFAULT_OPS) if not args.op else list(OPS) if "all" in args.op else list(dict.fromkeys(args.op))
+    )
     try:
         sizes = _sizes(args, resolve_dtype(args.dtype).itemsize)
     except ImportError:
@@ -285,7 +287,7 @@ def run_torch(
                 Case(system, op, system, world, size, args.dtype, args.reduce_op, root)
                 for op in ops
                 for size in sizes
-                for root in (roots if op != "all_reduce" else [0])
+                for root in (roots if op in ROOTED else [0])
             ]
             for system in ("gloo", "torch")
         }
