@@ -116,7 +116,7 @@ class Ops:
         def body() -> None:
             buffer = host(tensor)
             values = array(buffer)
-            run(values if factor is None else values * _scalar(factor), values, op)
+            run(values if factor is None else _scaled(values, factor), values, op)
             store_back(buffer, tensor)
 
         return self.launch(what, body, [tensor], opts)
@@ -151,7 +151,7 @@ class Ops:
         def body() -> None:
             buffers = [host(t) for t in tensors]
             views = [array(b) for b in buffers]
-            sources = views if factor is None else [v * _scalar(factor) for v in views]
+            sources = views if factor is None else [_scaled(v, factor) for v in views]
             self.runtime.all_reduce_coalesced(self.peer, sources, op, out=views, **kw)
             for buffer, tensor in zip(buffers, tensors, strict=True):
                 store_back(buffer, tensor)
@@ -172,7 +172,7 @@ class Ops:
 
         def body() -> None:
             stacked = np.stack([array(host(p)) for p in parts])
-            source = stacked if factor is None else stacked * _scalar(factor)
+            source = stacked if factor is None else _scaled(stacked, factor)
             fill(output, self.runtime.reduce_scatter(self.peer, source, op, **kw))
 
         return self.launch("reduce_scatter", body, [output], opts)
@@ -190,7 +190,7 @@ class Ops:
 
         def body() -> None:
             source = array(host(input)).reshape(size, -1)
-            source = source if factor is None else source * _scalar(factor)
+            source = source if factor is None else _scaled(source, factor)
             buffer = host(output)
             self.runtime.reduce_scatter(self.peer, source, op, out=array(buffer).reshape(1, -1), **kw)
             store_back(buffer, output)
@@ -371,6 +371,6 @@ class Ops:
         return [received[j, :rows] for j, rows in enumerate(expected)]
 
 
-def _scalar(factor: Any) -> Any:
-    """PREMUL_SUM's factor (a number or a one-element tensor) as a Python number."""
-    return factor.item() if hasattr(factor, "item") else factor
+def _scaled(values: Any, factor: Any) -> Any:
+    """PREMUL_SUM's input: ``values`` times the factor (a number or a one-element tensor), same dtype."""
+    return (values * (factor.item() if hasattr(factor, "item") else factor)).astype(values.dtype, copy=False)
