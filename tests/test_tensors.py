@@ -151,3 +151,12 @@ def test_module_level_functions_take_tensors() -> None:
 
     for result in run_peers(2, body):
         assert torch.equal(result, torch.full((2,), 1.5))
+
+
+def test_tensor_calls_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    from collective.bench import tensor_calls
+
+    assert tensor_calls.main(["--peers", "2", "--rounds", "1", "--calls", "20"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["peers", "numpy", "torch", "extra", "numpy", "out=", "torch", "out=", "extra"]
+    assert lines[2].split()[0] == "2" and len(lines[2].split()) == 7
