@@ -30,19 +30,27 @@ class Device:
 
     @classmethod
     def parse(cls, value: Device | str | int) -> Device:
-        """ "cpu", "cuda", "cuda:N" or an int N (CUDA device N); raises RegistrationError."""
+        """ "cpu", "cuda", "cuda:N", an int N (CUDA device N) or a Device; raises RegistrationError.
+
+        A CUDA device must exist: CuPy importable and N below the number of devices CUDA reports.
+        """
+        device: Device | None = None
         if isinstance(value, Device):
-            return value
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return cls("cuda", value)
-        if isinstance(value, str):
+            device = value
+        elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            device = cls("cuda", value)
+        elif isinstance(value, str):
             text = value.strip().lower()
-            if text == "cpu":
-                return cls("cpu")
             kind, _, index = text.partition(":")
-            if kind in ("cuda", "gpu") and (index == "" or index.isdigit()):
-                return cls("cuda", int(index or 0))
-        raise RegistrationError(f"unknown device {value!r}: use 'cpu' or 'cuda:N'")
+            if text == "cpu":
+                device = cls("cpu")
+            elif kind == "cuda" and (index == "" or index.isdigit()):
+                device = cls("cuda", int(index or 0))
+        if device is None or device.kind not in ("cpu", "cuda"):
+            raise RegistrationError(f"unknown device {value!r}: use 'cpu' or 'cuda:N'")
+        if device.kind == "cuda":
+            _check_cuda(value, device.index)
+        return device
 
     def __str__(self) -> str:
         return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
@@ -64,6 +72,26 @@ class Device:
 
         with cupy.cuda.Device(self.index):
             return cupy.asarray(array)
+
+
+def _check_cuda(value: Any, index: int) -> None:
+    """RegistrationError unless CuPy can be imported and CUDA device ``index`` exists."""
+    try:
+        import cupy
+    except ImportError as exc:
+        raise RegistrationError(
+            f"device {value!r} needs CuPy, which cannot be imported here ({exc}): install it "
+            f"(pip install 'collective-runtime[cuda]') or register on 'cpu'"
+        ) from exc
+    try:
+        count = int(cupy.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # CUDARuntimeError: no driver, no device
+        raise RegistrationError(f"device {value!r}: CUDA reports no usable device ({exc})") from exc
+    if index >= count:
+        raise RegistrationError(
+            f"device {value!r}: this machine has {count} CUDA device{'s' if count != 1 else ''}"
+            + (f" (cuda:0 .. cuda:{count - 1})" if count else "")
+        )
 
 
 def _device_of(array: Array) -> Device:

@@ -77,6 +77,7 @@ class Call:
         self.root_peer = root  # the root as the caller named it (a peer id); ``root`` becomes its rank
         self.src: Array | None = None  # this peer's flat input, once prepared
         self.device = Device("cpu")
+        self.problem: str | None = None  # set by refuse(): found before this call was made
         self.signature = Signature(self.kind)
 
     # -- before the rendezvous: this peer's own checks ------------------------------------------
@@ -96,11 +97,15 @@ class Call:
                 problem = f"root {self.root!r} is not a peer of the group ({describe_peers(list(members))})"
             self.root = members.index(self.root) if valid else None
         if problem is None:
-            problem = self.check(device, len(members), rank)
+            problem = self.problem or self.check(device, len(members), rank)
         self.signature = self.describe(op, problem)
         if problem is None and self.x is not None:
             self.src = flat(self.x)
         return self.signature
+
+    def refuse(self, problem: str) -> None:
+        """Fail this call on every peer with ``problem`` (a bad argument found outside the call)."""
+        self.problem = problem
 
     def check(self, device: Device, size: int, rank: int) -> str | None:
         """Why this peer's arrays cannot be used (None if they can)."""

@@ -18,8 +18,8 @@ from collective.call import Call, Strategies, blocks, reduce_all, slice_of
 from collective.signature import Rules, Signature
 
 __all__ = [
-    "CALLS", "RULES", "AllGather", "AllReduce", "AllToAll", "Barrier", "Broadcast", "Gather", "Reduce",
-    "ReduceScatter", "Scatter", "rules_of",
+    "CALLS", "RULES", "AllGather", "AllReduce", "AllToAll", "Barrier", "Broadcast", "Coalesced", "Gather",
+    "Reduce", "ReduceScatter", "Scatter", "rules_of",
 ]  # fmt: skip
 
 
@@ -86,7 +86,7 @@ class Broadcast(Call):
     """The one peer that passes an array is the root; the others pass None (and maybe ``out``)."""
 
     kind = "broadcast"
-    rules = Rules(("shape", "dtype"), sourced=True)
+    rules = Rules((), sourced=True, stated=("shape", "dtype"))
     reduces = False
 
     def check(self, device: Device, size: int, rank: int) -> str | None:
@@ -262,7 +262,7 @@ class Scatter(Call):
     """The root passes (group size, *shape); rank i gets row i. The others pass None."""
 
     kind = "scatter"
-    rules = Rules(("root", "shape", "dtype"), sourced=True)
+    rules = Rules(("root",), sourced=True, stated=("shape", "dtype"))
     reduces = False
     rooted = True
 
@@ -335,9 +335,24 @@ class Barrier(Call):
         strategies.barrier(strategy_for(self.kind), link)
 
 
+class Coalesced(AllReduce):
+    """One dtype's bucket of an all_reduce_coalesced (collective.coalesced); ``parts`` lists the
+    shape and dtype of every array of the whole list, so peers whose lists differ disagree."""
+
+    kind = "all_reduce_coalesced"
+    rules = Rules(("op", "parts", "shape", "dtype"))
+
+    def __init__(self, bucket: Any, op: Any, parts: tuple[tuple[tuple[int, ...], str], ...]) -> None:
+        super().__init__(bucket, op)
+        self.parts = parts
+
+    def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:
+        return super().describe(op, problem)._replace(parts=self.parts)
+
+
 CALLS: dict[str, type[Call]] = {
     cls.kind: cls for cls in (AllReduce, Reduce, Broadcast, AllGather, Gather, ReduceScatter, AllToAll,
-                              Scatter, Barrier)
+                              Scatter, Barrier, Coalesced)
 }  # fmt: skip
 RULES: dict[str, Rules] = {kind: cls.rules for kind, cls in CALLS.items()}
 

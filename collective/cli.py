@@ -22,7 +22,7 @@ __all__ = ["main"]
 
 def _demo(args: argparse.Namespace) -> int:
     """``args.peers`` threads all-reduce a small array with every strategy and print what they got."""
-    for strategy in ("centralized", "tree:2", "ring"):
+    for strategy in ("centralized", "tree:2", "ring", "direct"):
         config = collective.CollectiveConfig(
             num_devices=args.peers, local_all_reduce_strategy=strategy, timeout=30
         )
@@ -85,6 +85,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
     )
     if args.command == "demo":
+        if args.peers < 1:
+            demo.error(f"argument --peers: must be >= 1, got {args.peers}")
         return _demo(args)
     if args.command == "orchestrator":
         return launch.serve_orchestrator(args)

@@ -15,58 +15,38 @@ from typing import Any
 import numpy as np
 
 from collective.algorithms.ops import Array, array_module
-from collective.calls import AllReduce
-from collective.errors import InvalidArgumentError
-from collective.signature import Rules, Signature
+from collective.calls import Coalesced
 from collective.tensors import native
 
-__all__ = ["Coalesced", "coalesced_all_reduce"]
-
-
-class Coalesced(AllReduce):
-    """One dtype's bucket of an all_reduce_coalesced; ``parts`` describes the whole list."""
-
-    kind = "all_reduce_coalesced"
-    rules = Rules(("op", "parts", "shape", "dtype"))
-
-    def __init__(
-        self, bucket: Any, op: Any, parts: tuple[tuple[tuple[int, ...], str], ...], problem: str | None
-    ):
-        super().__init__(bucket, op)
-        self.parts = parts
-        self.problem = problem
-
-    def check(self, device: Any, size: int, rank: int) -> str | None:
-        return self.problem or super().check(device, size, rank)
-
-    def describe(self, op: Any, problem: str | None) -> Signature:
-        return super().describe(op, problem)._replace(parts=self.parts)
+__all__ = ["coalesced_all_reduce"]
 
 
 def coalesced_all_reduce(
     xs: Sequence[Array], op: Any, out: Sequence[Array] | None, execute: Callable[[Coalesced], Array]
 ) -> list[Array]:
-    """Reduce every array of ``xs``; ``execute`` runs one bucket's call and returns its flat result."""
-    if not isinstance(xs, list | tuple) or not xs:
-        raise InvalidArgumentError("all_reduce_coalesced takes a non-empty list of arrays")
+    """Reduce every array of ``xs``; ``execute`` runs one bucket's call and returns its flat result.
+
+    A list that cannot be used (empty, not arrays, ``out`` of another length) still takes one step,
+    whose call carries the problem: every peer gets the InvalidArgumentError and stays in step.
+    """
+    problem = _problem(xs, out)
+    if problem is not None:
+        refused = Coalesced(np.zeros(0, np.float32), op, ())
+        refused.refuse(problem)
+        execute(refused)  # raises the problem on every peer
+        raise AssertionError("unreachable: a refused call raises")
     converted = [native(x) for x in xs]
     arrays = [array for array, _ in converted]
-    problem = None
-    if not all(hasattr(x, "dtype") and hasattr(x, "shape") for x in arrays):
-        problem = "every item of the list must be an array"
-        arrays = [np.zeros(0, np.float32)]
-    if out is not None and (len(out) != len(arrays) or any(o is None for o in out)):
-        raise InvalidArgumentError(f"out must be a list of {len(arrays)} arrays, one per input")
     parts = tuple((tuple(x.shape), str(x.dtype)) for x in arrays)
     by_dtype: dict[str, list[int]] = {}
     for index, x in enumerate(arrays):
         by_dtype.setdefault(str(x.dtype), []).append(index)
     results: list[Array] = [None] * len(arrays)
     for indices in by_dtype.values():
-        xp = array_module(arrays[indices[0]]) if problem is None else np
+        xp = array_module(arrays[indices[0]])
         pieces = [arrays[i].reshape(-1) for i in indices]
         bucket = xp.concatenate(pieces) if len(pieces) > 1 else xp.ascontiguousarray(pieces[0])
-        reduced = execute(Coalesced(bucket, op, parts, problem))
+        reduced = execute(Coalesced(bucket, op, parts))
         offset = 0
         for i in indices:
             size = int(np.prod(arrays[i].shape, dtype=np.int64))
@@ -76,5 +56,17 @@ def coalesced_all_reduce(
                 native(out[i])[0][...] = view
                 results[i] = out[i]
             else:
-                results[i] = converted[i][1](view) if problem is None else view
+                results[i] = converted[i][1](view)
     return results
+
+
+def _problem(xs: Any, out: Any) -> str | None:
+    if not isinstance(xs, list | tuple) or not xs:
+        return "all_reduce_coalesced takes a non-empty list of arrays"
+    if not all(hasattr(native(x)[0], "dtype") and hasattr(native(x)[0], "shape") for x in xs):
+        return "every item of the list must be an array"
+    if out is not None and (
+        not isinstance(out, list | tuple) or len(out) != len(xs) or any(o is None for o in out)
+    ):
+        return f"out must be a list of {len(xs)} arrays, one per input"
+    return None

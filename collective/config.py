@@ -45,7 +45,7 @@ class CollectiveConfig:
     num_nodes, global_address, node_address, data_service_port: multi-node fields, all set or
         all unset. global_address is the orchestrator's "host:port". The data service listens on
         node_address's host at data_service_port (0: a free port) and other nodes are told that
-        host and the port it got.
+        host and the port it got; node_address's port must be 0 or equal data_service_port.
     global_<kind>_strategy: algorithm among node leaders (all_reduce, all_gather, reduce_scatter:
         Ring(); all_to_all: Direct(); the others Tree(2)).
     timeout: seconds one collective (and registration) may take before CollectiveTimeout.
@@ -96,6 +96,13 @@ class CollectiveConfig:
             _require_int("data_service_port", self.data_service_port, minimum=0, maximum=65535)
             _require_address("global_address", self.global_address, lowest_port=1)
             _require_address("node_address", self.node_address, lowest_port=0)
+            node_port = int(str(self.node_address).rpartition(":")[2])
+            if node_port not in (0, self.data_service_port):
+                raise ConfigError(
+                    f"node_address {self.node_address!r} names port {node_port} but data_service_port is "
+                    f"{self.data_service_port}: the data service binds data_service_port (0: a free one) and "
+                    f"the other nodes are told the port it got, so node_address's port must be 0 or the same"
+                )
         if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float):
             raise ConfigError(f"timeout must be a number of seconds, got {self.timeout!r}")
         if not (self.timeout > 0 and math.isfinite(self.timeout)):

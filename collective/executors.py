@@ -61,17 +61,20 @@ def choose(
     return Linked(exchange, site.config.local_strategy)
 
 
-def _target(step: Step) -> tuple[Array | None, Array | None, Array | None]:
+def _target(step: Step, computed: bool = False) -> tuple[Array | None, Array | None, Array | None]:
     """(the result, the flat buffer the work writes, a scratch buffer to copy back from or None).
 
     A scratch stands in for the result when the call's schedule may not write ``out`` while it is
-    also ``x`` (all_to_all reads x's blocks while it writes the result).
+    also ``x`` (all_to_all reads x's blocks while it writes the result); never for a result that
+    was ``computed`` before (Fused).
     """
     call, plan = step.call, step.plan
     result = call.new_result(call.device, plan.agreed, plan.size, step.rank)
     if result is None:
         return None, None, None
     buffer = flat(result)
+    if computed:
+        return result, buffer, None
     if not call.alias_safe and call.x is not None and array_module(buffer).may_share_memory(buffer, call.x):
         scratch = array_module(buffer).empty_like(buffer)
         return result, scratch, scratch
@@ -85,7 +88,7 @@ class Fused:
         self.results = results
 
     def run(self, step: Step) -> Array | None:
-        result, buffer, _ = _target(step)
+        result, buffer, _ = _target(step, computed=True)
         if buffer is not None:
             copy_into(buffer, self.results[step.rank])
         return result

@@ -96,12 +96,13 @@ class LocalJob:
         """Every peer id of the job, sorted."""
         return tuple(range(self.world)) if self.node is not None else self.peer_ids
 
-    def bell(self, peer: int) -> Doorbell:
-        return self._bells[peer]
+    def claim(self, bells: list[Doorbell]) -> None:
+        """Ring ``bells`` once the lock is released (lock held)."""
+        self._guard.claimed.extend(bells)
 
     def ring_all(self) -> None:
-        """Wake every waiting peer once the lock is released (lock held)."""
-        self._guard.claimed.extend(bell for bell in self._bells.values() if bell.claim())
+        """Wake every peer waiting to register, once the lock is released (lock held)."""
+        self.claim([bell for bell in self._bells.values() if bell.claim()])
 
     # -- registration -------------------------------------------------------------------------
 

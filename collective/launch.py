@@ -20,8 +20,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import IO, Any
+
+from collective.errors import ConfigError
 
 __all__ = [
     "add_launch_arguments",
@@ -35,13 +37,27 @@ READY_PREFIX = "collective orchestrator: listening on "
 STOP_GRACE = 5.0
 
 
-def peer_ids_from_env(environ: dict[str, str] | None = None) -> list[int]:
-    """The peer ids ``collective launch`` gave this node (COLLECTIVE_PEER_IDS, e.g. "2,3")."""
-    text = (os.environ if environ is None else environ).get("COLLECTIVE_PEER_IDS", "")
+def peer_ids_from_env(environ: Mapping[str, str] | None = None) -> list[int]:
+    """This node's peer ids from COLLECTIVE_PEER_IDS (e.g. "2,3"), which ``collective launch`` sets.
+
+    Raises ConfigError naming the variable when it is unset, empty or not a list of distinct
+    integers >= 0 (set it yourself when starting nodes by hand).
+    """
+    text = (os.environ if environ is None else environ).get("COLLECTIVE_PEER_IDS")
+    if text is None or not text.strip():
+        raise ConfigError(
+            "COLLECTIVE_PEER_IDS is not set: it names this node's peer ids, e.g. COLLECTIVE_PEER_IDS=2,3 "
+            "(collective launch sets it; set it on every node started by hand)"
+        )
     try:
-        return [int(part) for part in text.split(",") if part.strip()]
+        peers = [int(part) for part in text.split(",") if part.strip()]
     except ValueError:
-        raise ValueError(f"COLLECTIVE_PEER_IDS={text!r} is not a comma-separated list of peer ids") from None
+        peers = []
+    if not peers or min(peers) < 0 or len(set(peers)) != len(peers):
+        raise ConfigError(
+            f"COLLECTIVE_PEER_IDS={text!r} is not a comma-separated list of distinct peer ids >= 0"
+        )
+    return peers
 
 
 def node_environment(
@@ -131,6 +147,7 @@ def add_orchestrator_arguments(parser: argparse.ArgumentParser) -> None:
 
 def serve_orchestrator(args: argparse.Namespace) -> int:
     """Run the daemon until SIGINT or SIGTERM; print the address it listens on first."""
+    from collective.transport.logs import nonblocking_logging
     from collective.transport.orchestrator import LOST_AFTER, Orchestrator
 
     token = os.environ.get("COLLECTIVE_TOKEN") or None  # from the environment: never on the command line
@@ -140,7 +157,8 @@ def serve_orchestrator(args: argparse.Namespace) -> int:
     }
     try:
         print(f"{READY_PREFIX}{orchestrator.address}", flush=True)
-        orchestrator.serve()
+        with nonblocking_logging():  # stderr may be a pipe nobody reads: the service never waits on it
+            orchestrator.serve()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

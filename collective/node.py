@@ -9,6 +9,7 @@ and a ZeroMQ Link among the group's nodes.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -16,6 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import numpy as np
 import zmq
 
 from collective import errors
@@ -23,12 +25,12 @@ from collective.calls import rules_of
 from collective.config import CollectiveConfig
 from collective.errors import CollectiveError, MismatchError, PeerLostError
 from collective.layout import Layout
-from collective.protocol import CallMessage, VerdictMessage, check_fields, decode_call
+from collective.protocol import CallMessage, P2PMessage, VerdictMessage, check_fields, decode_call
 from collective.signature import Signature, agree
 from collective.transport.inproc import clone_error
 from collective.transport.network import NodeNetwork
 from collective.transport.orchestrator_client import OrchestratorClient, Topology
-from collective.transport.wire import WireError
+from collective.transport.wire import WireError, dtype_from_name
 from collective.transport.zmq_link import ZmqLink
 
 __all__ = ["NodeJob"]
@@ -52,7 +54,12 @@ class NodeJob:
         )
         try:
             self._network = NodeNetwork(
-                self._context, config.job, config.node_host, config.data_service_port, self._lost
+                self._context,
+                config.job,
+                config.node_host,
+                config.data_service_port,
+                self._lost,
+                token=config.token,
             )
         except CollectiveError:
             self._client.close()
@@ -64,7 +71,8 @@ class NodeJob:
         self._join_lock = threading.Lock()
         self._join_error: CollectiveError | None = None
         self._closed = False
-        self._agreed_step = -1  # the last step whose calls every node agreed on
+        self._agreed: dict[int, int] = {}  # channel -> the last step whose calls every node agreed on
+        self._local: frozenset[int] = frozenset()
         self._layouts: dict[tuple[int, ...], Layout] = {}
 
     # -- membership -----------------------------------------------------------------------------
@@ -87,6 +95,8 @@ class NodeJob:
             except CollectiveError as exc:
                 self._join_error = exc
                 raise
+            self._local = frozenset(local_peers)
+            self._network.on_message(self._delivered)
             self._network.connect(topology.index, topology.addresses, topology.infos)
             self._node_of = {peer: node for node, peers in enumerate(topology.peers) for peer in peers}
             self.world = topology.world
@@ -106,8 +116,36 @@ class NodeJob:
         node = self._node_of.get(peer)
         return None if node is None else self._lost(node)
 
-    def send_p2p(self, src: int, dst: int, tag: int, data: Any, deadline: float) -> None:
-        raise PeerLostError(f"send from peer {src} to peer {dst} on another node: not supported yet", [dst])
+    # -- point to point ---------------------------------------------------------------------------
+
+    def send_p2p(self, src: int, dst: int, tag: int, data: Any) -> None:
+        """Send ``data`` (a flat numpy copy the caller no longer touches) from peer ``src`` to ``dst``."""
+        message = P2PMessage(src, dst, tag, tuple(data.shape), str(data.dtype))
+        self._network.send(self._node_of[dst], message.encode(), data.reshape(-1).view(np.uint8))
+
+    def pump(self, seconds: float) -> None:
+        """Let messages arrive for up to ``seconds`` (a receive that waits outside any collective)."""
+        self._network.pump(seconds)
+
+    def _delivered(self, node: int, header: dict[str, Any], payload: Any) -> None:
+        """A point-to-point message arrived from ``node`` (on the network's thread): into the mailbox."""
+        try:
+            message = P2PMessage.decode(header)
+            if self._node_of.get(message.sender) != node or message.receiver not in self._local:
+                raise WireError(f"peer {message.sender} -> {message.receiver} does not match node {node}")
+            dtype = dtype_from_name(message.dtype)
+            nbytes = int(np.prod(message.shape, dtype=np.int64)) * dtype.itemsize
+            if (0 if payload is None else len(payload.buffer)) != nbytes:
+                raise WireError(
+                    f"{nbytes} bytes declared, {0 if payload is None else len(payload.buffer)} sent"
+                )
+        except WireError as exc:
+            log.warning("refused a point-to-point message from %s: %s", self._describe(node), exc)
+            return
+        data = np.frombuffer(payload.buffer, dtype) if nbytes else np.empty(0, dtype)
+        if self._mailbox is not None:
+            box = self._mailbox()
+            box.put(message.sender, message.receiver, message.tag, data.reshape(message.shape), remote=True)
 
     def close(self) -> None:
         """Leave the job and close every socket (once; later calls do nothing)."""
@@ -120,7 +158,7 @@ class NodeJob:
         self._context.destroy(linger=0)
 
     @contextmanager
-    def giving_up(self, step: int) -> Iterator[None]:
+    def giving_up(self, members: tuple[int, ...], step: int) -> Iterator[None]:
         """Around this node's global phase: if it fails, the other nodes hear of it at once.
 
         Without this, a leader that raised (say MemoryError) while its process lived on would leave
@@ -131,8 +169,10 @@ class NodeJob:
         except BaseException as exc:
             # A verdict of the call exchange (a mismatch, a timeout) is reached by every node on its
             # own: an abort would only race it. Anything else, or a failure once data moves, is not.
-            if self._agreed_step == step or not isinstance(exc, CollectiveError):
-                self._network.abort(step, f"{type(exc).__name__}: {exc}")
+            channel = self.channel(members)
+            if self._agreed.get(channel) == step or not isinstance(exc, CollectiveError):
+                nodes = list(self.layout(members).nodes)
+                self._network.abort(step, f"{type(exc).__name__}: {exc}", nodes, channel)
             raise
 
     def _lost(self, src: int) -> CollectiveError | None:
@@ -154,6 +194,13 @@ class NodeJob:
 
     # -- one step of a group ----------------------------------------------------------------------
 
+    def channel(self, members: tuple[int, ...]) -> int:
+        """The group's channel: 0 for the whole job, else a number all nodes derive from the members."""
+        if len(members) == self.world and members[-1] == self.world - 1:
+            return 0
+        digest = hashlib.blake2b(repr(members).encode(), digest_size=7).digest()
+        return 1 + int.from_bytes(digest, "big")
+
     def layout(self, members: tuple[int, ...]) -> Layout:
         """Where the group's ranks live (cached per group)."""
         found = self._layouts.get(members)
@@ -165,7 +212,9 @@ class NodeJob:
     def link(self, members: tuple[int, ...], step: int, agreed: Signature, deadline: float) -> ZmqLink:
         """This node's end of step ``step`` among the group's nodes (link rank = node position)."""
         nodes = list(self.layout(members).nodes)
-        return ZmqLink(self._network, step, check_fields(agreed), deadline, self._describe, nodes)
+        return ZmqLink(
+            self._network, step, check_fields(agreed), deadline, self._describe, nodes, self.channel(members)
+        )
 
     def agree(
         self,
@@ -181,13 +230,13 @@ class NodeJob:
         Returns the agreed call and the small contributions that came with the calls (by node
         position in the group).
         """
-        network, layout = self._network, self.layout(members)
+        network, layout, channel = self._network, self.layout(members), self.channel(members)
         me = network.index
         if isinstance(mine, CollectiveError):
             message: CallMessage | VerdictMessage = VerdictMessage.of(step, mine)
         else:
             message = CallMessage(step, mine, None if small is None else small.tobytes())
-        header = message.encode()
+        header = {**message.encode(), "ch": channel}
         for other in layout.nodes:
             if other != me:
                 network.send(other, header)
@@ -198,7 +247,7 @@ class NodeJob:
             if other == me:
                 continue
             theirs, _ = network.receive(
-                other, step, deadline + VERDICT_GRACE, f"the call of {self._describe(other)}"
+                other, step, deadline + VERDICT_GRACE, f"the call of {self._describe(other)}", channel
             )
             try:
                 decoded = decode_call(theirs)
@@ -222,7 +271,7 @@ class NodeJob:
         assert not isinstance(mine, CollectiveError)
         calls[me] = mine
         agreed = agree(calls, f"#{step}", rules_of, who=self._who)
-        self._agreed_step = step
+        self._agreed[channel] = step
         return agreed, payloads
 
 

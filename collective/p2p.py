@@ -15,24 +15,41 @@ from collections import deque
 from collections.abc import Callable
 
 from collective.algorithms.ops import Array
-from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError
+from collective.errors import CollectiveError, CollectiveTimeout, MismatchError, PeerLostError
 
 __all__ = ["Mailbox"]
 
 Key = tuple[int, int, int]  # (src, dst, tag)
+DEFAULT_LIMIT = 1 << 30  # unreceived bytes kept per source process
+PUMP_SLICE = 0.005  # a receive waiting for another process lets its messages in this often
 
 
 class Mailbox:
     """The messages waiting for this process's peers."""
 
-    def __init__(self) -> None:
+    def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
         self._cv = threading.Condition()
-        self._boxes: dict[Key, deque[Array]] = {}
+        self._boxes: dict[Key, deque[tuple[Array, bool]]] = {}  # (array, from another process)
         self._closed: CollectiveError | None = None
+        self._limit = limit
+        self._pending: dict[int, int] = {}  # src -> bytes from another process not yet received
+        self._overflowed: dict[int, str] = {}
 
-    def put(self, src: int, dst: int, tag: int, data: Array) -> None:
+    def put(self, src: int, dst: int, tag: int, data: Array, remote: bool = False) -> None:
+        """Keep ``data`` for ``dst``. From another process (``remote``), at most ``limit`` unreceived
+        bytes per source are kept; beyond that the message is dropped and ``src``'s next receive fails."""
         with self._cv:
-            self._boxes.setdefault((src, dst, tag), deque()).append(data)
+            if remote:
+                pending = self._pending.get(src, 0) + data.nbytes
+                if pending > self._limit:
+                    self._overflowed[src] = (
+                        f"peer {src} sent more than {self._limit >> 20} MiB that were not received yet: "
+                        f"a message of {data.nbytes} bytes to peer {dst} (tag {tag}) was dropped"
+                    )
+                    self._cv.notify_all()
+                    return
+                self._pending[src] = pending
+            self._boxes.setdefault((src, dst, tag), deque()).append((data, remote))
             self._cv.notify_all()
 
     def take(
@@ -43,19 +60,27 @@ class Mailbox:
         deadline: float,
         timeout: float,
         gone: Callable[[int], CollectiveError | None],
+        pump: Callable[[float], None] | None = None,
     ) -> Array:
-        """The next message from ``src`` to ``dst`` with ``tag``; raises at the deadline or on loss."""
+        """The next message from ``src`` to ``dst`` with ``tag``; raises at the deadline or on loss.
+
+        ``pump(seconds)`` lets messages from other processes arrive while this waits.
+        """
         key = (src, dst, tag)
-        with self._cv:
-            while True:
+        while True:
+            with self._cv:
                 box = self._boxes.get(key)
                 if box:
-                    data = box.popleft()
+                    data, remote = box.popleft()
                     if not box:
                         del self._boxes[key]
+                    if remote:
+                        self._pending[src] -= data.nbytes
                     return data
                 if self._closed is not None:
                     raise self._closed
+                if src in self._overflowed:
+                    raise MismatchError(self._overflowed.pop(src))
                 lost = gone(src)
                 if lost is not None:
                     raise lost
@@ -66,7 +91,10 @@ class Mailbox:
                         f"check that peer {src} calls send(..., dst={dst}, tag={tag})",
                         [src],
                     )
-                self._cv.wait(min(remaining, 0.05))
+                if pump is None:
+                    self._cv.wait(min(remaining, 0.05))
+            if pump is not None:
+                pump(min(remaining, PUMP_SLICE))
 
     def wake(self) -> None:
         """Let waiting receivers look again (a peer left, a node was lost)."""

@@ -36,9 +36,7 @@ class Membership(Protocol):
     @property
     def guard(self) -> AbstractContextManager[None]: ...
 
-    def bell(self, peer: int) -> Doorbell: ...
-
-    def ring_all(self) -> None: ...
+    def claim(self, bells: list[Doorbell]) -> None: ...
 
     def check_member(self, peer: int) -> None: ...
 
@@ -68,6 +66,7 @@ class Rendezvous:
         self._index = {peer: i for i, peer in enumerate(local)}
         self._next = [0] * len(local)
         self._busy = [threading.Lock() for _ in local]
+        self.bells = [Doorbell() for _ in local]  # one per local peer and group: a peer may wait in several
         self._slots: dict[int, _Slot] = {}
         self._steps = 0  # slots decided so far (for tests of state growth)
 
@@ -155,14 +154,14 @@ class Rendezvous:
                         raise
                     finally:
                         slot.reporter = 0
-                        job.ring_all()
+                        self.ring()
             return slot
 
     def _await(
         self, slot: _Slot, index: int, call: Call, deadline: float, timeout: float
     ) -> Plan | CollectiveError:
         job = self.job
-        bell: Doorbell = job.bell(self.local[index])
+        bell = self.bells[index]
         outcome = slot.outcome
         while outcome is None:
             with job.guard:
@@ -186,15 +185,20 @@ class Rendezvous:
         )
         slot.outcome = error
         slot.reporter = min(slot.calls)
-        self.job.ring_all()
+        self.ring()
         return error
 
-    def fail_open(self, error: CollectiveError, culprit: int | None = None) -> None:
-        """Fail every undecided step (a peer left, the job closed); lock held."""
+    def ring(self) -> None:
+        """Wake this group's waiting peers once the job lock is released (lock held)."""
+        self.job.claim([bell for bell in self.bells if bell.claim()])
+
+    def fail_open(self, error: CollectiveError) -> None:
+        """Fail every undecided step (a peer left, the job closed) and wake the waiting peers; lock held."""
         for slot in self._slots.values():
             if slot.outcome is None:
                 slot.outcome = error
                 slot.reporter = min(slot.calls)
+        self.ring()
 
     def _decide(self, slot: _Slot) -> Plan | CollectiveError:
         label = f"#{slot.number}"

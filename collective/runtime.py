@@ -48,6 +48,8 @@ from collective.p2p import Mailbox, left_error
 from collective.tensors import native
 from collective.work import Sequencer
 
+HOST = Device("cpu")
+
 __all__ = ["Runtime"]
 
 Op = ReduceOp | str
@@ -304,7 +306,7 @@ class Runtime:
         if problem is not None:
             raise InvalidArgumentError(f"send: peer {peer_id}: {problem}")
         if job.node is not None and not job.node.is_local(dst, job.peer_ids):
-            job.node.send_p2p(peer_id, dst, tag, x, self._deadline(job, timeout))
+            job.node.send_p2p(peer_id, dst, tag, HOST.adopt(x).copy())  # a copy the caller cannot touch
             return
         self._mailbox.put(peer_id, dst, tag, x.copy())
 
@@ -321,7 +323,8 @@ class Runtime:
                 return left_error(source, peer_id)
             return job.node.lost_peer(source) if job.node is not None else None
 
-        data = self._mailbox.take(src, peer_id, tag, time.monotonic() + seconds, seconds, gone)
+        pump = job.node.pump if job.node is not None and not job.node.is_local(src, job.peer_ids) else None
+        data = self._mailbox.take(src, peer_id, tag, time.monotonic() + seconds, seconds, gone, pump)
         data = member.device.adopt(data)
         if out is None:
             return data
@@ -345,11 +348,26 @@ class Runtime:
     def _road(
         self, peer_id: int, group: Group | None, timeout: float | None
     ) -> tuple[_Peer, tuple[int, ...], Callable[[Call], Any]]:
-        """This peer, its group, and what runs one call there (the group's rendezvous)."""
+        """This peer, its group, and what runs one call there (the group's rendezvous).
+
+        A bad ``timeout`` fails the call on every peer (the config's timeout bounds that step).
+        """
         job = self._member(peer_id)
         member, members = self._group_of(peer_id, group)
-        seconds = job.config.timeout if timeout is None else _seconds(timeout)
-        return member, members, partial(job.rendezvous(members).run, member.peer, member.device, seconds)
+        seconds, problem = job.config.timeout, None
+        if timeout is not None:
+            try:
+                seconds = _seconds(timeout)
+            except InvalidArgumentError as exc:
+                problem = str(exc)
+        rendezvous = job.rendezvous(members)
+
+        def run(call: Call) -> Any:
+            if problem is not None:
+                call.refuse(problem)
+            return rendezvous.run(member.peer, member.device, seconds, call)
+
+        return member, members, run
 
     def _sequence(self, member: _Peer, members: tuple[int, ...], run: Any, label: str, async_op: bool) -> Any:
         sequencer = member.sequencer(members)

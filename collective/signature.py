@@ -36,10 +36,13 @@ class Signature(NamedTuple):
 
 
 class Rules(NamedTuple):
-    """How one kind of call is agreed: the fields compared, and whether one peer is its source."""
+    """How one kind of call is agreed: the fields every peer's call must share, and for calls with
+    one source (broadcast, scatter) the fields shared by the peers that state them (the source, and
+    receivers that pass ``out``)."""
 
     compared: tuple[str, ...]
     sourced: bool = False  # exactly one peer passes the data (broadcast, scatter)
+    stated: tuple[str, ...] = ()
 
 
 def _disagreement(
@@ -94,11 +97,12 @@ def agree(
     kinds = _disagreement(specs, "kind", str, who)
     if kinds:
         raise MismatchError(f"{label}: peers called different collectives: {kinds.removeprefix('kind: ')}")
-    if kind_rules.sourced:
+    problems = [text for name in kind_rules.compared if (text := _disagreement(specs, name, _show, who))]
+    if kind_rules.sourced and not problems:
         first = _source(specs, label, who, source_elsewhere)
         # Receivers without an ``out`` buffer state no shape or dtype: compare the others only.
-        specs = {peer: spec for peer, spec in specs.items() if spec.shape is not None or spec.has_data}
-    problems = [text for name in kind_rules.compared if (text := _disagreement(specs, name, _show, who))]
+        stating = {peer: spec for peer, spec in specs.items() if spec.shape is not None or spec.has_data}
+        problems = [t for name in kind_rules.stated if (t := _disagreement(stating, name, _show, who))]
     if problems:
         raise MismatchError(f"{label}: peers disagree on " + "; ".join(problems))
     return first

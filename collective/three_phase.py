@@ -188,7 +188,7 @@ class ThreePhase:
         srcs = [None if c.src is None else _host(c.src) for c in plan.calls]
         contribution = _contribution(kind, plan.agreed, srcs, ranks, layout)
         attach = contribution if contribution is not None and contribution.nbytes <= SMALL_BYTES else None
-        with node.giving_up(plan.number):
+        with node.giving_up(self.members, plan.number):
             agreed, payloads = node.agree(self.members, plan.number, plan.agreed, attach, step.deadline)
             root = None if agreed.root is None else layout.position[agreed.root]
             node_sig = agreed._replace(root=root)

@@ -1,6 +1,6 @@
 """A node of a multi-node test job: run as a process by tests/test_multinode.py.
 
-Usage: python tests/node_worker.py MODE [ARG]   (the job comes from COLLECTIVE_* variables)
+Usage: python tests/node_worker.py MODE [ARG ...]   (the job comes from COLLECTIVE_* variables)
 
 Every node knows every peer's input (a function of the peer id), so it checks each result
 against a reference it computes itself. Output lines: "OK <collectives>" at the end, or
@@ -9,6 +9,8 @@ against a reference it computes itself. Output lines: "OK <collectives>" at the 
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
 import threading
 import time
@@ -111,7 +113,225 @@ def crash(peer: int, world: int) -> int:
     return 1
 
 
-MODES = {"matrix": matrix, "loop": loop, "mismatch": mismatch, "crash": crash}
+def until(peer: int, world: int, stop_file: str, pause: str = "0.1") -> int:
+    """Checked all_reduces (small and 1 MiB) until every node sees ``stop_file``; "READY <peer>" after one.
+
+    The nodes decide together (an all_reduce of whether each sees the file), so they stop at the
+    same step. Between rounds each node idles (no collective) for ``pause`` seconds, or until the
+    file appears: after it appears, one more checked round runs.
+    """
+    count = 0
+    for salt in itertools.count():
+        for length in (5, 1 << 17):
+            everyone = [data(p, length, salt) for p in range(world)]
+            got = col.all_reduce(peer, everyone[peer])
+            np.testing.assert_array_equal(got, reference(everyone, "sum"), err_msg=f"round {salt}")
+            count += 1
+        if salt == 0:
+            say(f"READY {peer}")
+        stop = col.all_reduce(peer, np.array([float(os.path.exists(stop_file))]))
+        count += 1
+        if stop[0] > 0:
+            return count
+        idle_until = time.monotonic() + float(pause)
+        while time.monotonic() < idle_until and not os.path.exists(stop_file):
+            time.sleep(min(0.05, float(pause)))
+    return count
+
+
+# -- the collective set ("collective_set" mode) ---------------------------------------------------
+
+# Elements per block: tiny blocks travel inside the call exchange among leaders; 200 KiB blocks
+# (float64) exceed its 64 KiB and move over the ZeroMQ link with the global strategy.
+SET_BLOCKS = [0, 1, 3, 17, (200 << 10) // 8]
+SET_OPS = ["sum", "mean", "max"]
+
+
+def _check(got: Any, expected: np.ndarray | None, what: str) -> None:
+    if expected is None:
+        assert got is None, f"{what}: expected None, got {got!r}"
+        return
+    assert isinstance(got, np.ndarray), f"{what}: expected an array, got {got!r}"
+    assert got.shape == expected.shape and got.dtype == expected.dtype, (
+        f"{what}: got {got.shape} {got.dtype}, expected {expected.shape} {expected.dtype}"
+    )
+    if expected.dtype.kind == "f":
+        np.testing.assert_allclose(got, expected, rtol=1e-12, err_msg=what)
+    else:
+        np.testing.assert_array_equal(got, expected, err_msg=what)
+
+
+def every_collective(peer: int, members: list[int], group: Any, salt: int) -> int:
+    """Every new collective among ``members`` (``group`` None for the whole job), checked here."""
+    n, rank, count = len(members), members.index(peer), 0
+    for size_index, e in enumerate(SET_BLOCKS):
+        tag = f"group {members} block {e}"
+        seed = 100 * salt + size_index
+        single = [data(p, e, seed) for p in members]
+        blocked = [data(p, n * e, seed + 50) for p in members]
+        mine, my_rows = single[rank], blocked[rank]
+        got = col.all_gather(peer, mine, group=group)
+        _check(got, np.stack(single), f"all_gather {tag}")
+        for op in SET_OPS:
+            got = col.reduce_scatter(peer, my_rows, op, group=group)
+            _check(got, reference(blocked, op)[rank * e : (rank + 1) * e], f"reduce_scatter {op} {tag}")
+        got = col.all_to_all(peer, my_rows, group=group)
+        expected = np.concatenate([x[rank * e : (rank + 1) * e] for x in blocked])
+        _check(got, expected, f"all_to_all {tag}")
+        for root in members:
+            got = col.gather(peer, mine, root=root, group=group)
+            _check(got, np.stack(single) if peer == root else None, f"gather root {root} {tag}")
+            stack = data(root, n * e, seed + 70).reshape(n, e)
+            got = col.scatter(peer, stack if peer == root else None, root=root, group=group)
+            _check(got, stack[rank], f"scatter root {root} {tag}")
+        assert col.barrier(peer, group=group) is None
+        ints = [(np.arange(5) * (p + 1)).astype(np.int32) for p in members]
+        got_list = col.all_reduce_coalesced(peer, [mine, my_rows, ints[rank]], "sum", group=group)
+        for got, everyone, what in zip(
+            got_list, (single, blocked, ints), ("block", "rows", "ints"), strict=True
+        ):
+            _check(got, reference(everyone, "sum"), f"all_reduce_coalesced {what} {tag}")
+        count += 4 + len(SET_OPS) + 2 * n
+    return count
+
+
+SET_DTYPES = ["float32", "int32", "float16", "bfloat16"]
+SET_DTYPE_BLOCKS = [3, (100 << 10) // 2]  # elements: in the call exchange; past 64 KiB for every dtype
+
+
+def _dtype(name: str) -> Any:
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
+def every_dtype(peer: int, world: int) -> int:
+    """all_gather, reduce_scatter, all_to_all in place, gather, scatter (with out=) and a coalesced
+    list of mixed dtypes, for each dtype on the wire; small integers, so every result is exact."""
+    count = 0
+    for name in SET_DTYPES:
+        dtype = _dtype(name)
+        for e in SET_DTYPE_BLOCKS:
+            tag = f"{name} block {e}"
+            single = [data(p, e, 7).astype(dtype) for p in range(world)]
+            blocked = [data(p, world * e, 8).astype(dtype) for p in range(world)]
+            out = np.zeros((world, e), dtype)
+            got = col.all_gather(peer, single[peer], out=out)
+            assert got is out, tag
+            _check(got.astype(np.float64), np.stack(single).astype(np.float64), f"all_gather {tag}")
+            got = col.reduce_scatter(peer, blocked[peer], "sum")
+            expected = reference([x.astype(np.float64) for x in blocked], "sum")[peer * e : (peer + 1) * e]
+            assert got.dtype == dtype, tag
+            _check(got.astype(np.float64), expected, f"reduce_scatter {tag}")
+            mine = blocked[peer].copy()
+            got = col.all_to_all(peer, mine, out=mine)
+            assert got is mine, tag
+            expected = np.concatenate([x[peer * e : (peer + 1) * e] for x in blocked])
+            _check(got.astype(np.float64), expected.astype(np.float64), f"all_to_all out=x {tag}")
+            got = col.gather(peer, single[peer], root=world - 1)
+            if peer == world - 1:
+                _check(got.astype(np.float64), np.stack(single).astype(np.float64), f"gather {tag}")
+            else:
+                assert got is None, tag
+            stack = data(0, world * e, 9).astype(dtype).reshape(world, e)
+            out = np.zeros(e, dtype)
+            got = col.scatter(peer, stack if peer == 0 else None, root=0, out=out)
+            assert got is out, tag
+            _check(got.astype(np.float64), stack[peer].astype(np.float64), f"scatter {tag}")
+            count += 5
+    mixed = [data(peer, 5, 10).astype(_dtype(name)) for name in SET_DTYPES]
+    everyone = [[data(p, 5, 10).astype(_dtype(name)) for name in SET_DTYPES] for p in range(world)]
+    for got, name, index in zip(
+        col.all_reduce_coalesced(peer, mixed, "max"), SET_DTYPES, range(4), strict=True
+    ):
+        expected = reference([row[index].astype(np.float64) for row in everyone], "max")
+        assert got.dtype == _dtype(name)
+        _check(got.astype(np.float64), expected, f"all_reduce_coalesced {name}")
+    return count + 1
+
+
+def set_groups(world: int) -> list[list[int]]:
+    """Groups spanning nodes (3 nodes x 2 peers: node k holds peers 2k, 2k+1): one peer per node;
+    nodes 0 and 1; two peers of node 1 with one of node 2 (nodes holding different counts)."""
+    if world == 6:
+        return [[0, 3, 4], [1, 2], [2, 3, 5]]
+    return [[world - 1], list(range(world))]
+
+
+def collective_set(peer: int, world: int, *parts: str) -> int:
+    """The new collectives over the whole job ("world"), for several dtypes ("dtypes"), on groups
+    one at a time ("groups"), and on the first two groups (disjoint with 3 nodes x 2 peers) at the
+    same time ("concurrent_groups")."""
+    count = 0
+    if "world" in parts:
+        count += every_collective(peer, list(range(world)), None, 1)
+    if "dtypes" in parts:
+        count += every_dtype(peer, world)
+    if "groups" in parts:
+        for index, members in enumerate(set_groups(world)):
+            if peer in members:
+                count += every_collective(peer, members, col.new_group(members), 2 + index)
+            col.barrier(peer)  # one group at a time
+    if "concurrent_groups" in parts:
+        for index, members in enumerate(set_groups(world)[:2]):
+            if peer in members:  # each peer runs its own group's calls, the groups at once
+                count += every_collective(peer, members, col.new_group(members), 10 + index)
+        col.barrier(peer)
+    return count
+
+
+def collective_set_count(world: int, *parts: str) -> int:
+    """What every peer of the job adds up to in collective_set (the test's expected total)."""
+    per_group = len(SET_BLOCKS) * (4 + len(SET_OPS))
+    count = 0
+    if "world" in parts:
+        count += world * (per_group + len(SET_BLOCKS) * 2 * world)
+    if "dtypes" in parts:
+        count += world * (5 * len(SET_DTYPES) * len(SET_DTYPE_BLOCKS) + 1)
+    groups = set_groups(world)
+    for members in (groups if "groups" in parts else []) + (
+        groups[:2] if "concurrent_groups" in parts else []
+    ):
+        count += len(members) * (per_group + len(SET_BLOCKS) * 2 * len(members))
+    return count
+
+
+def p2p(peer: int, world: int) -> int:
+    """Point to point across nodes: a ring with two tags, every pair sending both ways before
+    receiving, shapes and dtypes that travel, order per (src, dst, tag); then the job still works."""
+    right, left = (peer + 1) % world, (peer - 1) % world
+    count = 0
+    for round_ in range(3):
+        big = np.full((300, 100), peer * 10 + round_, np.float32)  # 117 KiB: a payload frame of its own
+        col.send(peer, big, right, tag=1)
+        col.send(peer, np.array(peer + round_, np.int16), right, tag=2)  # 0-d, another dtype
+        small = col.recv(peer, left, tag=2)
+        assert small.shape == () and small.dtype == np.int16 and int(small) == left + round_, small
+        got = col.recv(peer, left, tag=1)
+        np.testing.assert_array_equal(got, np.full((300, 100), left * 10 + round_, np.float32))
+        count += 2
+    for other in range(world):  # every pair: send to each other first, then receive
+        if other != peer:
+            col.send(peer, np.arange(5.0) + peer, other, tag=7)
+    for other in range(world):
+        if other != peer:
+            np.testing.assert_array_equal(col.recv(peer, other, tag=7), np.arange(5.0) + other)
+            count += 1
+    np.testing.assert_array_equal(col.all_reduce(peer, np.ones(3)), np.full(3, world))
+    return count
+
+
+MODES = {
+    "p2p": p2p,
+    "matrix": matrix,
+    "loop": loop,
+    "mismatch": mismatch,
+    "crash": crash,
+    "collective_set": collective_set,
+    "until": until,
+}
 
 
 def main() -> int:

@@ -124,7 +124,8 @@ def test_demo_and_version_from_a_real_process() -> None:
     demo = subprocess.run([sys.executable, "-m", "collective", "demo", "--peers", "3"],
                           capture_output=True, text=True, timeout=60)  # fmt: skip
     assert demo.returncode == 0, demo.stderr
-    assert demo.stdout.count("every peer got [ 0.  6. 12. 18.]") == 3
+    assert demo.stdout.count("every peer got [ 0.  6. 12. 18.]") == 4  # centralized, tree, ring, direct
+    assert "direct: peer 0 sent" in demo.stdout
     version = subprocess.run(
         [sys.executable, "-m", "collective", "--version"], capture_output=True, text=True, timeout=60
     )

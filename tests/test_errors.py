@@ -146,8 +146,8 @@ def test_mismatch_with_large_arrays_fails_before_any_data_moves(rt: col.Runtime)
         ),
         (
             lambda rt, p: rt.all_reduce(p, [1.0, 2.0] if p == 2 else np.zeros(2)),
-            "peer 2: x must be an array (numpy, CuPy, torch, JAX, or anything with __array_interface__ "
-            "or __dlpack__), got list",
+            "peer 2: x must be an array (numpy, CuPy, torch, JAX, or anything with __array_interface__ or "
+            "__dlpack__), got list",
         ),
         (lambda rt, p: rt.reduce(p, np.zeros(3), root=7), "root 7 is not a peer of the group (peers 0-2)"),
         (

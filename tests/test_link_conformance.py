@@ -1,7 +1,8 @@
 """One conformance suite for the Link protocol, run against every Link implementation.
 
-Later transports (ZeroMQ) join the ``LINKS`` table; the recording link of the algorithm tests
-runs it too, so the simulation behaves like the real thing.
+The in-process link, the recording link of the algorithm tests (so the simulation behaves like
+the real thing) and the ZeroMQ link between data services (over TCP, and through shared memory
+for large chunks between nodes of one host) all pass the same checks.
 """
 
 from __future__ import annotations
@@ -13,10 +14,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zmq
 
 from collective.algorithms.ops import ReduceOp
 from collective.errors import CollectiveTimeout, PeerLostError
 from collective.transport.inproc import COPY_BELOW, Exchange, InProcessLink
+from collective.transport.network import NodeNetwork
+from collective.transport.zmq_link import ZmqLink
 from tests.recording import Network, run_links
 
 
@@ -26,15 +30,49 @@ def inproc_links(n: int, timeout: float = 10.0) -> list[Any]:
     return [InProcessLink(exchange, rank, deadline) for rank in range(n)]
 
 
-LINKS: dict[str, Callable[[int], list[Any]]] = {
+class ZmqMesh:
+    """``n`` data services on 127.0.0.1 connected in a mesh, one ZmqLink each (closed by ``close``).
+
+    With ``shared`` the nodes know they share a host, so large chunks go through shared memory.
+    """
+
+    def __init__(self, n: int, shared: bool, timeout: float = 10.0) -> None:
+        self.context: Any = zmq.Context()
+        self.networks = [
+            NodeNetwork(self.context, "conformance", "127.0.0.1", 0, lambda src: None) for _ in range(n)
+        ]
+        addresses = [network.address for network in self.networks]
+        infos = [network.info for network in self.networks] if shared else None
+        for index, network in enumerate(self.networks):
+            network.connect(index, addresses, infos)
+        deadline = time.monotonic() + timeout
+        signature = {"kind": "all_reduce", "op": "sum", "root": None, "shape": [1], "dtype": "float64"}
+        self.links = [ZmqLink(network, 0, signature, deadline) for network in self.networks]
+
+    def close(self) -> None:
+        for network in self.networks:
+            network.close()
+        self.context.destroy(linger=0)
+
+
+LINKS: dict[str, Callable[[int], Any]] = {
     "inproc": inproc_links,
     "recording": lambda n: Network(n).links(),
+    "zmq": lambda n: ZmqMesh(n, shared=False),
+    "zmq-shm": lambda n: ZmqMesh(n, shared=True),
 }
 
 
 @pytest.fixture(params=list(LINKS))
 def make_links(request: pytest.FixtureRequest) -> Callable[[int], list[Any]]:
-    return LINKS[request.param]
+    def make(n: int) -> list[Any]:
+        made = LINKS[request.param](n)
+        if isinstance(made, ZmqMesh):
+            request.addfinalizer(made.close)
+            return made.links
+        return list(made)
+
+    return make
 
 
 @pytest.mark.parametrize("length", [0, 1, 5, COPY_BELOW // 8 + 1])  # empty, small (copied), large (lent)
@@ -98,24 +136,51 @@ def test_every_peer_sends_and_receives_in_the_same_step(make_links: Any) -> None
         assert (out == (rank - 1) % n).all()
 
 
-def test_flush_returns_only_after_the_receiver_consumed(make_links: Any) -> None:
-    started_receiving: list[float] = []
+def test_after_flush_the_sender_may_reuse_its_buffer(make_links: Any) -> None:
+    """The Link contract: once ``flush`` returns, writing the sent buffer cannot change what the
+    receiver gets (in process: the receiver has consumed it; over ZeroMQ: it has left the buffer)."""
+    sent = np.arange(COPY_BELOW, dtype=np.float64)  # lent, not copied, by the in-process link
 
-    def body(link: Any) -> float | None:
+    def body(link: Any) -> Any:
         if link.rank == 0:
-            link.send(1, np.ones(COPY_BELOW))  # lent, not copied
+            buffer = sent.copy()
+            link.send(1, buffer)
             link.flush()
-            return time.monotonic()
-        time.sleep(0.2)
-        started_receiving.append(time.monotonic())
-        link.recv_into(0, np.empty(COPY_BELOW))
-        return None
+            buffer[...] = -1  # reused at once
+            return None
+        time.sleep(0.2)  # receive late: the sender's flush had to wait, or the data had left
+        out = np.empty(COPY_BELOW)
+        link.recv_into(0, out)
+        return out
 
-    flushed = run_links(make_links(2), body)[0]
-    assert flushed >= started_receiving[0]
+    np.testing.assert_array_equal(run_links(make_links(2), body)[1], sent)
 
 
 # -- the real transports only ------------------------------------------------------------------
+
+
+def test_a_zmq_receive_that_never_completes_times_out() -> None:
+    mesh = ZmqMesh(2, shared=False, timeout=0.3)
+    try:
+        started = time.monotonic()
+        with pytest.raises(CollectiveTimeout, match="timed out waiting for data from 1"):
+            mesh.links[0].recv_into(1, np.empty(1))
+        assert time.monotonic() - started < 2
+    finally:
+        mesh.close()
+
+
+def test_a_zmq_abort_fails_the_other_nodes_waits_at_once() -> None:
+    mesh = ZmqMesh(3, shared=False)
+    try:
+        mesh.networks[1].abort(0, "MemoryError: simulated")
+        started = time.monotonic()
+        for waiting in (0, 2):
+            with pytest.raises(PeerLostError, match="node 1 gave up step 0: MemoryError: simulated"):
+                mesh.links[waiting].recv_into(1, np.empty(1))
+        assert time.monotonic() - started < 2
+    finally:
+        mesh.close()
 
 
 def test_a_receive_that_never_completes_times_out_and_aborts_every_peer() -> None:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -13,7 +16,14 @@ from pathlib import Path
 import pytest
 
 import collective as col
-from tests.processes import WORKER, finish_all, start_nodes, start_orchestrator, start_orchestrator_with_token
+from tests.processes import (
+    WORKER,
+    Proc,
+    finish_all,
+    start_nodes,
+    start_orchestrator,
+    start_orchestrator_with_token,
+)
 
 pytestmark = pytest.mark.timeout(180)
 _jobs = itertools.count()
@@ -220,3 +230,54 @@ def test_a_node_failing_inside_a_step_fails_the_others_at_once(orchestrator: str
             "ERROR PeerLostError" in node.output()
             and "node 0 gave up step 0: MemoryError: simulated" in node.output()
         )
+
+
+# -- a suspended node ----------------------------------------------------------------------------
+
+
+def _suspend(proc: Proc, seconds: float) -> None:
+    os.kill(proc.process.pid, signal.SIGSTOP)
+    try:
+        time.sleep(seconds)
+    finally:
+        os.kill(proc.process.pid, signal.SIGCONT)
+
+
+def test_a_node_suspended_for_less_than_the_orchestrators_threshold_goes_on(tmp_path: Path) -> None:
+    """Suspended 3 s (more than its own 2 s threshold): it must not blame the orchestrator."""
+    proc, address = start_orchestrator("--lost-after", "8")
+    stop = tmp_path / "stop"
+    nodes = start_nodes(address, job_name(), 2, 1, "until", str(stop), "0.05")
+    try:
+        for node in nodes:
+            node.wait_for("READY", 60)
+        _suspend(nodes[1], 3.0)
+        time.sleep(1.0)  # the heartbeat thread noticed the gap and heard from the orchestrator
+        stop.touch()
+        for node, code in zip(nodes, finish_all(nodes, 60), strict=True):
+            assert code == 0, node.output()
+        noticed = re.search(r"this node did not run for (\d+\.\d) s", nodes[1].output())
+        assert noticed and float(noticed.group(1)) >= 2.5, nodes[1].output()
+    finally:
+        finish_all(nodes, 10)
+        proc.terminate()
+
+
+def test_a_node_suspended_past_the_orchestrators_threshold_says_so(tmp_path: Path) -> None:
+    proc, address = start_orchestrator()
+    nodes = start_nodes(address, job_name(), 2, 1, "until", str(tmp_path / "never"), "0.05")
+    try:
+        for node in nodes:
+            node.wait_for("READY", 60)
+        _suspend(nodes[1], 3.5)
+        _, line = nodes[1].wait_for("ERROR", 15)
+        assert line.startswith("ERROR PeerLostError"), nodes[1].output()
+        suspended = re.search(r"this node was suspended for (\d+\.\d) s", line)
+        assert suspended and float(suspended.group(1)) >= 3.0, line
+        assert "the orchestrator declared it lost (it stopped sending heartbeats (2s))" in line, line
+        assert "the orchestrator at" not in line  # not blamed on the orchestrator
+        _, line = nodes[0].wait_for("ERROR", 15)
+        assert "node 1 (peer 1) stopped sending heartbeats" in line, nodes[0].output()
+    finally:
+        finish_all(nodes, 30)
+        proc.terminate()

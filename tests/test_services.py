@@ -19,11 +19,11 @@ import pytest
 import zmq
 
 from collective.errors import MismatchError, RegistrationError
-from collective.transport.network import NodeNetwork
+from collective.transport.network import BUDGET_FLOOR, RECEIVE_HWM, STEPS_AHEAD, NodeNetwork
 from collective.transport.orchestrator import Orchestrator
 from collective.transport.orchestrator_client import OrchestratorClient
 from collective.transport.shm import SLOT_BYTES, SLOTS
-from collective.transport.wire import MAX_MESSAGE_BYTES, encode_header
+from collective.transport.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, encode_header
 from collective.transport.zmq_link import ZmqLink
 
 _jobs = itertools.count()
@@ -317,3 +317,52 @@ def test_segments_of_dead_processes_are_removed(tmp_path: Any) -> None:
     finally:
         segment.close()
     assert not os.path.exists(segment.path)
+
+
+def test_a_node_sending_more_than_a_step_can_need_fails_it_instead_of_filling_memory(
+    mesh: tuple[NodeNetwork, NodeNetwork], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before any call declares the step's size a node may queue BUDGET_FLOOR bytes for it, no more."""
+    a, b = mesh
+    chunk = np.zeros(CHUNK_BYTES // 8)
+    for offset in range(0, BUDGET_FLOOR // CHUNK_BYTES + 4):
+        a.send(1, {"t": "data", "seq": 0, "off": offset}, chunk)
+    a.send(1, {"t": "data", "seq": 0 + STEPS_AHEAD + 1})  # further ahead than any node can be
+    time.sleep(1.0)  # node 1 does not read: the background drain queues what it may and drops the rest
+    received = 0
+    with pytest.raises(MismatchError, match="node 0 sent more than 64 MiB for step 0"):
+        while True:
+            b.receive(0, 0, time.monotonic() + 5, "a flood")
+            received += 1
+    assert received <= BUDGET_FLOOR // CHUNK_BYTES
+    assert "node 0 sent a message of step 3 while this node is at 0" in caplog.text
+
+
+def test_two_nodes_sending_large_arrays_to_each_other_first_do_not_deadlock(
+    mesh: tuple[NodeNetwork, NodeNetwork],
+) -> None:
+    """Receive queues are bounded (RECEIVE_HWM); senders never block, so both sends complete first."""
+    count = 96 << 17  # 96 MiB: far more than RECEIVE_HWM messages and the sockets' buffers
+    assert count * 8 > RECEIVE_HWM * CHUNK_BYTES
+    call = {"kind": "all_reduce", "op": "sum", "root": None, "shape": [count], "dtype": "float64"}
+    results: dict[int, Any] = {}
+
+    def run(me: NodeNetwork, other: int) -> None:
+        try:
+            me.send(other, {"t": "call", "seq": 0, "shape": [count], "dtype": "float64"})  # as agree() does
+            me.receive(other, 0, time.monotonic() + 30, "the call")
+            link = ZmqLink(me, 0, call, time.monotonic() + 30)
+            link.send(other, np.full(count, me.index + 1.0))
+            out = np.empty(count)
+            link.recv_into(other, out)
+            link.flush()
+            results[me.index] = (out[0], out[-1])
+        except Exception as exc:
+            results[me.index] = exc
+
+    threads = [threading.Thread(target=run, args=(node, 1 - node.index)) for node in mesh]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert results == {0: (2.0, 2.0), 1: (1.0, 1.0)}

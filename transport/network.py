@@ -7,18 +7,36 @@ order of one connection). Connections are made once per job and reused by every 
 
 Incoming messages are validated before they are queued: a ROUTER identity this node assigned,
 a well-formed header (transport.wire) of this job, at most one payload frame; anything else is
-dropped with a log line and the service keeps serving. ``ZMQ_MAXMSGSIZE`` bounds every message
-before ZeroMQ allocates it.
+dropped with a (rate-limited) log line and the service keeps serving. ``ZMQ_MAXMSGSIZE`` bounds
+every message before ZeroMQ allocates it.
 
-Sockets are used by one thread at a time (whichever local peer leads the current collective);
-``lost`` is polled while waiting so a node or orchestrator failure noticed by the heartbeat
-thread ends every wait within ``POLL_SLICE`` seconds.
+Every queue is bounded. ZeroMQ queues at most ``RECEIVE_HWM`` messages per connection (then TCP
+flow control slows the sender; senders never block, so two nodes sending to each other cannot
+deadlock). Once the node knows its job, a background drain empties the ROUTER even while no
+collective runs, so what strangers send is dropped at once rather than piling up. The
+per-node queues hold messages of the steps this node can still need, ``[step, step + STEPS_AHEAD]``
+(a node cannot get further ahead: every step starts with a call from every node), and at most
+``budget`` bytes per node and step: twice the largest array a call of that step declared (no
+schedule sends one node more than that; 64 MiB before the calls are known). A node that sends
+more fails that step with MismatchError on this node instead of growing its memory.
+
+Steps are counted per channel: every group of peers has its own (``ch`` in the header, 0 for the
+whole job), so the steps of different groups never mix. Point-to-point messages (``t`` = "p2p")
+belong to no step: they are handed to the ``on_message`` callback as they arrive.
+
+The ROUTER, the queues and the slots of the send segment are used under one lock: by whichever
+local peer leads the current collective, or by the drain in between. ``lost`` is polled while
+waiting so a node or orchestrator failure noticed by the heartbeat thread ends every wait within
+``POLL_SLICE`` seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import math
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -26,21 +44,54 @@ from typing import Any
 
 import zmq
 
-from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError, RegistrationError
-from collective.transport.auth import secure, watch_refusals
+from collective.errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    MismatchError,
+    PeerLostError,
+    RegistrationError,
+)
+from collective.transport.auth import watch_refusals
+from collective.transport.logs import Throttle
 from collective.transport.shm import PeerSegment, SendSegment, host_identity
-from collective.transport.wire import MAX_MESSAGE_BYTES, WireError, decode_header, encode_header
+from collective.transport.sockets import make_socket
+from collective.transport.wire import (
+    MAX_HEADER_BYTES,
+    MAX_MESSAGE_BYTES,
+    WireError,
+    decode_header,
+    dtype_from_name,
+    encode_header,
+)
 
-__all__ = ["POLL_SLICE", "NodeNetwork", "Received"]
+__all__ = ["BUDGET_FLOOR", "POLL_SLICE", "RECEIVE_HWM", "STEPS_AHEAD", "NodeNetwork", "Received"]
 
 log = logging.getLogger(__name__)
 
 POLL_SLICE = 0.05
+RECEIVE_HWM = 16  # messages (of at most MAX_MESSAGE_BYTES) queued by ZeroMQ per connection
+STEPS_AHEAD = 2  # messages of steps further ahead of this node's than this are refused
+BUDGET_FLOOR = 64 << 20  # bytes one node may have queued for one step before its size is known
+DRAIN_EVERY = 0.05  # seconds between background drains
+DRAIN_TURN = 256  # messages moved per turn at most, so a flood cannot keep the lock
+MAX_CHANNELS = 4096  # groups a node may use at once (each has its own steps)
 Received = tuple[dict[str, Any], Any]  # (header, payload zmq.Frame or None)
+Step = tuple[int, int]  # (channel, step): every group has its own channel and counts its own steps
 
 
 def _identity(index: int) -> bytes:
     return f"node-{index}".encode()
+
+
+def _declared_bytes(header: dict[str, Any]) -> int:
+    """The size of the array a ``call`` header declares (0 if it declares none it can be sized by)."""
+    shape, dtype = header.get("shape"), header.get("dtype")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        return 0
+    try:
+        return math.prod(shape) * dtype_from_name(dtype).itemsize
+    except (WireError, ImportError):
+        return 0
 
 
 class NodeNetwork:
@@ -59,11 +110,10 @@ class NodeNetwork:
         self._context = context
         self._lost = lost
         self._token = token
-        self._router = context.socket(zmq.ROUTER)
-        self._router.setsockopt(zmq.LINGER, 0)
-        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        self._router.setsockopt(zmq.RCVHWM, 0)
-        secure(self._router, token, server=True)
+        self._router = make_socket(
+            context, zmq.ROUTER, token=token, server=True, max_message=MAX_MESSAGE_BYTES,
+            receive_hwm=RECEIVE_HWM, send_hwm=1,
+        )  # fmt: skip
         try:
             if port == 0:
                 self.port = self._router.bind_to_random_port(f"tcp://{host}")
@@ -75,17 +125,28 @@ class NodeNetwork:
             reason = "address already in use" if exc.errno == errno.EADDRINUSE else str(exc)
             raise RegistrationError(f"the data service cannot listen on {host}:{port}: {reason}") from exc
         self.address = f"{host}:{self.port}"
-        self._stop_watching = watch_refusals(self._router, f"data service {self.address}") if token else None
+        self._watch = watch_refusals(self._router, f"data service {self.address}") if token else None
         self.index = -1
         self._segment = SendSegment.create()
         self.info = {"host": host_identity(), "shm": self._segment.path if self._segment else None}
         self._peer_segments: dict[int, PeerSegment] = {}
         self._dealers: dict[int, zmq.Socket[Any]] = {}
+        self._addresses: dict[int, str] = {}
         self._sources: dict[bytes, int] = {}
-        self._queues: dict[int, deque[Received]] = {}
-        self._aborted: dict[int, tuple[int, str]] = {}  # step -> (node, why) for steps another node gave up
+        # (node, channel) -> its messages, in order: (header, payload, bytes)
+        self._queues: dict[tuple[int, int], deque[tuple[dict[str, Any], Any, int]]] = {}
+        self._aborted: dict[Step, tuple[int, str]] = {}  # steps another node gave up: (node, why)
+        self._lock = threading.Lock()
+        self._step: dict[int, int] = {}  # channel -> the step this node is at (earlier ones are over)
+        self._budgets: dict[Step, int] = {}  # bytes one node may have queued for a step
+        self._queued: dict[tuple[int, int, int], int] = {}  # (node, channel, step) -> bytes queued
+        self._overflowed: dict[tuple[int, int, int], str] = {}  # why a node's messages were dropped
+        self._deliver: Callable[[int, dict[str, Any], Any], None] | None = None  # p2p messages
+        self._refused = Throttle(log)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
+        self._closing = threading.Event()
+        self._drainer: threading.Thread | None = None
 
     def connect(self, index: int, addresses: list[str], infos: list[dict[str, Any]] | None = None) -> None:
         """Join the mesh as node ``index`` of ``addresses`` (the data services of all nodes, by index).
@@ -103,79 +164,155 @@ class NodeNetwork:
                     self._peer_segments[other] = PeerSegment(info["shm"])
                 except (OSError, ValueError) as exc:
                     log.info("node %d's shared memory is not usable here (%s): using TCP", other, exc)
-            dealer = self._context.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.ROUTING_ID, _identity(index))
-            dealer.setsockopt(zmq.SNDHWM, 0)
-            secure(dealer, self._token, server=False)
+            dealer = make_socket(
+                self._context, zmq.DEALER, token=self._token, server=False, max_message=MAX_HEADER_BYTES,
+                receive_hwm=1, send_hwm=0, routing_id=_identity(index),
+            )  # fmt: skip
             dealer.connect(f"tcp://{address}")
             self._dealers[other] = dealer
+            self._addresses[other] = address
             self._sources[_identity(other)] = other
-            self._queues[other] = deque()
+        self._drainer = threading.Thread(target=self._drain_between, name="collective-drain", daemon=True)
+        self._drainer.start()
 
     @property
     def size(self) -> int:
         return len(self._dealers) + 1
 
+    def _enter_step(self, channel: int, seq: int) -> None:
+        """This node works on step ``seq`` of ``channel`` now: forget what earlier steps left (lock held)."""
+        if seq <= self._step.get(channel, 0):
+            return
+        self._step[channel] = seq
+        for table in (self._budgets, self._aborted):
+            for old in [key for key in table if key[0] == channel and key[1] < seq]:
+                del table[old]
+        for key in [k for k in self._overflowed if k[1] == channel and k[2] < seq]:
+            del self._overflowed[key]
+        for (src, ch), queue in self._queues.items():
+            while ch == channel and queue and queue[0][0]["seq"] < seq:  # left after a step that failed
+                self._pop(src, queue)
+
+    def _allow(self, step: Step, header: dict[str, Any]) -> None:
+        """A call of ``step`` declares its array: a node may send up to twice that (lock held)."""
+        declared = 2 * _declared_bytes(header) + 2 * MAX_MESSAGE_BYTES
+        self._budgets[step] = max(self._budgets.get(step, BUDGET_FLOOR), declared)
+
+    def on_message(self, deliver: Callable[[int, dict[str, Any], Any], None]) -> None:
+        """Hand messages that belong to no step (``t`` = "p2p") to ``deliver(node, header, payload)``."""
+        self._deliver = deliver
+
     def send(self, dst: int, header: dict[str, Any], payload: Any = None) -> zmq.MessageTracker | None:
         """Queue one message for node ``dst``; a large payload is sent without copying and tracked."""
         header = {**header, "job": self.job, "src": self.index}
+        if header["t"] != "p2p":
+            with self._lock:
+                channel = header.get("ch", 0)
+                self._enter_step(channel, header["seq"])
+                if header["t"] == "call":
+                    self._allow((channel, header["seq"]), header)
         frames: list[Any] = [encode_header(header)]
-        if payload is None:
-            self._dealers[dst].send_multipart(frames, copy=True)
-            return None
-        frames.append(payload)
-        if payload.nbytes <= zmq.COPY_THRESHOLD:
-            self._dealers[dst].send_multipart(frames, copy=True)
-            return None
-        tracker: zmq.MessageTracker | None = self._dealers[dst].send_multipart(frames, copy=False, track=True)
-        return tracker
+        if payload is not None:
+            frames.append(payload)
+        large = payload is not None and payload.nbytes > zmq.COPY_THRESHOLD
+        try:  # never blocks: SNDHWM=0 queues everything while a connection exists or is being made
+            tracker: zmq.MessageTracker | None = self._dealers[dst].send_multipart(
+                frames, zmq.NOBLOCK, copy=not large, track=large
+            )
+        except zmq.Again:  # ZeroMQ dropped the connection for good: its handshake was refused
+            raise PeerLostError(
+                f"node {self.index} cannot send to node {dst}: its data service at {self._addresses[dst]} "
+                f"refused the connection (the job token differs?)",
+                (),
+            ) from None
+        return tracker if large else None
 
     def stage(self, dst: int, data: Any) -> int | None:
         """Put a chunk for same-host node ``dst`` into shared memory: its slot, or None (use TCP)."""
         if self._segment is None or dst not in self._peer_segments:  # dst maps ours iff we map its
             return None
-        return self._segment.stage(dst, data)
+        with self._lock:
+            return self._segment.stage(dst, data)
 
     def shared_view(self, src: int, slot: Any, nbytes: int, dtype: Any) -> Any:
         """A chunk node ``src`` staged in ``slot`` (None if it cannot be one)."""
         segment = self._peer_segments.get(src)
         return None if segment is None else segment.view(slot, nbytes, dtype)
 
-    def abort(self, seq: int, why: str) -> None:
-        """Tell every other node that this node gave up step ``seq`` (their waits in it fail at once)."""
-        for other in self._dealers:
-            self.send(other, {"t": "abort", "seq": seq, "why": why[:1000]})
+    def abort(self, seq: int, why: str, nodes: list[int] | None = None, channel: int = 0) -> None:
+        """Tell ``nodes`` (every other node) that this node gave up step ``seq`` of ``channel``."""
+        for other in self._dealers if nodes is None else [n for n in nodes if n != self.index]:
+            with contextlib.suppress(PeerLostError):  # tell every node that can still be told
+                self.send(other, {"t": "abort", "ch": channel, "seq": seq, "why": why[:1000]})
 
-    def release(self, src: int, seq: int, slot: int) -> None:
+    def release(self, src: int, seq: int, slot: int, channel: int = 0) -> None:
         """Tell node ``src`` its ``slot`` has been read."""
-        self.send(src, {"t": "ack", "seq": seq, "slot": slot})
+        self.send(src, {"t": "ack", "ch": channel, "seq": seq, "slot": slot})
 
-    def receive(self, src: int, seq: int, deadline: float, waiting_for: str) -> Received:
-        """The next message of step ``seq`` from node ``src`` (older steps' leftovers are dropped)."""
-        queue = self._queues[src]
+    def receive(self, src: int, seq: int, deadline: float, waiting_for: str, channel: int = 0) -> Received:
+        """The next message of step ``seq`` of ``channel`` from node ``src`` (older leftovers dropped)."""
+        with self._lock:
+            queue = self._queues.setdefault((src, channel), deque())
         while True:
-            while queue:
-                header = queue[0][0]
-                if header["seq"] >= seq:
-                    return queue.popleft()
-                queue.popleft()  # from a step that failed before this message was read
-                log.debug("dropped a stale message of step %d from node %d", header["seq"], src)
+            with self._lock:
+                self._enter_step(channel, seq)
+                if queue:
+                    header, payload = self._pop(src, queue)
+                    return header, payload
+                overflow = self._overflowed.get((src, channel, seq))
+            if overflow is not None:
+                raise MismatchError(overflow)
             error = self._lost(src)
             if error is not None:
                 raise error
-            if seq in self._aborted:
-                node, why = self._aborted[seq]
-                raise PeerLostError(f"node {node} gave up step {seq}: {why}", ())
+            aborted = self._aborted.get((channel, seq))  # written by the drain thread too
+            if aborted is not None:
+                raise PeerLostError(f"node {aborted[0]} gave up step {seq}: {aborted[1]}", ())
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CollectiveTimeout(f"node {self.index} timed out waiting for {waiting_for}", ())
-            if self._poller.poll(int(1000 * min(remaining, POLL_SLICE))):
+            with self._lock:
+                if self._poller.poll(int(1000 * min(remaining, POLL_SLICE))):
+                    self._drain()
+
+    def pump(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for messages and sort them (for a receive outside any collective).
+
+        When a collective is receiving, it sorts them itself: this only waits a little then.
+        """
+        if not self._lock.acquire(timeout=seconds):
+            return
+        try:
+            if self._poller.poll(int(1000 * seconds)):
                 self._drain()
+        finally:
+            self._lock.release()
+
+    def _pop(self, src: int, queue: deque[tuple[dict[str, Any], Any, int]]) -> Received:
+        header, payload, size = queue.popleft()
+        key = (src, header.get("ch", 0), header["seq"])
+        left = self._queued.get(key, 0) - size
+        if left > 0:
+            self._queued[key] = left
+        else:
+            self._queued.pop(key, None)
+        return header, payload
+
+    def _drain_between(self) -> None:
+        """Background: empty the ROUTER while no collective does (what strangers send is dropped)."""
+        while not self._closing.wait(DRAIN_EVERY):
+            if not self._lock.acquire(blocking=False):  # a collective is receiving: it drains
+                continue
+            try:
+                if self._router.poll(0):
+                    self._drain()
+            finally:
+                self._lock.release()
+            self._refused.flush()
 
     def _drain(self) -> None:
-        """Move every message waiting on the ROUTER into the per-node queues."""
-        while True:
+        """Move the messages waiting on the ROUTER (DRAIN_TURN at most) into the per-node queues."""
+        for _ in range(DRAIN_TURN):
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -193,26 +330,64 @@ class NodeNetwork:
             header = decode_header(frames[1].buffer)
             if header["job"] != self.job or header["src"] != source:
                 raise WireError(f"job {header['job']!r} / source {header['src']} does not match")
+            channel, seq = header.get("ch", 0), header["seq"]
+            if not isinstance(channel, int) or isinstance(channel, bool) or channel < 0:
+                raise WireError(f"invalid channel {channel!r}")
+            if header["t"] != "p2p" and channel not in self._step and len(self._step) >= MAX_CHANNELS:
+                raise WireError(f"node {source} opened more than {MAX_CHANNELS} channels (groups)")
+            at = self._step.get(channel, 0)
+            if seq > at + STEPS_AHEAD:
+                raise WireError(f"node {source} sent a message of step {seq} while this node is at {at}")
         except WireError as exc:
-            log.warning("data service %s refused a message: %s", self.address, exc)
+            reason = str(exc)
+            kind = " ".join(reason.split()[:2])  # "unknown sender", "undecodable header:", ...
+            self._refused.warning("data service %s refused a message: %s", self.address, reason, key=kind)
             return
-        if header["t"] == "abort":  # handled here, never queued: every wait in that step fails
-            self._aborted[header["seq"]] = (source, str(header.get("why")))
+        kind = header["t"]
+        if kind == "p2p":  # no step: handed on at once (the receiver bounds what it keeps)
+            if self._deliver is not None:
+                self._deliver(source, header, frames[2] if len(frames) == 3 else None)
             return
-        if header["t"] == "ack":  # a slot of our send segment was read: handled here, never queued
+        if kind == "abort":  # handled here, never queued: every wait in that step fails
+            if seq >= at:
+                self._aborted[(channel, seq)] = (source, str(header.get("why"))[:1000])
+            return
+        if kind == "ack":  # a slot of our send segment was read: handled here, never queued
             if self._segment is None or not self._segment.release(source, header.get("slot")):
-                log.warning(
+                self._refused.warning(
                     "data service %s: node %d acknowledged slot %r it was not lent",
                     self.address,
                     source,
                     header.get("slot"),
                 )
             return
-        self._queues[source].append((header, frames[2] if len(frames) == 3 else None))
+        if seq < at:
+            return  # of a step that failed before this message was read
+        self._step.setdefault(channel, 0)
+        if kind == "call":
+            self._allow((channel, seq), header)
+        size = sum(len(frame) for frame in frames[1:])
+        key = (source, channel, seq)
+        budget = self._budgets.get((channel, seq), BUDGET_FLOOR)
+        if self._queued.get(key, 0) + size > budget:
+            why = (
+                f"node {source} sent more than {budget >> 20} MiB for step {seq} before this node read it "
+                f"(twice the largest array of the step's calls): its messages were dropped"
+            )
+            if key not in self._overflowed:
+                log.warning("data service %s: %s", self.address, why)
+            self._overflowed[key] = why
+            return
+        self._queued[key] = self._queued.get(key, 0) + size
+        queue = self._queues.setdefault((source, channel), deque())
+        queue.append((header, frames[2] if len(frames) == 3 else None, size))
 
     def close(self) -> None:
-        if self._stop_watching is not None:
-            self._stop_watching()
+        self._closing.set()
+        if self._drainer is not None:
+            self._drainer.join(5)
+        if self._watch is not None:
+            self._watch.stop()
         for segment in self._peer_segments.values():
             segment.close()
         if self._segment is not None:

@@ -3,19 +3,27 @@
 Protocol (one msgpack map per message, over a ROUTER socket; every message has ``t`` and ``job``):
 
 node -> orchestrator                       orchestrator -> node
-  register {num_nodes, address, peers}       topology {index, nodes: [{address, peers}], world}
-                                             refused  {message}             (a RegistrationError)
-  heartbeat                                  pong
-  leave                                      lost     {node, peers, reason} (to the other nodes)
+  register {num_nodes, address, peers,       topology {index, nodes: [{address, peers, info}], world}
+            info}                            refused  {message}             (a RegistrationError)
+  heartbeat (from registration on)           pong                           (the job has formed)
+                                             waiting  {num_nodes, nodes: [{address, peers}], refused,
+                                                       silent, bad_token?}  (it has not formed yet)
+                                             evicted  {reason}              (not, or no longer, a member)
+  leave                                      lost     {node, peers, reason, gone: "left" | "lost"}
+                                                                            (to the other nodes)
 
 The node side (registration, heartbeats) is transport.orchestrator_client.
 
 A job forms when ``num_nodes`` nodes registered with the same ``num_nodes``, disjoint peer ids
 that together are 0..world-1, and distinct addresses. Node indices follow the nodes' lowest peer
-id, so the same nodes get the same indices whatever order they arrive in. A node that sends
-nothing for ``lost_after`` seconds is declared lost and the other nodes of its job are told; a
-node that stops hearing pongs declares the orchestrator lost the same way. Jobs are told apart by
-name; one orchestrator serves many, at the same time and one after another.
+id, so the same nodes get the same indices whatever order they arrive in. Nodes send heartbeats
+from the moment they register, so the nodes of a job may start minutes apart (until their
+registration timeout); until the job forms, each heartbeat is answered with the registration
+state (who registered, which registrations were refused and why, who went silent), which the
+waiting nodes log and put in their timeout error. A node that sends nothing for ``lost_after``
+seconds is declared lost and the other nodes of its job are told (before the job forms it is
+just removed); a node that stops hearing answers declares the orchestrator lost the same way.
+Jobs are told apart by name; one orchestrator serves many, at the same time and one after another.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
@@ -30,7 +39,9 @@ import msgpack
 import zmq
 
 from collective.errors import RegistrationError, describe_peers
-from collective.transport.auth import secure, watch_refusals
+from collective.transport.auth import watch_refusals
+from collective.transport.logs import Throttle
+from collective.transport.sockets import make_socket
 
 __all__ = [
     "HEARTBEAT_INTERVAL",
@@ -47,6 +58,11 @@ log = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL = 0.25
 LOST_AFTER = 2.0
 MAX_MESSAGE = 1 << 20
+RECEIVE_HWM = 64  # messages queued per connection (the loop drains them continuously)
+SEND_HWM = 1000
+REMEMBERED = 8  # refusals and silent nodes remembered per job that has not formed
+MAX_LISTED = 64  # registered nodes listed in a waiting message
+REMEMBERED_NODES = 4096  # nodes that left or were lost, remembered to tell them why if they come back
 
 
 def pack(message: dict[str, Any]) -> bytes:
@@ -70,6 +86,14 @@ def unpack(frame: bytes) -> dict[str, Any] | None:
     ):
         return None
     return message
+
+
+def _peer_address(frame: zmq.Frame) -> str:
+    """The IP address a message came from (ZeroMQ's message metadata), or "an unknown address"."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except (zmq.ZMQError, UnicodeDecodeError):
+        return "an unknown address"
 
 
 def is_peer_list(value: Any) -> TypeGuard[list[int]]:
@@ -97,6 +121,22 @@ class _Job:
     num_nodes: int
     nodes: dict[bytes, _Node] = field(default_factory=dict)
     formed: bool = False
+    # Until it forms, what went wrong (told to the waiting nodes): refused registrations and nodes
+    # that registered and then went silent (they are removed: their peer ids and address are free).
+    refused: deque[str] = field(default_factory=lambda: deque(maxlen=REMEMBERED))
+    silent: deque[str] = field(default_factory=lambda: deque(maxlen=REMEMBERED))
+
+    def waiting(self) -> dict[str, Any]:
+        """The registration state a waiting node is told (in answer to its heartbeats)."""
+        nodes = sorted(self.nodes.values(), key=lambda n: n.peers[0])[:MAX_LISTED]
+        return {
+            "t": "waiting",
+            "job": self.name,
+            "num_nodes": self.num_nodes,
+            "nodes": [{"address": n.address, "peers": n.peers} for n in nodes],
+            "refused": list(self.refused),
+            "silent": list(self.silent),
+        }
 
 
 class Orchestrator:
@@ -106,10 +146,10 @@ class Orchestrator:
         self, host: str = "127.0.0.1", port: int = 0, lost_after: float = LOST_AFTER, token: str | None = None
     ) -> None:
         self._context = zmq.Context()
-        self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-        secure(self._socket, token, server=True)
+        self._socket = make_socket(
+            self._context, zmq.ROUTER, token=token, server=True, max_message=MAX_MESSAGE,
+            receive_hwm=RECEIVE_HWM, send_hwm=SEND_HWM,
+        )  # fmt: skip
         try:
             self.port = self._socket.bind_to_random_port(f"tcp://{host}") if port == 0 else port
             if port:
@@ -119,10 +159,13 @@ class Orchestrator:
             self._context.destroy(linger=0)
             raise RegistrationError(f"the orchestrator cannot listen on {host}:{port}: {exc}") from exc
         self.address = f"{host}:{self.port}"
-        self._stop_watching = watch_refusals(self._socket, f"orchestrator {self.address}") if token else None
+        self._watch = watch_refusals(self._socket, f"orchestrator {self.address}") if token else None
         self._lost_after = lost_after
         self._jobs: dict[str, _Job] = {}
+        self._departed: OrderedDict[bytes, str] = OrderedDict()  # routing id -> why it left (latest last)
         self._stopping = threading.Event()
+        # Random bytes parse as many ZMTP/1.0 messages: one line each would flood the log.
+        self._malformed, self._ignored, self._refusals = Throttle(log), Throttle(log), Throttle(log)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -135,14 +178,18 @@ class Orchestrator:
                 if self._socket.poll(50):
                     while True:
                         try:
-                            identity, *frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                            identity, *frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
                         self._handle(identity, frames)
                 self._check_heartbeats()
+                for throttle in (self._malformed, self._ignored, self._refusals):
+                    throttle.flush()
         finally:
-            if self._stop_watching is not None:
-                self._stop_watching()
+            for throttle in (self._malformed, self._ignored, self._refusals):
+                throttle.flush(force=True)
+            if self._watch is not None:
+                self._watch.stop()
             self._socket.close(0)
             self._context.destroy(linger=0)
             log.info("orchestrator on %s stopped", self.address)
@@ -153,10 +200,16 @@ class Orchestrator:
         except zmq.ZMQError as exc:
             log.debug("could not answer %r: %s", identity, exc)
 
-    def _handle(self, identity: bytes, frames: list[bytes]) -> None:
-        message = unpack(frames[0]) if len(frames) == 1 else None
+    def _handle(self, frame: zmq.Frame, frames: list[zmq.Frame]) -> None:
+        identity = frame.bytes
+        message = unpack(frames[0].bytes) if len(frames) == 1 else None
         if message is None:
-            log.warning("orchestrator %s refused a malformed message from %r", self.address, identity[:32])
+            self._malformed.warning(
+                "orchestrator %s refused a malformed message from %s (routing id %r)",
+                self.address,
+                _peer_address(frame),
+                identity[:32],
+            )
             return
         job = self._jobs.get(message["job"])
         node = job.nodes.get(identity) if job else None
@@ -165,15 +218,45 @@ class Orchestrator:
         kind = message["t"]
         if kind == "register":
             self._register(identity, message)
-        elif kind == "heartbeat" and node is not None:
-            self._send(identity, {"t": "pong", "job": message["job"]})
+        elif kind == "heartbeat":
+            self._answer_heartbeat(identity, message["job"], job, node)
         elif kind == "leave" and job is not None and node is not None:
-            self._gone(job, node, "left the job")
+            if job.formed:
+                self._gone(job, node, "left the job", "left")
+            else:  # gave up waiting: its peer ids and address are free again
+                del job.nodes[identity]
+                if not job.nodes:
+                    del self._jobs[job.name]
         else:
-            log.warning("orchestrator %s ignored a %r message from %r", self.address, kind, identity[:32])
+            self._ignored.warning(
+                "orchestrator %s ignored a %r message from %s (routing id %r)",
+                self.address,
+                kind[:32],
+                _peer_address(frame),
+                identity[:32],
+            )
+
+    def _answer_heartbeat(self, identity: bytes, name: str, job: _Job | None, node: _Node | None) -> None:
+        """pong; the registration state while the job forms; or ``evicted`` to a node that is no member."""
+        reply: dict[str, Any]
+        if job is not None and node is not None and node.gone is None:
+            reply = {"t": "pong", "job": name} if job.formed else job.waiting()
+            if not job.formed and self._watch is not None:
+                count, recent = self._watch.refused()
+                if count:
+                    reply["bad_token"] = {"count": count, "latest": recent[-1][1]}
+        elif node is not None:
+            reply = {"t": "evicted", "job": name, "reason": f"it {node.gone}"}
+        else:
+            why = self._departed.get(identity, f"is not a node of job {name[:200]!r}")
+            reply = {"t": "evicted", "job": name, "reason": f"it {why}"}
+        self._send(identity, reply)
 
     def _refuse(self, identity: bytes, job: str, text: str) -> None:
-        log.warning("orchestrator refused a node of job %r: %s", job, text)
+        self._refusals.warning("orchestrator refused a node of job %r: %s", job[:200], text, key=job)
+        waiting = self._jobs.get(job)
+        if waiting is not None and not waiting.formed:
+            waiting.refused.append(text)
         self._send(identity, {"t": "refused", "job": job, "message": text})
 
     def _register(self, identity: bytes, message: dict[str, Any]) -> None:
@@ -261,25 +344,54 @@ class Orchestrator:
         job.formed = True
         log.info("job %r formed: %d nodes, %d peers", job.name, len(nodes), len(every))
 
-    def _gone(self, job: _Job, node: _Node, reason: str) -> None:
+    def _gone(self, job: _Job, node: _Node, reason: str, how: str = "lost") -> None:
+        """``node`` is out of ``job``: it ``left`` (finished cleanly) or was ``lost``; tell the others."""
         if node.gone is not None:
             return
         node.gone = reason
+        self._departed[node.identity] = reason  # a node that comes back is told why it is out
+        while len(self._departed) > REMEMBERED_NODES:
+            self._departed.popitem(last=False)
         log.info("job %r: node at %s %s", job.name, node.address, reason)
         for other in job.nodes.values():
             if other is not node and other.gone is None:
                 self._send(
                     other.identity,
-                    {"t": "lost", "job": job.name, "node": node.index, "peers": node.peers, "reason": reason},
+                    {
+                        "t": "lost",
+                        "job": job.name,
+                        "node": node.index,
+                        "peers": node.peers,
+                        "reason": reason,
+                        "gone": how,
+                    },
                 )
         if all(n.gone is not None for n in job.nodes.values()):
             del self._jobs[job.name]
 
     def _check_heartbeats(self) -> None:
+        """Nodes silent for ``lost_after``: lost (formed job) or removed from the waiting list (not formed).
+
+        Waiting nodes send heartbeats too, so nodes of one job may start minutes apart; one that
+        dies while it waits frees its peer ids and address, and the others are told it went silent.
+        """
         now = time.monotonic()
         for job in list(self._jobs.values()):
             for node in list(job.nodes.values()):
-                if node.gone is None and now - node.last_seen > self._lost_after:
+                if node.gone is not None or now - node.last_seen <= self._lost_after:
+                    continue
+                if job.formed:
                     self._gone(job, node, f"stopped sending heartbeats ({self._lost_after:g}s)")
                     if job.name not in self._jobs:
                         break
+                    continue
+                text = (
+                    f"node at {node.address} ({describe_peers(node.peers)}) registered, then stopped "
+                    f"sending heartbeats ({self._lost_after:g}s)"
+                )
+                log.warning("job %r: %s", job.name, text)
+                job.silent.append(text)
+                del job.nodes[node.identity]
+                if not job.nodes:
+                    del self._jobs[job.name]
+                    break

@@ -1,16 +1,26 @@
 """A node's connection to the orchestrator: registration, then heartbeats on a background thread.
 
 See transport.orchestrator for the protocol. The client turns a refusal into RegistrationError,
-a failed handshake (wrong or missing job token) into RegistrationError at once, no answer into
-CollectiveTimeout at the deadline, and a lost node or orchestrator into the PeerLostError that
-every wait of the node's collectives then raises.
+a failed handshake (wrong or missing job token) into RegistrationError at once, no topology by
+the deadline into CollectiveTimeout naming who registered, who is missing and which registrations
+were refused and why, and a lost node or orchestrator into the PeerLostError that every wait of
+the node's collectives then raises.
+
+Heartbeats start at registration: while the job forms, each is answered with the registration
+state, which the node logs every ``WAITING_LOG_EVERY`` seconds. Once the job formed, the heartbeat
+thread watches its own loop too: a gap longer than the loss threshold means this process did not
+run (SIGSTOP, a debugger, a starved machine), not that the orchestrator stopped answering. It
+then checks with the orchestrator: if the orchestrator declared this node lost meanwhile, the
+error says this node was suspended; if not, the job goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +34,7 @@ from collective.errors import (
     RegistrationError,
     describe_peers,
 )
-from collective.transport.auth import HANDSHAKE_FAILED, handshake_failure, secure
+from collective.transport.auth import HANDSHAKE_FAILED, handshake_failure
 from collective.transport.orchestrator import (
     HEARTBEAT_INTERVAL,
     LOST_AFTER,
@@ -33,10 +43,15 @@ from collective.transport.orchestrator import (
     pack,
     unpack,
 )
+from collective.transport.sockets import make_socket
 
-__all__ = ["OrchestratorClient", "Topology"]
+__all__ = ["WAITING_LOG_EVERY", "OrchestratorClient", "Topology", "describe_waiting"]
 
 log = logging.getLogger(__name__)
+
+CLIENT_HWM = 64  # control messages queued each way
+WAITING_LOG_EVERY = 3.0  # seconds between "still waiting for ..." lines while the job forms
+PAUSED = 0.5  # a heartbeat loop turn this much longer than it should take: this process did not run
 
 
 @dataclass(frozen=True)
@@ -49,6 +64,56 @@ class Topology:
 
     def describe(self, node: int) -> str:
         return f"node {node} ({describe_peers(self.peers[node])})"
+
+
+def _texts(value: Any) -> list[str]:
+    return [str(v)[:1000] for v in value[:16]] if isinstance(value, list) else []
+
+
+def describe_waiting(state: dict[str, Any], num_nodes: int) -> tuple[str, tuple[int, ...]]:
+    """What a ``waiting`` message says, in words, and the peer ids known (or assumed) to be missing.
+
+    Peer ids are missing for sure where they are gaps below the highest one claimed; beyond it they
+    are assumed from the registered nodes' size when every registered node has the same number of
+    peers (the text says so).
+    """
+    nodes = [
+        (str(n.get("address"))[:100], n["peers"])
+        for n in state.get("nodes", [])
+        if isinstance(n, dict) and is_peer_list(n.get("peers"))
+    ]
+    claimed = {p for _, peers in nodes for p in peers}
+    parts = [f"{len(nodes)} of {num_nodes} nodes registered"]
+    if nodes:
+        parts[0] += ": " + ", ".join(f"node at {a} ({describe_peers(p)})" for a, p in nodes)
+    missing: list[int] = []
+    absent = num_nodes - len(nodes)
+    if absent > 0:
+        top = max(claimed) + 1 if claimed else 0
+        missing = [p for p in range(top) if p not in claimed]
+        sizes = {len(peers) for _, peers in nodes}
+        assumed = ""
+        if len(sizes) == 1:
+            (size,) = sizes
+            missing += list(range(top, num_nodes * size)) if num_nodes * size > top else []
+            assumed = f" if every node has {size} peer{'s' if size > 1 else ''}"
+        text = f"missing: {absent} node{'s' if absent > 1 else ''}"
+        if missing:
+            text += f" ({describe_peers(missing)}{assumed})"
+        parts.append(text)
+    refused = _texts(state.get("refused"))
+    if refused:
+        parts.append("refused: " + "; ".join(refused))
+    silent = _texts(state.get("silent"))
+    if silent:
+        parts.append("gone: " + "; ".join(silent))
+    bad = state.get("bad_token")
+    if isinstance(bad, dict) and isinstance(bad.get("count"), int):
+        parts.append(
+            f"the orchestrator refused {bad['count']} connection(s) with a wrong or missing job token "
+            f"(the latest from {str(bad.get('latest'))[:100]})"
+        )
+    return "; ".join(parts), tuple(missing)
 
 
 class OrchestratorClient:
@@ -65,10 +130,12 @@ class OrchestratorClient:
         self.address = address
         self.job = job
         self._lost_after = lost_after
-        self._socket = context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.LINGER, 500)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-        secure(self._socket, token, server=False)
+        # A routing id of its own: a reconnection (a network blip) keeps this node's identity.
+        self._socket = make_socket(
+            context, zmq.DEALER, token=token, server=False, max_message=MAX_MESSAGE,
+            receive_hwm=CLIENT_HWM, send_hwm=CLIENT_HWM, linger=0.5,
+            routing_id=b"node:" + uuid.uuid4().bytes,
+        )  # fmt: skip
         self._monitor: zmq.Socket[Any] | None = self._socket.get_monitor_socket(HANDSHAKE_FAILED)
         self._socket.connect(f"tcp://{address}")
         self._stop = threading.Event()
@@ -76,6 +143,11 @@ class OrchestratorClient:
         self._lost: CollectiveError | None = None
         self._left: dict[int, tuple[str, float]] = {}  # node index -> (reason, when)
         self.topology: Topology | None = None
+
+    def _post(self, message: dict[str, Any]) -> None:
+        """Send without ever blocking: a full queue means the orchestrator is not reading anyway."""
+        with contextlib.suppress(zmq.Again):
+            self._socket.send(pack({**message, "job": self.job}), zmq.NOBLOCK)
 
     def register(
         self,
@@ -86,20 +158,16 @@ class OrchestratorClient:
         info: dict[str, Any] | None = None,
     ) -> Topology:
         """Register this node and wait for the topology (CollectiveTimeout, RegistrationError)."""
-        self._socket.send(
-            pack(
-                {
-                    "t": "register",
-                    "job": self.job,
-                    "num_nodes": num_nodes,
-                    "address": address,
-                    "peers": peers,
-                    "info": info or {},
-                }
-            )
-        )
+        registration = {
+            "t": "register",
+            "num_nodes": num_nodes,
+            "address": address,
+            "peers": peers,
+            "info": info or {},
+        }
+        self._post(registration)
         try:
-            return self._await_topology(num_nodes, deadline)
+            return self._await_topology(registration, deadline)
         finally:
             self._stop_monitor()
 
@@ -109,21 +177,34 @@ class OrchestratorClient:
             self._monitor.close(0)
             self._monitor = None
 
-    def _await_topology(self, num_nodes: int, deadline: float) -> Topology:
+    def _await_topology(self, registration: dict[str, Any], deadline: float) -> Topology:
         assert self._monitor is not None
         monitor = self._monitor
+        num_nodes = registration["num_nodes"]
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        started = time.monotonic()
+        next_beat = started + HEARTBEAT_INTERVAL
+        next_log = started + WAITING_LOG_EVERY
+        state: dict[str, Any] | None = None  # the latest registration state the orchestrator sent
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self._socket.send(pack({"t": "leave", "job": self.job}))
-                raise CollectiveTimeout(
-                    f"register: no topology from the orchestrator at {self.address} for job {self.job!r}: "
-                    f"it is not running, or not all {num_nodes} nodes registered"
+            now = time.monotonic()
+            if now >= deadline:
+                self._post({"t": "leave"})
+                raise self._timeout(state, num_nodes, now - started)
+            if now >= next_beat:
+                self._post({"t": "heartbeat"})
+                next_beat = now + HEARTBEAT_INTERVAL
+            if state is not None and now >= next_log:
+                log.warning(
+                    "job %r: waiting %.0fs for the other nodes: %s",
+                    self.job,
+                    now - started,
+                    describe_waiting(state, num_nodes)[0],
                 )
-            ready = dict(poller.poll(int(1000 * min(remaining, 0.1))))
+                next_log = now + WAITING_LOG_EVERY
+            ready = dict(poller.poll(int(1000 * max(0.0, min(deadline, next_beat) - now))))
             if monitor in ready and handshake_failure(recv_monitor_message(monitor)):
                 raise RegistrationError(
                     f"the orchestrator at {self.address} refused this node: the connection handshake failed "
@@ -138,20 +219,39 @@ class OrchestratorClient:
                 raise RegistrationError(
                     f"the orchestrator at {self.address} refused this node: {message.get('message')}"
                 )
-            if message["t"] == "topology":
-                nodes = message["nodes"]
-                self.topology = Topology(
-                    message["index"],
-                    [n["address"] for n in nodes],
-                    [n["peers"] for n in nodes],
-                    message["world"],
-                    [n.get("info") or {} for n in nodes],
-                )
-                self._thread = threading.Thread(
-                    target=self._heartbeat, name="collective-heartbeat", daemon=True
-                )
-                self._thread.start()
-                return self.topology
+            if message["t"] == "waiting":
+                state = message
+            elif message["t"] == "evicted":  # it went silent here (suspended?) and was removed: again
+                log.warning("job %r: registering again (%s)", self.job, message.get("reason"))
+                self._post(registration)
+            elif message["t"] == "topology":
+                return self._formed(message)
+
+    def _timeout(self, state: dict[str, Any] | None, num_nodes: int, waited: float) -> CollectiveTimeout:
+        if state is None:
+            return CollectiveTimeout(
+                f"register: no topology from the orchestrator at {self.address} for job {self.job!r} "
+                f"after {waited:.0f}s: it never answered (is it running at that address?)"
+            )
+        text, missing = describe_waiting(state, num_nodes)
+        return CollectiveTimeout(
+            f"register: no topology from the orchestrator at {self.address} for job {self.job!r} "
+            f"after {waited:.0f}s: not all {num_nodes} nodes registered: {text}",
+            missing,
+        )
+
+    def _formed(self, message: dict[str, Any]) -> Topology:
+        nodes = message["nodes"]
+        self.topology = Topology(
+            message["index"],
+            [n["address"] for n in nodes],
+            [n["peers"] for n in nodes],
+            message["world"],
+            [n.get("info") or {} for n in nodes],
+        )
+        self._thread = threading.Thread(target=self._heartbeat, name="collective-heartbeat", daemon=True)
+        self._thread.start()
+        return self.topology
 
     def lost(self) -> CollectiveError | None:
         """The error that broke the job (a node or the orchestrator lost), if any."""
@@ -162,26 +262,60 @@ class OrchestratorClient:
         return self._left.get(node)
 
     def _heartbeat(self) -> None:
-        last_heard = time.monotonic()
+        poll = HEARTBEAT_INTERVAL / 2
+        last_heard = previous = time.monotonic()
         next_beat = 0.0
+        suspended = 0.0  # the last gap longer than lost_after in this thread's own loop (seconds)
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_beat:
-                self._socket.send(pack({"t": "heartbeat", "job": self.job}))
+                self._post({"t": "heartbeat"})
                 next_beat = now + HEARTBEAT_INTERVAL
-            if self._socket.poll(int(1000 * HEARTBEAT_INTERVAL / 2)):
+            ready = self._socket.poll(int(1000 * poll))
+            now = time.monotonic()
+            gap, previous = now - previous - poll, now
+            if gap > PAUSED:  # this process did not run (SIGSTOP, a debugger, a starved machine)
+                last_heard += gap  # time it did not run does not count against the orchestrator
+                if gap > self._lost_after:
+                    suspended, next_beat = gap + poll, 0.0
+                    log.warning(
+                        "this node did not run for %.1f s (suspended?): checking with the orchestrator",
+                        suspended,
+                    )
+            if ready:
                 message = unpack(self._socket.recv())
                 if message is not None and message["job"] == self.job:
                     last_heard = time.monotonic()
                     if message["t"] == "lost":
                         self._node_gone(message)
-            elif time.monotonic() - last_heard > self._lost_after and self._lost is None:
-                self._lost = PeerLostError(
-                    f"the orchestrator at {self.address} stopped answering ({self._lost_after:g}s)"
+                    elif message["t"] == "evicted":
+                        self._evicted(message, suspended)
+            elif now - last_heard > self._lost_after:
+                self._fail(
+                    PeerLostError(
+                        f"the orchestrator at {self.address} stopped answering ({self._lost_after:g}s)"
+                    )
                 )
-                log.error("%s", self._lost)
-        self._socket.send(pack({"t": "leave", "job": self.job}))
+        self._post({"t": "leave"})
         self._socket.close()
+
+    def _fail(self, error: PeerLostError) -> None:
+        if self._lost is None:
+            self._lost = error
+            log.error("%s", error)
+
+    def _evicted(self, message: dict[str, Any], suspended: float) -> None:
+        """The orchestrator no longer counts this node in the job (it declared it lost)."""
+        reason = str(message.get("reason"))[:300]
+        assert self.topology is not None
+        peers = self.topology.peers[self.topology.index]
+        if suspended:
+            text = (
+                f"this node was suspended for {suspended:.1f} s; the orchestrator declared it lost ({reason})"
+            )
+        else:
+            text = f"the orchestrator at {self.address} declared this node lost ({reason})"
+        self._fail(PeerLostError(text, peers))
 
     def _node_gone(self, message: dict[str, Any]) -> None:
         node, raw_peers, reason = message.get("node"), message.get("peers"), message.get("reason")
@@ -189,9 +323,8 @@ class OrchestratorClient:
             return
         peers = raw_peers
         self._left[node] = (str(reason), time.monotonic())
-        if "left" not in str(reason) and self._lost is None:
-            self._lost = PeerLostError(f"node {node} ({describe_peers(peers)}) {reason}", peers)
-            log.error("%s", self._lost)
+        if message.get("gone") != "left":  # lost: it died or went silent
+            self._fail(PeerLostError(f"node {node} ({describe_peers(peers)}) {reason}", peers))
 
     def close(self) -> None:
         """Leave the job (tell the orchestrator) and stop the heartbeats."""

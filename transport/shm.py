@@ -6,8 +6,15 @@ through a per-node *send segment* in /dev/shm: the sender copies a chunk into a 
 only a header naming the slot; the receiver reduces or copies straight out of the sender's
 segment (mapped read-only) and acknowledges the slot, which frees it. When no slot is free the
 chunk goes over ZeroMQ as usual, so sending never waits (two nodes sending to each other at once
-cannot deadlock). The segment is created with mode 0600 and removed when the node leaves; one
-left behind by a killed process is removed by the next node that starts on the host.
+cannot deadlock). The segment is created with mode 0600 and removed when the node leaves, and at
+the latest when its process exits (any way Python exits: an exception, a lost peer, no finish());
+one left behind by a killed process (SIGKILL, or a signal with no Python handler) is removed by
+the next node that starts on the host.
+
+A peer's segment path comes from the network, so it is trusted only as far as it is checked: a
+name this module makes (``collective-<pid>-<12 hex digits>``) directly in /dev/shm, opened
+without following a symbolic link, a regular file owned by this user with mode 0600 and exactly
+the segment's size. Anything else is refused and that peer's chunks travel over TCP.
 """
 
 from __future__ import annotations
@@ -15,8 +22,11 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import re
 import socket
+import stat
 import uuid
+import weakref
 from typing import Any
 
 import numpy as np
@@ -27,6 +37,7 @@ SLOT_BYTES = 4 << 20
 SLOTS = 16
 _DIRECTORY = "/dev/shm"
 _PREFIX = "collective-"
+_NAME = re.compile(r"collective-[0-9]{1,10}-[0-9a-f]{12}")
 
 
 def host_identity() -> str:
@@ -45,6 +56,7 @@ class SendSegment:
         self._memory = memory
         self._free = list(range(SLOTS))
         self._owner: dict[int, int] = {}  # slot -> the node it was lent to
+        self._remove = weakref.finalize(self, _unlink, path)  # at close, collection or interpreter exit
 
     @classmethod
     def create(cls) -> SendSegment | None:
@@ -57,6 +69,7 @@ class SendSegment:
         except OSError:
             return None
         try:
+            os.fchmod(descriptor, 0o600)  # whatever the umask: peers check for exactly this mode
             os.ftruncate(descriptor, SLOTS * SLOT_BYTES)
             memory = mmap.mmap(descriptor, SLOTS * SLOT_BYTES)
         except OSError:
@@ -86,8 +99,12 @@ class SendSegment:
 
     def close(self) -> None:
         self._memory.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.path)
+        self._remove()
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def _remove_stale() -> None:
@@ -108,11 +125,25 @@ def _remove_stale() -> None:
 
 
 class PeerSegment:
-    """Another node's send segment, mapped read-only."""
+    """Another node's send segment, mapped read-only; ValueError or OSError if ``path`` is not one."""
 
     def __init__(self, path: str) -> None:
-        descriptor = os.open(path, os.O_RDONLY)
+        directory, name = os.path.split(path)
+        if directory != _DIRECTORY or not _NAME.fullmatch(name):
+            raise ValueError(f"{path[:200]!r} is not a segment of this library in {_DIRECTORY}")
+        # No symbolic link; no waiting for a writer should the name be a FIFO.
+        descriptor = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         try:
+            info = os.fstat(descriptor)
+            if not stat.S_ISREG(info.st_mode):
+                raise ValueError(f"{path} is not a regular file")
+            if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) != 0o600:
+                raise ValueError(
+                    f"{path} has owner {info.st_uid} and mode {stat.S_IMODE(info.st_mode):o} "
+                    f"(a segment has this user's, {os.getuid()}, and 600)"
+                )
+            if info.st_size != SLOTS * SLOT_BYTES:
+                raise ValueError(f"{path} has {info.st_size} bytes (a segment has {SLOTS * SLOT_BYTES})")
             self._memory = mmap.mmap(descriptor, SLOTS * SLOT_BYTES, prot=mmap.PROT_READ)
         finally:
             os.close(descriptor)

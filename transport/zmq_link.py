@@ -36,8 +36,10 @@ class ZmqLink:
         deadline: float,
         describe: Any = str,
         nodes: list[int] | None = None,
+        channel: int = 0,
     ) -> None:
-        """``signature``: fields every chunk repeats; ``nodes``: the node indices of this link's ranks."""
+        """``signature``: fields every chunk repeats; ``nodes``: the node indices of this link's ranks;
+        ``channel``: the group's (each group counts its own steps)."""
         self._network = network
         self._seq = seq
         self._deadline = deadline
@@ -45,6 +47,7 @@ class ZmqLink:
         self._signature = signature
         self._nodes = nodes if nodes is not None else list(range(network.size))
         self._rank = self._nodes.index(network.index)
+        self._channel = channel
         self._trackers: list[zmq.MessageTracker] = []
 
     @property
@@ -59,7 +62,7 @@ class ZmqLink:
         dst = self._nodes[rank]
         if not isinstance(data, np.ndarray):  # a CuPy array leaves the device once
             data = data.get()
-        base = {"t": "data", "seq": self._seq, **self._signature}
+        base = {"t": "data", "ch": self._channel, "seq": self._seq, **self._signature}
         if data.size == 0:
             self._network.send(dst, {**base, "off": 0, "n": 0})
             return
@@ -80,7 +83,7 @@ class ZmqLink:
         received = 0
         while True:
             header, payload = self._network.receive(
-                src, self._seq, self._deadline, f"data from {self._describe(src)}"
+                src, self._seq, self._deadline, f"data from {self._describe(src)}", self._channel
             )
             self._validate(src, header)
             offset, count = header.get("off"), header.get("n")
@@ -102,7 +105,7 @@ class ZmqLink:
                         f"step {self._seq}: {self._describe(src)} named an unusable slot {slot!r}"
                     )
                 yield slice(offset, offset + count), view
-                self._network.release(src, self._seq, slot)
+                self._network.release(src, self._seq, slot, self._channel)
             else:
                 nbytes = 0 if payload is None else len(payload.buffer)
                 if nbytes != count * dtype.itemsize:
