@@ -30,13 +30,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import threading
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 from collective.api import default_runtime
-from collective.errors import RegistrationError
+from collective.errors import CollectiveError, RegistrationError
 from collective.groups import Group, new_group
 from collective.init import init_with_store
 from collective.runtime import Runtime
@@ -57,25 +56,21 @@ class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ign
     """A torch ProcessGroup whose collectives run on ``runtime`` as peer ``peer`` in ``group``.
 
     ``members`` are the global ranks (our peer ids) of the group, in group-rank order; ``owns``
-    says whether this group registered the peer (and finishes it on shutdown); ``store`` (the
-    group's torch store) carries send/recv, which wait at most ``timeout`` seconds.
+    says whether this group registered the peer (and finishes it on shutdown); send and recv
+    wait at most ``timeout`` seconds (torch's timeout of the group).
     """
 
     def __init__(
         self, runtime: Runtime, peer: int, members: Sequence[int], group: Group | None, owns: bool,
-        store: Any, timeout: float,
+        timeout: float,
     ) -> None:  # fmt: skip
         super().__init__(list(members).index(peer), len(members))
         self.runtime = runtime
         self.peer = peer
         self.members = tuple(members)
         self.group = group
-        self.store = store
         self.timeout = timeout
         self._owns = owns
-        self._sent: dict[tuple[int, int], int] = {}
-        self._taken: dict[tuple[int, int], int] = {}
-        self._p2p_lock = threading.Lock()
         self._done = TorchWork.completed([], "blocking call")
         self._collectives = Worker(f"collective-torch-{peer}")
         self._receives = Worker(f"collective-torch-{peer}-recv")
@@ -138,7 +133,7 @@ def _join(runtime: Runtime, store: Any, rank: int, world: int, timeout: Any) -> 
         wait = None  # torch's default timeout, and the user set ours: theirs wins
     try:
         init_with_store(runtime, store, rank, world, timeout=wait, environ=environ)
-    except BaseException as exc:
+    except CollectiveError as exc:
         raise backend_error(exc) from exc
     return True
 
@@ -151,7 +146,7 @@ def create(options: Any, backend_options: Any = None) -> CollectiveProcessGroup:
     wait = seconds(options.timeout) or DEFAULT_TIMEOUT.total_seconds()
     if not global_ranks or (global_ranks == list(range(size)) and not runtime.has_job()):
         owns = _join(runtime, options.store, rank, size, options.timeout)
-        return CollectiveProcessGroup(runtime, rank, range(size), None, owns, options.store, wait)
+        return CollectiveProcessGroup(runtime, rank, range(size), None, owns, wait)
     peer = global_ranks[rank]
     if peer not in _registered(runtime):
         raise dist.DistBackendError(
@@ -160,7 +155,7 @@ def create(options: Any, backend_options: Any = None) -> CollectiveProcessGroup:
             f"(or call col.init()) first"
         )
     group = new_group(global_ranks, runtime.world_size())
-    return CollectiveProcessGroup(runtime, peer, group.members, group, False, options.store, wait)
+    return CollectiveProcessGroup(runtime, peer, group.members, group, False, wait)
 
 
 dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", "cuda"])

@@ -19,7 +19,7 @@ allgather, all_gather_single    all_gather (stacked, into the outputs)
 reduce_scatter(_single)         reduce_scatter
 all_to_all_single, alltoall     all_to_all; uneven splits: padded to the largest block
 gather, scatter, barrier        gather, scatter, barrier
-send, recv                      the group's store (collective.torch_p2p)
+send, recv                      send (eager), recv (collective.torch_p2p)
 =============================  =====================================================
 """
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from collective.errors import InvalidArgumentError
+from collective.errors import CollectiveError, InvalidArgumentError
 from collective.groups import Group
 from collective.runtime import Runtime
 from collective.torch_work import TorchWork, Worker, array, backend_error, fill, host, seconds, store_back
@@ -94,7 +94,7 @@ class Ops:
             return work
         try:
             worker.call(body)
-        except BaseException as exc:
+        except CollectiveError as exc:
             raise backend_error(exc) from exc
         return self._done
 
