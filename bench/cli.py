@@ -116,6 +116,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="let every call allocate its result (default: reuse an out= buffer, as nccl-tests does)",
     )
     parser.add_argument(
+        "--backend",
+        choices=("collective", "torch"),
+        default="collective",
+        help="collective: our API (default); torch: torch.distributed with our backend beside gloo, "
+        "one process per rank (--nodes N processes; default 2 and 4)",
+    )
+    parser.add_argument(
         "--compare",
         choices=("trivial", "gloo"),
         help="also time a baseline: the trivial barrier-and-sum (one process) or torch.distributed's gloo",
@@ -172,6 +179,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
     """Run the sweep described by ``args``; return the exit status (1 if any result was wrong)."""
     if args.minbytes > args.maxbytes:
         parser.error(f"argument -b/--minbytes: {args.minbytes} is larger than -e/--maxbytes {args.maxbytes}")
+    if args.backend == "torch":
+        return run_torch(args, parser, argv, out)
     if args.compare == "trivial" and args.nodes > 1:
         parser.error(
             "argument --compare: the trivial baseline runs in one process; with --nodes use --compare gloo"
@@ -244,6 +253,66 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
         print(f"collective bench: {wrong} wrong result elements (see the #wrong column)", file=sys.stderr)
         return 1
     return 130 if interrupted else 0
+
+
+def run_torch(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str], out: IO[str]
+) -> int:
+    """``--backend torch``: dist.* through our backend and through gloo, side by side, per world size."""
+    if not torch_available():
+        parser.error(
+            "argument --backend torch: needs torch (pip install torch==2.13.0 installs the CPU build)"
+        )
+    if args.compare == "trivial" or args.peers not in (1, 4):
+        parser.error("argument --backend torch: runs one process per rank (--nodes N), beside gloo")
+    ops = (
+        list(DEFAULT_OPS) if not args.op else list(OPS) if "all" in args.op else list(dict.fromkeys(args.op))
+    )
+    try:
+        sizes = _sizes(args, resolve_dtype(args.dtype).itemsize)
+    except ImportError:
+        parser.error("argument --dtype: bfloat16 needs ml_dtypes (pip install ml_dtypes)")
+    worlds = [args.nodes] if args.nodes > 1 else [2, 4]
+    print(
+        f"# collective bench --backend torch: torch.distributed, backend 'collective' vs 'gloo', "
+        f"{' and '.join(map(str, worlds))} processes, {args.dtype}, sizes {format_size(sizes[0])} .. "
+        f"{format_size(sizes[-1])}, {args.warmup} warm-up + {args.iters} timed iterations per row",
+        file=out,
+    )
+    started, rows = time.monotonic(), []
+    for world in worlds:
+        roots = _roots(parser, args.root, world)
+        cases = {
+            system: [
+                Case(system, op, system, world, size, args.dtype, args.reduce_op, root)
+                for op in ops
+                for size in sizes
+                for root in (roots if op in ROOTED else [0])
+            ]
+            for system in ("gloo", "torch")
+        }
+        try:
+            measured = {
+                system: run_gloo(cases[system], world, args.warmup, args.iters, args.timeout, backend)
+                for system, backend in (("gloo", "gloo"), ("torch", "collective"))
+            }
+        except KeyboardInterrupt:
+            print("\n# interrupted", file=out)
+            return 130
+        baseline = {(r.case.op, r.case.size, r.case.root): r for r in measured["gloo"]}
+        for op in ops:
+            for system in ("gloo", "torch"):
+                block = [r for r in measured[system] if r.case.op == op]
+                print_table(block, baseline if system == "torch" else None, out)
+        rows += measured["gloo"] + measured["torch"]
+    wrong = sum(row.wrong for row in rows)
+    print(f"\n# {len(rows)} rows in {time.monotonic() - started:.1f} s; wrong elements: {wrong}", file=out)
+    if args.json:
+        write_json(args.json, rows, argv)
+    if args.plot and rows:
+        plot_rows(rows, args.plot, f"collective bench --backend torch, {args.dtype}")
+        print(f"# plot written to {args.plot}", file=out)
+    return 1 if wrong else 0
 
 
 def _measure(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tuple[list[Row], bool]:

@@ -1,9 +1,11 @@
-"""One rank of the gloo comparison (started by bench.multinode.run_gloo; not run by hand).
+"""One rank of a torch.distributed benchmark (started by bench.multinode.run_gloo; not run by hand).
 
-The same cases and the same method as our node benchmark: a barrier (untimed), the timed
-collective, a result check (untimed); the slowest rank's time per iteration; the median. gloo's
-collectives work in place, so each iteration first copies the input into the buffer (untimed).
-gloo has no mean: it is a sum followed by the division, both timed.
+The plan's ``backend`` is ``gloo`` (the ``--compare gloo`` baseline) or ``collective`` (our
+backend through torch.distributed, ``--backend torch``): the same code times both. The same
+cases and the same method as our node benchmark: a barrier (untimed), the timed collective, a
+result check (untimed); the slowest rank's time per iteration; the median. torch's collectives
+work in place, so each iteration first copies the input into the buffer (untimed). gloo has no
+mean: it is a sum followed by the division, both timed (for both backends).
 """
 
 from __future__ import annotations
@@ -109,12 +111,17 @@ def measure(rank: int, case: Case, warmup: int, iterations: int) -> Measurement:
 
 def main() -> int:
     plan = json.loads(sys.argv[1])
+    backend = plan.get("backend", "gloo")
+    system = "gloo" if backend == "gloo" else "torch"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=plan["timeout"]))
+    if backend == "collective":
+        import collective.torch  # noqa: F401  registers the backend
+
+    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=plan["timeout"]))
     try:
         for fields in plan["cases"]:
-            case = Case(**{**fields, "system": "gloo", "strategy": "gloo", "peers": world})
+            case = Case(**{**fields, "system": system, "strategy": system, "peers": world})
             measured = measure(rank, case, plan["warmup"], plan["iters"])
             if rank == 0:
                 row = row_from(case, measured)

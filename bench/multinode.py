@@ -29,9 +29,15 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def _plan(cases: Sequence[Case], warmup: int, iters: int, timeout: float) -> str:
+def _plan(cases: Sequence[Case], warmup: int, iters: int, timeout: float, backend: str = "gloo") -> str:
     return json.dumps(
-        {"cases": [asdict(c) for c in cases], "warmup": warmup, "iters": iters, "timeout": timeout}
+        {
+            "cases": [asdict(c) for c in cases],
+            "warmup": warmup,
+            "iters": iters,
+            "timeout": timeout,
+            "backend": backend,
+        }
     )
 
 
@@ -95,8 +101,11 @@ def _free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def run_gloo(cases: Sequence[Case], world: int, warmup: int, iters: int, timeout: float) -> list[Row]:
-    """Time ``cases`` with torch.distributed's gloo backend, one process per peer."""
+def run_gloo(
+    cases: Sequence[Case], world: int, warmup: int, iters: int, timeout: float, backend: str = "gloo"
+) -> list[Row]:
+    """Time ``cases`` through torch.distributed, one process per peer: its gloo backend, or ours
+    (``backend="collective"``)."""
     port = _free_port()
     processes: list[subprocess.Popen[str]] = []
     try:
@@ -107,11 +116,11 @@ def run_gloo(cases: Sequence[Case], world: int, warmup: int, iters: int, timeout
                 sys.executable,
                 "-m",
                 "collective.bench.gloo_worker",
-                _plan(cases, warmup, iters, timeout),
+                _plan(cases, warmup, iters, timeout, backend),
             ]
             processes.append(
                 subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             )
-        return _collect(processes, "gloo", timeout * max(1, len(cases)))
+        return _collect(processes, backend, timeout * max(1, len(cases)))
     finally:
         stop_processes(processes)

@@ -46,9 +46,11 @@ def print_table(rows: Sequence[Row], baseline: dict[tuple[str, int, int], Row] |
     if not rows:
         return
     case = rows[0].case
-    what = {"trivial": "trivial baseline", "gloo": "torch.distributed gloo"}.get(
-        case.system, f"strategy {case.strategy}"
-    )
+    what = {
+        "trivial": "trivial baseline",
+        "gloo": "torch.distributed gloo",
+        "torch": "torch.distributed backend collective",
+    }.get(case.system, f"strategy {case.strategy}")
     result = "new result per call" if case.alloc else "out= buffer"
     print(f"\n# {case.op}  {what}  peers={case.peers}  dtype={case.dtype}  ({result})", file=out)
     versus = next(iter(baseline.values())).case.system if baseline else ""

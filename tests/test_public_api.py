@@ -59,3 +59,14 @@ def test_error_hierarchy_keeps_builtin_bases() -> None:
     for name in ("ConfigError", "InvalidArgumentError", "RegistrationError", "MismatchError",
                  "PeerLostError", "JobClosedError", "CollectiveTimeout"):  # fmt: skip
         assert issubclass(getattr(collective, name), collective.CollectiveError)
+
+
+def test_importing_the_init_module_keeps_init_the_function() -> None:
+    """collective.init is a submodule and a function: importing the submodule must not rebind it."""
+    code = (
+        "import collective as col, collective.init\n"
+        "from collective.init import init_with_store\n"
+        "assert callable(col.init) and col.init is col.api.init, col.init\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

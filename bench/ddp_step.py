@@ -1,0 +1,217 @@
+"""DDP training step time on CPU: torch.distributed with our backend against gloo, side by side.
+
+    python -m collective.bench.ddp_step                 # 2 processes, both models, 30 steps, 3 rounds
+    python -m collective.bench.ddp_step --procs 2 --steps 30 --rounds 5 --json rows.json
+
+Two seeded models (``MODELS``): ``mlp-1.3m`` (three Linear layers, 1,317,002 parameters in 6
+tensors) and ``mlp-12x128`` (twelve 128-wide layers and an output layer: 26 tensors, 191,242
+parameters). Each round trains every model ``--steps`` steps under each backend, alternating
+which backend goes first; a step is zero_grad, forward, backward (DDP's bucketed all-reduce,
+overlapped) and an SGD update, timed on every rank; a round's figure is the median over steps
+of the slowest rank's time. The table reports the median over rounds, and the largest
+difference between the two backends' final parameters (they start equal: DDP broadcasts rank
+0's at construction, and rank 1 starts perturbed on purpose).
+
+``train`` is shared with the tests (tests/torch_worker.py), which compare the parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["MODELS", "build", "main", "train"]
+
+MODELS = ("mlp-1.3m", "mlp-12x128")
+BATCH = 64
+
+
+def build(name: str) -> Any:
+    """The seeded model ``name`` (the same parameters in every process)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(1234)
+    if name == "mlp-1.3m":
+        return nn.Sequential(
+            nn.Linear(256, 2048), nn.ReLU(), nn.Linear(2048, 384), nn.ReLU(), nn.Linear(384, 10)
+        )
+    if name == "mlp-12x128":
+        layers: list[Any] = [nn.Linear(64, 128), nn.ReLU()]
+        for _ in range(11):
+            layers += [nn.Linear(128, 128), nn.ReLU()]
+        return nn.Sequential(*layers, nn.Linear(128, 10))
+    raise ValueError(f"unknown model {name!r}: one of {', '.join(MODELS)}")
+
+
+def train(
+    name: str,
+    steps: int,
+    rank: int,
+    *,
+    accumulate: int = 1,
+    hook: Callable[..., Any] | None = None,
+    on_step: Callable[[int], None] | None = None,
+) -> tuple[Any, list[float]]:
+    """Train ``name`` under DDP in the default group; (its final parameters, flat; step seconds).
+
+    ``accumulate`` > 1: every step runs that many micro-batches, all but the last in ``no_sync()``.
+    ``hook``: a DDP comm hook (``register_comm_hook(None, hook)``). ``on_step(i)`` runs first in
+    step i (the tests kill a rank there).
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = build(name)
+    if rank == 1:
+        with torch.no_grad():  # DDP must make the ranks equal at construction (broadcast from rank 0)
+            for parameter in model.parameters():
+                parameter.add_(0.5)
+    ddp = DistributedDataParallel(model)
+    if hook is not None:
+        ddp.register_comm_hook(None, hook)
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    features = model[0].in_features
+    generator = torch.Generator().manual_seed(100 + rank)
+    times: list[float] = []
+    for step in range(steps):
+        if on_step is not None:
+            on_step(step)
+        batches = [
+            (
+                torch.randn(BATCH, features, generator=generator),
+                torch.randint(0, 10, (BATCH,), generator=generator),
+            )
+            for _ in range(accumulate)
+        ]
+        started = time.perf_counter()
+        optimizer.zero_grad()
+        for i, (x, y) in enumerate(batches):
+            with ddp.no_sync() if i < accumulate - 1 else contextlib.nullcontext():
+                loss: Any = F.cross_entropy(ddp(x), y)
+                loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return flat, times
+
+
+def _worker(backend: str, steps: int, out: str) -> int:
+    """One rank: train every model, write (rank 0) the step times and parameters to ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    if backend == "collective":
+        import collective.torch  # noqa: F401  registers the backend
+    dist.init_process_group(backend)
+    rank = dist.get_rank()
+    record: dict[str, Any] = {}
+    for name in MODELS:
+        flat, times = train(name, steps, rank)
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, dist.ReduceOp.MAX)
+        record[name] = {"step_ms": statistics.median(slowest.tolist()[2:] or slowest.tolist()) * 1e3}
+        if rank == 0:
+            torch.save(flat, f"{out}.{name}.pt")
+    if rank == 0:
+        with open(out, "w") as handle:
+            json.dump(record, handle)
+    dist.destroy_process_group()
+    return 0
+
+
+def _run(backend: str, procs: int, steps: int, out: str) -> dict[str, Any]:
+    from collective.launch import free_port
+
+    port = free_port()
+    environ = dict(os.environ, WORLD_SIZE=str(procs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    children = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "collective.bench.ddp_step",
+                "--worker",
+                backend,
+                "--steps",
+                str(steps),
+                out,
+            ],
+            env=dict(environ, RANK=str(rank), OMP_NUM_THREADS="1"),
+        )
+        for rank in range(procs)
+    ]
+    codes = [child.wait(600) for child in children]
+    if any(codes):
+        raise RuntimeError(f"{backend} ranks failed: exit codes {codes}")
+    with open(out) as handle:
+        record: dict[str, Any] = json.load(handle)
+    return record
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m collective.bench.ddp_step", description=__doc__)
+    parser.add_argument("--procs", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--worker", choices=("collective", "gloo"), help=argparse.SUPPRESS)
+    parser.add_argument("out", nargs="?", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        return _worker(args.worker, args.steps, args.out)
+    import torch
+
+    times: dict[tuple[str, str], list[float]] = {}
+    diffs: dict[str, float] = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for round_ in range(args.rounds):
+            order = ("collective", "gloo") if round_ % 2 == 0 else ("gloo", "collective")
+            for backend in order:
+                record = _run(backend, args.procs, args.steps, os.path.join(folder, backend))
+                for name in MODELS:
+                    times.setdefault((name, backend), []).append(record[name]["step_ms"])
+            for name in MODELS:
+                ours = torch.load(os.path.join(folder, f"collective.{name}.pt"))
+                theirs = torch.load(os.path.join(folder, f"gloo.{name}.pt"))
+                diffs[name] = max(diffs.get(name, 0.0), float((ours - theirs).abs().max()))
+    print(f"# DDP step time, {args.procs} processes, CPU, {args.steps} steps, median of {args.rounds} rounds")
+    print(f"{'model':>12} {'gloo (ms)':>10} {'collective (ms)':>16} {'ratio':>7} {'max |param diff|':>17}")
+    rows = []
+    for name in MODELS:
+        gloo = statistics.median(times[(name, "gloo")])
+        ours = statistics.median(times[(name, "collective")])
+        rounds = {b: times[(name, b)] for b in ("gloo", "collective")}
+        rows.append(
+            {
+                "model": name,
+                "gloo_ms": gloo,
+                "collective_ms": ours,
+                "max_param_diff": diffs[name],
+                "rounds": rounds,
+            }
+        )
+        print(f"{name:>12} {gloo:>10.2f} {ours:>16.2f} {ours / gloo:>6.2f}x {diffs[name]:>17.2e}")
+    if args.json:
+        with open(args.json, "w") as handle:
+            json.dump(
+                {"command": sys.argv, "procs": args.procs, "steps": args.steps, "rows": rows},
+                handle,
+                indent=2,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

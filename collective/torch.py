@@ -1,0 +1,161 @@
+"""The torch.distributed backend "collective": ``import collective.torch`` registers it.
+
+```python
+import torch.distributed as dist
+import collective.torch  # noqa: F401  registers the backend
+
+dist.init_process_group("collective")  # env:// (torchrun) or init_method="tcp://...", rank, world_size
+dist.all_reduce(tensor)                # ... every dist.* collective, DDP, async work
+dist.destroy_process_group()
+```
+
+The default group joins this process's one peer (peer id = torch's rank) through the store torch
+hands its backends (``collective.init.init_with_store``: rank 0 hosts an embedded orchestrator and
+publishes it there), unless the default runtime already has this process's peer (``col.init()``
+was called first): then the backend uses it. ``dist.new_group(ranks)`` is ``col.new_group`` of the
+same global ranks. Every torch op maps onto our collectives (see docs/frameworks.md); results are
+written into torch's tensors in place. CPU tensors are used as they are; CUDA tensors are staged
+through host memory.
+
+A blocking call runs in the caller's thread; ``async_op=True`` (and DDP's reducer) queues it on
+the group's worker thread (calls of one group complete in the order they were issued) and returns
+a ``TorchWork`` at once. Point-to-point receives have their own worker, so a pending ``irecv``
+never holds up a collective. Errors are ``torch.distributed.DistBackendError`` with our message, caused
+by our error; a lost peer is one within seconds on every other rank (heartbeats), whatever
+torch's timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from collective.api import default_runtime
+from collective.errors import CollectiveError, RegistrationError
+from collective.groups import Group, new_group
+from collective.init import init_with_store
+from collective.runtime import Runtime
+from collective.torch_ops import Ops
+from collective.torch_p2p import PointToPoint
+from collective.torch_work import TorchWork, Worker, backend_error, seconds
+
+torch: Any = importlib.import_module("torch")
+dist: Any = importlib.import_module("torch.distributed")
+
+__all__ = ["BACKEND", "CollectiveProcessGroup"]
+
+BACKEND = "collective"
+DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL groups
+
+
+class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ignore[misc]
+    """A torch ProcessGroup whose collectives run on ``runtime`` as peer ``peer`` in ``group``.
+
+    ``members`` are the global ranks (our peer ids) of the group, in group-rank order; ``owns``
+    says whether this group registered the peer (and finishes it on shutdown); send and recv
+    wait at most ``timeout`` seconds (torch's timeout of the group).
+    """
+
+    def __init__(
+        self, runtime: Runtime, peer: int, members: Sequence[int], group: Group | None, owns: bool,
+        timeout: float,
+    ) -> None:  # fmt: skip
+        super().__init__(list(members).index(peer), len(members))
+        self.runtime = runtime
+        self.peer = peer
+        self.members = tuple(members)
+        self.group = group
+        self.timeout = timeout
+        self._owns = owns
+        self._done = TorchWork.completed([], "blocking call")
+        self._collectives = Worker(f"collective-torch-{peer}")
+        self._receives = Worker(f"collective-torch-{peer}-recv")
+
+    def getBackendName(self) -> str:
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"<CollectiveProcessGroup peer {self.peer} of {list(self.members)}>"
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """destroy_process_group(): the workers end; the group that registered the peer finishes it."""
+        self._collectives.close()
+        self._receives.close()
+        if self._owns:
+            self._owns = False
+            with contextlib.suppress(RegistrationError):  # already finished, or the job is gone
+                self.runtime.finish(self.peer)
+
+    def abort(self) -> None:
+        self.shutdown()
+
+
+def _store_host(store: Any) -> str | None:
+    """The host of the TCPStore under torch's PrefixStores, if any (where rank 0 listens)."""
+    for _ in range(16):
+        host = getattr(store, "host", None)
+        if isinstance(host, str) and host:
+            return host
+        store = getattr(store, "underlying_store", None)
+        if store is None:
+            return None
+    return None
+
+
+def _registered(runtime: Runtime) -> tuple[int, ...]:
+    """The peers of this process registered in ``runtime`` (empty without a job)."""
+    return tuple(getattr(runtime, "_peers", {})) if runtime.has_job() else ()
+
+
+def _join(runtime: Runtime, store: Any, rank: int, world: int, timeout: Any) -> bool:
+    """Make ``rank`` this process's peer in ``runtime``; True if it was registered here."""
+    local = _registered(runtime)
+    if local:
+        if local != (rank,) or runtime.world_size() != world:
+            raise dist.DistBackendError(
+                f"RegistrationError: this process already runs peers {list(local)} of a job of "
+                f"{runtime.world_size()}; init_process_group('collective') gave rank {rank} of {world}: "
+                f"use one peer per process whose id is torch's rank (col.init()), or neither"
+            )
+        return False
+    environ = dict(os.environ)
+    host = _store_host(store)
+    if host and not environ.get("MASTER_ADDR"):
+        environ["MASTER_ADDR"] = host
+    wait = seconds(timeout)
+    if "COLLECTIVE_TIMEOUT" in environ and timeout == DEFAULT_TIMEOUT:
+        wait = None  # torch's default timeout, and the user set ours: theirs wins
+    try:
+        init_with_store(runtime, store, rank, world, timeout=wait, environ=environ)
+    except CollectiveError as exc:
+        raise backend_error(exc) from exc
+    return True
+
+
+def create(options: Any, backend_options: Any = None) -> CollectiveProcessGroup:
+    """torch's creator (extended API): the default group joins the job, subgroups name its peers."""
+    runtime = default_runtime()
+    rank, size = int(options.group_rank), int(options.group_size)
+    global_ranks = [int(r) for r in options.global_ranks_in_group]
+    wait = seconds(options.timeout) or DEFAULT_TIMEOUT.total_seconds()
+    if not global_ranks or (global_ranks == list(range(size)) and not runtime.has_job()):
+        owns = _join(runtime, options.store, rank, size, options.timeout)
+        return CollectiveProcessGroup(runtime, rank, range(size), None, owns, wait)
+    peer = global_ranks[rank]
+    if peer not in _registered(runtime):
+        raise dist.DistBackendError(
+            f"RegistrationError: a 'collective' subgroup of ranks {global_ranks} needs this process's "
+            f"peer {peer} registered: create the default group with init_process_group('collective') "
+            f"(or call col.init()) first"
+        )
+    group = new_group(global_ranks, runtime.world_size())
+    return CollectiveProcessGroup(runtime, peer, group.members, group, False, wait)
+
+
+dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", "cuda"])

@@ -1,0 +1,376 @@
+"""Every torch.distributed op of the "collective" backend, mapped onto our collectives.
+
+The methods carry torch's ProcessGroup names and arguments (``allreduce(tensors, opts)``, ...);
+``collective.torch.CollectiveProcessGroup`` mixes them into its ProcessGroup. Each builds a
+``body`` that calls the runtime with this process's peer and group on numpy views of torch's
+tensors (results land in the output tensors' memory) and hands it to ``launch``: run now for a
+blocking call, which returns the group's one completed work (torch only waits on it), or queued
+for ``async_op`` (and DDP), which returns a new ``TorchWork``.
+
+=============================  =====================================================
+torch                           ours
+=============================  =====================================================
+allreduce (SUM AVG PRODUCT      all_reduce (sum mean prod min max; PREMUL_SUM: the
+MIN MAX PREMUL_SUM)             input times the factor, then sum; bool: BOR/SUM/MAX
+                                as max, BAND/PRODUCT/MIN as min)
+allreduce_coalesced             all_reduce_coalesced
+broadcast, reduce               broadcast (the root passes the tensor), reduce
+allgather, all_gather_single    all_gather (stacked, into the outputs)
+reduce_scatter(_single)         reduce_scatter
+all_to_all_single, alltoall     all_to_all; uneven splits: padded to the largest block
+gather, scatter, barrier        gather, scatter, barrier
+send, recv                      send (eager), recv (collective.torch_p2p)
+=============================  =====================================================
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from collective.errors import CollectiveError, InvalidArgumentError
+from collective.groups import Group
+from collective.runtime import Runtime
+from collective.torch_work import TorchWork, Worker, array, backend_error, fill, host, seconds, store_back
+
+torch: Any = importlib.import_module("torch")
+dist: Any = importlib.import_module("torch.distributed")
+
+__all__ = ["Ops", "reduce_op"]
+
+_KINDS = dist.ReduceOp.RedOpType
+_OPS = {_KINDS.SUM: "sum", _KINDS.AVG: "mean", _KINDS.PRODUCT: "prod", _KINDS.MIN: "min", _KINDS.MAX: "max"}
+_BOOL_OPS = {_KINDS.SUM: "max", _KINDS.MAX: "max", _KINDS.BOR: "max",
+             _KINDS.PRODUCT: "min", _KINDS.MIN: "min", _KINDS.BAND: "min"}  # fmt: skip
+
+
+def _invalid(message: str) -> BaseException:
+    error: BaseException = dist.DistBackendError(f"InvalidArgumentError: {message}")
+    return error
+
+
+def reduce_op(op: Any, dtype: Any) -> tuple[str, Any]:
+    """Our op for torch's ``op`` on ``dtype`` tensors, and PREMUL_SUM's factor (else None)."""
+    kind = getattr(op, "op", op)  # a ReduceOp object carries its RedOpType in .op
+    if kind == _KINDS.PREMUL_SUM:
+        return "sum", op.factor
+    found = (_BOOL_OPS if dtype == torch.bool else _OPS).get(kind)
+    if found is None:
+        name = str(getattr(kind, "name", kind)).rpartition(".")[2]
+        raise _invalid(f"ReduceOp.{name} on {dtype} is not supported by the collective backend")
+    return found, None
+
+
+def _single(tensors: Sequence[Any], what: str) -> Any:
+    if len(tensors) != 1:
+        raise _invalid(f"{what} takes one tensor per call, got {len(tensors)}")
+    return tensors[0]
+
+
+class Ops:
+    """torch's ProcessGroup ops over ``runtime`` as ``peer`` in ``group`` (None: the whole job)."""
+
+    runtime: Runtime
+    peer: int
+    group: Group | None
+    members: tuple[int, ...]
+    _collectives: Worker
+    _receives: Worker
+    _done: TorchWork
+
+    # -- the one road -----------------------------------------------------------------------
+
+    def launch(
+        self, label: str, body: Callable[[], None], outputs: Sequence[Any], opts: Any, p2p: bool = False
+    ) -> TorchWork:
+        """Run ``body`` now (a blocking call) or queued (``opts.asyncOp``); a TorchWork either way."""
+        worker = self._receives if p2p else self._collectives
+        if getattr(opts, "asyncOp", True):
+            work = TorchWork(outputs, label)
+            worker.submit(lambda: work.run(body))
+            return work
+        try:
+            worker.call(body)
+        except CollectiveError as exc:
+            raise backend_error(exc) from exc
+        return self._done
+
+    def peer_of(self, group_rank: int) -> int:
+        """The peer id (global rank) of ``group_rank``."""
+        if not 0 <= group_rank < len(self.members):
+            raise _invalid(f"rank {group_rank} is not a rank of this group (0..{len(self.members) - 1})")
+        return self.members[group_rank]
+
+    def _kw(self, opts: Any) -> dict[str, Any]:
+        return {"group": self.group, "timeout": seconds(getattr(opts, "timeout", None))}
+
+    def _reduction(
+        self, tensor: Any, opts: Any, what: str, run: Callable[[Any, Any, str], None]
+    ) -> TorchWork:
+        """all_reduce / reduce of one tensor: ``run(source, buffer, op)`` writes the result in buffer."""
+        op, factor = reduce_op(opts.reduceOp, tensor.dtype)
+
+        def body() -> None:
+            buffer = host(tensor)
+            values = array(buffer)
+            run(values if factor is None else _scaled(values, factor), values, op)
+            store_back(buffer, tensor)
+
+        return self.launch(what, body, [tensor], opts)
+
+    # -- reductions ---------------------------------------------------------------------------
+
+    def allreduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        group, timeout = self.group, seconds(opts.timeout)
+
+        def run(source: Any, out: Any, op: str) -> None:
+            self.runtime.all_reduce(self.peer, source, op, group=group, timeout=timeout, out=out)
+
+        return self._reduction(_single(tensors, "all_reduce"), opts, "all_reduce", run)
+
+    def reduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        root, kw = self.peer_of(opts.rootRank), self._kw(opts)
+
+        def run(source: Any, out: Any, op: str) -> None:
+            self.runtime.reduce(self.peer, source, op, root, out=out, **kw)
+
+        return self._reduction(_single(tensors, "reduce"), opts, "reduce", run)
+
+    def allreduce_coalesced(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        tensors = list(tensors)
+        ops = {reduce_op(opts.reduceOp, t.dtype) for t in tensors} or {("sum", None)}
+        op, factor = ops.pop()
+        kw = self._kw(opts)
+
+        def body() -> None:
+            buffers = [host(t) for t in tensors]
+            views = [array(b) for b in buffers]
+            sources = views if factor is None else [_scaled(v, factor) for v in views]
+            self.runtime.all_reduce_coalesced(self.peer, sources, op, out=views, **kw)
+            for buffer, tensor in zip(buffers, tensors, strict=True):
+                store_back(buffer, tensor)
+
+        return self.launch("all_reduce_coalesced", body, tensors, opts)
+
+    def reduce_scatter(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        output = _single(outputs, "reduce_scatter")
+        parts = list(_single(inputs, "reduce_scatter"))
+        if len(parts) != len(self.members) or any(p.shape != output.shape for p in parts):
+            raise _invalid(
+                f"reduce_scatter takes {len(self.members)} input tensors of the output's shape "
+                f"{tuple(output.shape)}, got {[tuple(p.shape) for p in parts]}"
+            )
+        op, factor = reduce_op(opts.reduceOp, output.dtype)
+        kw = self._kw(opts)
+
+        def body() -> None:
+            stacked = np.stack([array(host(p)) for p in parts])
+            source = stacked if factor is None else _scaled(stacked, factor)
+            fill(output, self.runtime.reduce_scatter(self.peer, source, op, **kw))
+
+        return self.launch("reduce_scatter", body, [output], opts)
+
+    def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        size = len(self.members)
+        if input.numel() != size * output.numel():
+            raise _invalid(
+                f"reduce_scatter_tensor: the input has {input.numel()} elements, the output "
+                f"{output.numel()}: the input holds {size} x the output's"
+            )
+        op, factor = reduce_op(opts.reduceOp, output.dtype)
+        kw = self._kw(opts)
+
+        def body() -> None:
+            source = array(host(input)).reshape(size, -1)
+            source = source if factor is None else _scaled(source, factor)
+            buffer = host(output)
+            self.runtime.reduce_scatter(self.peer, source, op, out=array(buffer).reshape(1, -1), **kw)
+            store_back(buffer, output)
+
+        return self.launch("reduce_scatter_tensor", body, [output], opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None
+    ) -> TorchWork:
+        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return works[-1] if works else self._done
+
+    # -- copies -------------------------------------------------------------------------------
+
+    def broadcast(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        tensor = _single(tensors, "broadcast")
+        is_root, kw = self.peer_of(opts.rootRank) == self.peer, self._kw(opts)
+
+        def body() -> None:
+            buffer = host(tensor)
+            values = array(buffer)
+            self.runtime.broadcast(self.peer, values if is_root else None, out=values, **kw)
+            store_back(buffer, tensor)
+
+        return self.launch("broadcast", body, [tensor], opts)
+
+    def allgather(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        tensor = _single(inputs, "all_gather")
+        targets = list(_single(outputs, "all_gather"))
+        if len(targets) != len(self.members) or any(t.shape != tensor.shape for t in targets):
+            raise _invalid(
+                f"all_gather takes a list of {len(self.members)} output tensors of the input's shape "
+                f"{tuple(tensor.shape)}, got {[tuple(t.shape) for t in targets]}"
+            )
+        kw = self._kw(opts)
+
+        def body() -> None:
+            gathered = self.runtime.all_gather(self.peer, array(host(tensor)), **kw)
+            for row, target in zip(gathered, targets, strict=True):
+                fill(target, row)
+
+        return self.launch("all_gather", body, [targets], opts)
+
+    def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        size = len(self.members)
+        if output.numel() != size * input.numel():
+            raise _invalid(
+                f"all_gather_into_tensor: the output has {output.numel()} elements, the input "
+                f"{input.numel()}: the output holds {size} x the input's"
+            )
+        kw = self._kw(opts)
+
+        def body() -> None:
+            buffer = host(output)
+            out = array(buffer).reshape(size, *input.shape)
+            self.runtime.all_gather(self.peer, array(host(input)), out=out, **kw)
+            store_back(buffer, output)
+
+        return self.launch("all_gather_into_tensor", body, [output], opts)
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None
+    ) -> TorchWork:
+        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        return works[-1] if works else self._done
+
+    def allgather_coalesced(
+        self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], opts: Any = None
+    ) -> TorchWork:
+        works = [self.allgather([o], [i], opts) for o, i in zip(outputs, inputs, strict=True)]
+        return works[-1] if works else self._done
+
+    def gather(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.GatherOptions()
+        tensor = _single(inputs, "gather")
+        root, kw = self.peer_of(opts.rootRank), self._kw(opts)
+        targets = list(_single(outputs, "gather")) if root == self.peer else []
+        if root == self.peer and len(targets) != len(self.members):
+            raise _invalid(f"gather: the root passes {len(self.members)} output tensors, got {len(targets)}")
+
+        def body() -> None:
+            gathered = self.runtime.gather(self.peer, array(host(tensor)), root, **kw)
+            for row, target in zip(gathered if gathered is not None else [], targets, strict=False):
+                fill(target, row)
+
+        return self.launch("gather", body, [targets], opts)
+
+    def scatter(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.ScatterOptions()
+        output = _single(outputs, "scatter")
+        root, kw = self.peer_of(opts.rootRank), self._kw(opts)
+        parts = list(_single(inputs, "scatter")) if root == self.peer else []
+        if root == self.peer and len(parts) != len(self.members):
+            raise _invalid(f"scatter: the root passes {len(self.members)} input tensors, got {len(parts)}")
+
+        def body() -> None:
+            stacked = np.stack([array(host(p)) for p in parts]) if parts else None
+            buffer = host(output)
+            self.runtime.scatter(self.peer, stacked, root, out=array(buffer), **kw)
+            store_back(buffer, output)
+
+        return self.launch("scatter", body, [output], opts)
+
+    def barrier(self, opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.BarrierOptions()
+        kw = self._kw(opts)
+        return self.launch("barrier", lambda: self.runtime.barrier(self.peer, **kw), [], opts)
+
+    # -- all to all ---------------------------------------------------------------------------
+
+    def all_to_all_single(
+        self, output: Any, input: Any, output_splits: Sequence[int], input_splits: Sequence[int],
+        opts: Any = None,
+    ) -> TorchWork:  # fmt: skip
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        size, kw = len(self.members), self._kw(opts)
+        even = not output_splits and not input_splits
+        if even and (input.shape != output.shape or (input.dim() and input.shape[0] % size)):
+            raise _invalid(
+                f"all_to_all_single: input {tuple(input.shape)} and output {tuple(output.shape)} must have "
+                f"one shape whose first dimension divides by {size} (or pass split sizes)"
+            )
+
+        def body() -> None:
+            buffer = host(output)
+            source, out = array(host(input)), array(buffer)
+            if even:
+                self.runtime.all_to_all(self.peer, source.reshape(size, -1), out=out.reshape(size, -1), **kw)
+            else:
+                sent = list(input_splits) or [source.shape[0] // size] * size
+                expected = list(output_splits) or [out.shape[0] // size] * size
+                blocks = np.split(source, np.cumsum(sent)[:-1]) if source.ndim else [source]
+                np.concatenate(self._uneven(blocks, expected, kw), out=out.reshape(-1, *out.shape[1:]))
+            store_back(buffer, output)
+
+        return self.launch("all_to_all_single", body, [output], opts)
+
+    alltoall_base = all_to_all_single
+
+    def alltoall(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        outputs, inputs, kw = list(outputs), list(inputs), self._kw(opts)
+        if len(outputs) != len(self.members) or len(inputs) != len(self.members):
+            raise _invalid(f"all_to_all takes {len(self.members)} input and output tensors each")
+
+        def body() -> None:
+            flat = [array(host(t)).reshape(-1) for t in inputs]
+            blocks = self._uneven(flat, [t.numel() for t in outputs], kw)
+            for block, target in zip(blocks, outputs, strict=True):
+                fill(target, block)
+
+        return self.launch("all_to_all", body, outputs, opts)
+
+    def _uneven(self, blocks: Sequence[Any], expected: Sequence[int], kw: dict[str, Any]) -> list[Any]:
+        """Block j of ``blocks`` to rank j; the blocks received (``expected[j]`` rows from rank j).
+
+        One small all_reduce agrees on the largest block; the all_to_all moves blocks padded to it.
+        """
+        size = len(self.members)
+        if len(blocks) != size or len(expected) != size:
+            raise InvalidArgumentError(
+                f"all_to_all: the splits name {len(blocks)} and {len(expected)} ranks, not {size}"
+            )
+        rest, dtype = tuple(blocks[0].shape[1:]), blocks[0].dtype
+        local = max([*(b.shape[0] for b in blocks), *expected, 0])
+        largest = int(self.runtime.all_reduce(self.peer, np.array([local], np.int64), "max", **kw)[0])
+        padded = np.zeros((size, largest, *rest), dtype=dtype)
+        for j, block in enumerate(blocks):
+            padded[j, : block.shape[0]] = block
+        received = self.runtime.all_to_all(self.peer, padded, **kw)
+        return [received[j, :rows] for j, rows in enumerate(expected)]
+
+
+def _scaled(values: Any, factor: Any) -> Any:
+    """PREMUL_SUM's input: ``values`` times the factor (a number or a one-element tensor), same dtype."""
+    return (values * (factor.item() if hasattr(factor, "item") else factor)).astype(values.dtype, copy=False)

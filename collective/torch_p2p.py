@@ -1,0 +1,67 @@
+"""``dist.send`` / ``dist.recv`` of the "collective" backend: our runtime's send and recv.
+
+A send hands a copy of the tensor to the destination peer and returns (eager, like our send: two
+ranks may send to each other, then receive), so it returns a completed work. A receive matches by
+source and tag, in order, and writes into torch's tensor; it runs on the group's receive worker,
+apart from the collectives, so a pending ``irecv`` never holds up a collective (and a blocking
+``recv`` is that work, waited on). The receiving tensor must have the sender's shape and dtype.
+A lost sender is a PeerLostError within seconds (heartbeats), not the end of the timeout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from collective.errors import CollectiveError, InvalidArgumentError
+from collective.runtime import Runtime
+from collective.torch_work import TorchWork, array, backend_error, host, store_back
+
+__all__ = ["PointToPoint"]
+
+
+class PointToPoint:
+    """send/recv between this process's peer and the group's other ranks (group ranks in, peers out)."""
+
+    runtime: Runtime
+    peer: int
+    timeout: float
+    launch: Callable[..., TorchWork]
+    peer_of: Callable[[int], int]
+    _done: TorchWork
+
+    def send(self, tensors: Sequence[Any], dst: int, tag: int = 0) -> TorchWork:
+        tensor, target = _single(tensors, "send"), self.peer_of(dst)
+        try:
+            self.runtime.send(self.peer, array(host(tensor)), target, tag, timeout=self.timeout)
+        except CollectiveError as exc:
+            raise backend_error(exc) from exc
+        return self._done
+
+    def recv(self, tensors: Sequence[Any], src: int, tag: int = 0) -> TorchWork:
+        tensor, source = _single(tensors, "recv"), self.peer_of(src)
+
+        def body() -> None:
+            buffer = host(tensor)
+            self.runtime.recv(self.peer, source, tag, timeout=self.timeout, out=array(buffer))
+            store_back(buffer, tensor)
+
+        return self.launch("recv", body, [tensor], _ASYNC, True)
+
+    def recv_anysource(self, tensors: Sequence[Any], tag: int = 0) -> TorchWork:
+        raise backend_error(
+            InvalidArgumentError("recv without src (any source) is not supported by the collective backend")
+        )
+
+
+def _single(tensors: Sequence[Any], what: str) -> Any:
+    if len(tensors) != 1:
+        raise backend_error(InvalidArgumentError(f"{what} takes one tensor per call, got {len(tensors)}"))
+    return tensors[0]
+
+
+class _Async:
+    asyncOp = True  # a receive always runs on the receive worker; torch waits on its work
+
+
+_ASYNC = _Async()

@@ -1,0 +1,224 @@
+"""The torch.distributed backend "collective": real torchrun-style processes, and its pieces in process.
+
+Skipped where torch is not installed (it is the optional extra ``[torch]``; CI installs the CPU
+build). The processes run tests/torch_worker.py with torchrun's variables on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import collective.torch as backend  # noqa: E402  (after the skip: it imports torch)
+from collective.errors import MismatchError, PeerLostError  # noqa: E402
+from collective.launch import free_port  # noqa: E402
+from collective.torch_work import TorchWork, array, backend_error, fill, host  # noqa: E402
+from tests.processes import Proc, finish_all  # noqa: E402
+
+pytestmark = pytest.mark.timeout(180)
+
+WORKER = str(Path(__file__).with_name("torch_worker.py"))
+LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
+CLEAN = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVE_", "SLURM_", "OMPI_"))}
+CLEAN = {k: v for k, v in CLEAN.items() if k not in LAUNCHER_VARIABLES}
+
+
+def torchrun(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
+    return {**CLEAN, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "COLLECTIVE_TIMEOUT": "60",
+            "OMP_NUM_THREADS": "1", **extra}  # fmt: skip
+
+
+def run_job(world: int, *argv: str, timeout: float = 150, **extra: str) -> list[Proc]:
+    """Run ``world`` ranks of torch_worker.py; every one must exit 0 and print OK."""
+    port = free_port()
+    procs = [
+        Proc([sys.executable, WORKER, *argv], torchrun(rank, world, port, **extra)) for rank in range(world)
+    ]
+    codes = finish_all(procs, timeout)
+    for rank, (proc, code) in enumerate(zip(procs, codes, strict=True)):
+        assert code == 0 and f"OK {rank}" in proc.output(), f"rank {rank} (exit {code}):\n{proc.output()}"
+    return procs
+
+
+# -- real processes -------------------------------------------------------------------------------
+
+
+def test_every_op_against_a_reference_on_the_world_and_a_subgroup() -> None:
+    """3 ranks: all_reduce (every dtype and op, PREMUL_SUM, bool, strided, requires_grad), broadcast,
+    reduce, all_gather (list, into a tensor), reduce_scatter (list, tensor), all_to_all (equal,
+    uneven, lists), gather, scatter, barrier, isend/irecv and send/recv, async work with futures,
+    the object collectives and errors; then the same on the subgroup [0, 2]."""
+    run_job(3, "ops")
+
+
+def test_ddp_trains_exactly_as_under_gloo(tmp_path: Path) -> None:
+    """The same seeded models, 2 ranks: plain DDP (30 steps, both models), no_sync accumulation and
+    the fp16 compression hook; final parameters equal gloo's within float32 rounding."""
+    results: dict[str, list[dict[str, Any]]] = {}
+    for name in ("collective", "gloo"):
+        run_job(2, "ddp", name, str(tmp_path / name))
+        results[name] = [torch.load(tmp_path / f"{name}.{rank}") for rank in range(2)]
+    for scenario, ours in results["collective"][0].items():
+        theirs = results["gloo"][0][scenario]
+        assert ours.shape == theirs.shape and ours.numel() > 1000
+        assert float((ours - theirs).abs().max()) <= 1e-5, scenario
+        assert torch.equal(ours, results["collective"][1][scenario]), f"{scenario}: ranks differ"
+
+
+def test_a_killed_rank_is_an_error_on_every_other_rank_within_seconds() -> None:
+    port = free_port()
+    procs = [Proc([sys.executable, WORKER, "kill"], torchrun(rank, 3, port)) for rank in range(3)]
+    codes = finish_all(procs, 120)
+    assert codes[2] == -9, procs[2].output()
+    for rank in (0, 1):
+        assert codes[rank] == 0, procs[rank].output()
+        _, line = procs[rank].wait_for("RAISED ", 1)
+        seconds = float(line.split()[1])
+        assert seconds < 8, line
+        assert "PeerLostError" in line and "peer 2" in line, line
+
+
+def test_init_process_group_reuses_the_peer_of_col_init_under_torchruns_agent() -> None:
+    """torchrun's agent serves the store on MASTER_PORT; col.init() meets there, and then
+    init_process_group("collective") uses that peer instead of joining again."""
+    port = free_port()
+    agent = dist.TCPStore("127.0.0.1", port, 2, is_master=True, wait_for_workers=False)
+    procs = [
+        Proc([sys.executable, WORKER, "reuse"], torchrun(rank, 2, port, TORCHELASTIC_USE_AGENT_STORE="True"))
+        for rank in range(2)
+    ]
+    for rank, (proc, code) in enumerate(zip(procs, finish_all(procs, 120), strict=True)):
+        assert code == 0 and f"OK {rank}" in proc.output(), proc.output()
+    del agent
+
+
+# -- the pieces, in process -----------------------------------------------------------------------
+
+
+def test_importing_the_module_registers_the_backend() -> None:
+    assert dist.is_backend_available("collective")
+    assert "collective" in dist.Backend.backend_list
+    assert backend.BACKEND == "collective"
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+     torch.int32, torch.int64, torch.bool, torch.complex64],
+    ids=str,
+)  # fmt: skip
+def test_array_views_a_tensors_memory(dtype: Any) -> None:
+    tensor = (torch.arange(12) % 3).to(dtype).reshape(3, 4)
+    view = array(tensor)
+    assert view.shape == (3, 4) and view.ctypes.data == tensor.data_ptr()
+    expected = tensor.view(torch.uint8) if dtype == torch.bool else tensor
+    if dtype == torch.bfloat16:
+        np.testing.assert_array_equal(view.astype(np.float32), expected.float().numpy())
+    else:
+        np.testing.assert_array_equal(view, expected.numpy())
+    view[...] = view[::-1].copy()  # writes land in the tensor
+    assert torch.equal(tensor, (torch.arange(12) % 3).to(dtype).reshape(3, 4).flip(0))
+
+
+def test_array_of_special_tensors() -> None:
+    leaf = torch.ones(3, requires_grad=True)
+    array(leaf)[0] = 5.0
+    assert leaf.tolist() == [5.0, 1.0, 1.0] and leaf.requires_grad
+    conj = torch.tensor([1 + 2j]).conj()  # a lazily conjugated view: resolved, not read raw
+    np.testing.assert_array_equal(array(conj), [1 - 2j])
+    assert array(torch.empty(0)).shape == (0,) and array(torch.tensor(2.5)).shape == ()
+
+
+def test_host_and_fill_handle_strided_tensors() -> None:
+    grid = torch.zeros(4, 3)
+    column = grid[:, 1]
+    assert host(column) is not column and host(column).is_contiguous()
+    assert host(grid) is grid
+    fill(column, np.arange(4, dtype=np.float32))
+    assert grid[:, 1].tolist() == [0, 1, 2, 3] and grid[:, 0].tolist() == [0] * 4
+    flags = torch.zeros(3, dtype=torch.bool)[::2]
+    fill(flags, np.array([1, 0], np.uint8))
+    assert flags.tolist() == [True, False]
+    bf = torch.zeros(2, dtype=torch.bfloat16)
+    fill(bf, array(torch.tensor([1.5, -2.0], dtype=torch.bfloat16)))
+    assert bf.tolist() == [1.5, -2.0]
+
+
+def test_our_errors_become_dist_backend_errors_with_our_message_and_cause() -> None:
+    ours = PeerLostError("node 2 (peer 2) stopped sending heartbeats (2s)", [2])
+    error = backend_error(ours)
+    assert isinstance(error, dist.DistBackendError) and isinstance(error, RuntimeError)
+    assert str(error) == "PeerLostError: node 2 (peer 2) stopped sending heartbeats (2s)"
+    assert error.__cause__ is ours
+    bug = KeyError("x")
+    assert backend_error(bug) is bug  # not ours: as it is
+
+
+def test_torch_work_success_failure_and_futures() -> None:
+    tensor = torch.ones(2)
+    work = TorchWork([tensor], "all_reduce")
+    assert not work.is_completed()
+    doubled = work.get_future().then(lambda fut: fut.value()[0] * 2)
+    with pytest.raises(dist.DistBackendError, match=r"did not complete within 0\.05s"):
+        work.wait(timeout=0.05)
+    work.run(lambda: tensor.add_(1))
+    assert work.wait() and work.is_completed() and work.is_success() and work.exception() is None
+    assert work.get_future().value()[0] is tensor and doubled.wait().tolist() == [4.0, 4.0]
+    assert work.result() == [tensor]
+
+    failed = TorchWork([tensor], "all_reduce")
+
+    def mismatch() -> None:
+        raise MismatchError("peer 0 called all_reduce with shape (3,); peer 1 with (4,)")
+
+    failed.run(mismatch)
+    assert failed.is_completed() and not failed.is_success()
+    with pytest.raises(dist.DistBackendError, match="MismatchError: peer 0 called") as caught:
+        failed.wait()
+    assert isinstance(caught.value.__cause__, MismatchError)
+    with pytest.raises(RuntimeError, match="MismatchError: peer 0 called"):
+        failed.get_future().wait()  # failed in torch's C++ too (what DDP's reducer sees)
+
+
+# -- the benchmarks ---------------------------------------------------------------------------------
+
+
+def test_bench_backend_torch_times_ours_beside_gloo(capsys: pytest.CaptureFixture[str]) -> None:
+    from collective.bench import cli as bench_cli
+
+    argv = ["--backend", "torch", "--op", "all_reduce", "--nodes", "2", "-b", "8", "-e", "64", "-f", "8",
+            "-w", "1", "-n", "3"]  # fmt: skip
+    parser = bench_cli.argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    status = bench_cli.run(parser.parse_args(argv), parser, argv, sys.stdout)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "# all_reduce  torch.distributed gloo  peers=2" in out
+    assert "# all_reduce  torch.distributed backend collective  peers=2" in out and "speedup vs gloo" in out
+    assert "4 rows" in out and "wrong elements: 0" in out
+
+
+def test_ddp_step_bench_compares_parameters(capsys: pytest.CaptureFixture[str]) -> None:
+    from collective.bench import ddp_step
+
+    assert ddp_step.main(["--rounds", "1", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    for name in ddp_step.MODELS:
+        line = next(line for line in out.splitlines() if line.strip().startswith(name))
+        assert float(line.split()[-1]) <= 1e-5, line  # the largest parameter difference to gloo

@@ -1,0 +1,330 @@
+"""One rank of a torch.distributed job on the "collective" backend (run by tests/test_torch_backend.py).
+
+    python tests/torch_worker.py ops           every dist op against a reference, on the world and a
+                                               subgroup; async work and futures; object collectives;
+                                               errors; prints "OK <rank>"
+    python tests/torch_worker.py ddp BACKEND OUT  DDP training runs (plain, no_sync, comm hook) under
+                                               BACKEND ("collective" through tcp://, or "gloo");
+                                               rank R saves its final parameters to OUT.R
+    python tests/torch_worker.py kill          DDP training; the last rank SIGKILLs itself in step 3;
+                                               the others print "RAISED <seconds> <error>"
+    python tests/torch_worker.py reuse         col.init() first: init_process_group reuses its peer
+
+Rank and world size come from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import collective as col
+import collective.torch  # registers the backend
+from collective.bench.ddp_step import train
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecation notes on *_tensor ops
+R = dist.ReduceOp
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+          torch.int64, torch.complex64]  # fmt: skip
+
+
+def value(rank: int, shape: tuple[int, ...], dtype: Any, salt: int = 0) -> Any:
+    """Rank ``rank``'s deterministic input: small integers, exact in every dtype."""
+    count = int(np.prod(shape)) if shape else 1
+    return ((torch.arange(count) * (salt + 1) + rank) % 4 + 1).reshape(shape).to(dtype)
+
+
+def combine(tensors: list[Any], op: Any) -> Any:
+    """The reference: ``op`` over ``tensors`` (in their dtype; mean in complex128)."""
+    if op == R.AVG:
+        total = torch.stack([t.to(torch.complex128) for t in tensors]).sum(0) / len(tensors)
+        return (total if tensors[0].dtype.is_complex else total.real).to(tensors[0].dtype)
+    combine_two = {R.SUM: torch.add, R.PRODUCT: torch.mul, R.MIN: torch.minimum, R.MAX: torch.maximum}[op]
+    result = tensors[0].clone()
+    for t in tensors[1:]:
+        result = combine_two(result, t)
+    return result
+
+
+def same(actual: Any, expected: Any, what: str) -> None:
+    torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}", atol=1e-2, rtol=1e-2)
+
+
+def check_ops(group: Any, ranks: list[int]) -> None:
+    """Every op on ``group`` (global ranks ``ranks``), against references built from value()."""
+    rank, n = dist.get_rank(), len(ranks)
+    me = ranks.index(rank)
+    kw = {"group": group}
+    # all_reduce: every dtype x op, 17 elements (not divisible by the group size), 0-d and empty
+    for dtype in DTYPES:
+        ops = [R.SUM] if dtype.is_complex else [R.SUM, R.PRODUCT, R.MIN, R.MAX]  # torch: complex as real
+        ops += [R.AVG] if dtype.is_floating_point or dtype.is_complex else []
+        for op in ops:
+            t = value(rank, (17,), dtype)
+            dist.all_reduce(t, op, **kw)
+            same(t, combine([value(r, (17,), dtype) for r in ranks], op), f"all_reduce {dtype} {op}")
+    for shape in [(), (0,), (3, 5)]:
+        t = value(rank, shape, torch.float32)
+        dist.all_reduce(t, **kw)
+        same(t, combine([value(r, shape, torch.float32) for r in ranks], R.SUM), f"all_reduce {shape}")
+    flags = torch.tensor([me == 0, False, True])
+    dist.all_reduce(flags, R.MAX, **kw)
+    assert flags.tolist() == [True, False, True], flags
+    flags = torch.tensor([me == 0, False, True])
+    dist.all_reduce(flags, R.MIN, **kw)
+    assert flags.tolist() == [n == 1, False, True], flags
+    if hasattr(dist, "_make_nccl_premul_sum"):
+        t = value(rank, (5,), torch.float32)
+        dist.all_reduce(t, dist._make_nccl_premul_sum(2.0), **kw)
+        same(t, 2 * combine([value(r, (5,), torch.float32) for r in ranks], R.SUM), "premul_sum")
+    grid = value(rank, (6, 4), torch.float32)
+    column = grid[:, 1]  # not contiguous: written back in place
+    dist.all_reduce(column, **kw)
+    same(grid[:, 1], combine([value(r, (6, 4), torch.float32)[:, 1] for r in ranks], R.SUM), "strided")
+    same(grid[:, 0], value(rank, (6, 4), torch.float32)[:, 0], "strided neighbours untouched")
+    leaf = value(rank, (4,), torch.float32).requires_grad_()
+    dist.all_reduce(leaf, **kw)
+    same(leaf.detach(), combine([value(r, (4,), torch.float32) for r in ranks], R.SUM), "requires_grad")
+    # broadcast and reduce from every root
+    for i, root in enumerate(ranks):
+        for dtype in (torch.float32, torch.bfloat16, torch.bool):
+            t = value(rank, (7,), dtype)
+            dist.broadcast(t, src=root, **kw)
+            same(t, value(root, (7,), dtype), f"broadcast {dtype} from {root}")
+        t = value(rank, (9,), torch.int64)
+        dist.reduce(t, dst=root, op=R.MAX, **kw)
+        if me == i:
+            same(t, combine([value(r, (9,), torch.int64) for r in ranks], R.MAX), f"reduce to {root}")
+    # all_gather: list, into one tensor (concatenated and stacked)
+    outs = [torch.empty(3, 2) for _ in ranks]
+    dist.all_gather(outs, value(rank, (3, 2), torch.float32), **kw)
+    for r, out in zip(ranks, outs, strict=True):
+        same(out, value(r, (3, 2), torch.float32), f"all_gather from {r}")
+    every = torch.cat([value(r, (3, 2), torch.bfloat16) for r in ranks])
+    out = torch.empty(3 * n, 2, dtype=torch.bfloat16)
+    dist.all_gather_into_tensor(out, value(rank, (3, 2), torch.bfloat16), **kw)
+    same(out, every, "all_gather_into_tensor")
+    out = torch.empty(n, 3, 2, dtype=torch.bfloat16)
+    dist.all_gather_into_tensor(out, value(rank, (3, 2), torch.bfloat16), **kw)
+    same(out.reshape(3 * n, 2), every, "all_gather_into_tensor (stacked)")
+    # reduce_scatter: list and tensor
+    out = torch.empty(4)
+    dist.reduce_scatter(out, [value(rank, (4,), torch.float32, salt=j) for j in range(n)], **kw)
+    same(out, combine([value(r, (4,), torch.float32, salt=me) for r in ranks], R.SUM), "reduce_scatter")
+    out = torch.empty(4, dtype=torch.int32)
+    dist.reduce_scatter_tensor(out, value(rank, (4 * n,), torch.int32), op=R.MIN, **kw)
+    expected = combine([value(r, (4 * n,), torch.int32) for r in ranks], R.MIN)[4 * me : 4 * me + 4]
+    same(out, expected, "reduce_scatter_tensor")
+    # all_to_all_single: equal and uneven splits; all_to_all with tensors of different sizes
+    out = torch.empty(2 * n, 3)
+    dist.all_to_all_single(out, value(rank, (2 * n, 3), torch.float32), **kw)
+    for j, r in enumerate(ranks):
+        same(out[2 * j : 2 * j + 2], value(r, (2 * n, 3), torch.float32)[2 * me : 2 * me + 2], "all_to_all")
+    sent = [j + 1 + me for j in range(n)]  # rows to rank j
+    got = [me + 1 + j for j in range(n)]  # rows from rank j (its sent[me])
+    source = value(rank, (sum(sent), 2), torch.float64)
+    out = torch.empty(sum(got), 2, dtype=torch.float64)
+    dist.all_to_all_single(out, source, got, sent, **kw)
+    offset = 0
+    for j, r in enumerate(ranks):  # rank j sent k + 1 + j rows to each rank k, in rank order
+        theirs = value(r, (sum(k + 1 + j for k in range(n)), 2), torch.float64)
+        start = sum(k + 1 + j for k in range(me))
+        same(out[offset : offset + got[j]], theirs[start : start + got[j]], f"uneven all_to_all from {r}")
+        offset += got[j]
+    outputs = [torch.empty(me + 1) for _ in ranks]
+    dist.all_to_all(outputs, [torch.full((j + 1,), 10.0 * rank + j) for j in range(n)], **kw)
+    for r, out in zip(ranks, outputs, strict=True):
+        same(out, torch.full((me + 1,), 10.0 * r + me), f"all_to_all list from {r}")
+    # gather and scatter from every root
+    for i, root in enumerate(ranks):
+        gathered = [torch.empty(5, dtype=torch.int16) for _ in ranks] if me == i else None
+        dist.gather(value(rank, (5,), torch.int16), gathered, dst=root, **kw)
+        if gathered is not None:
+            for r, got_row in zip(ranks, gathered, strict=True):
+                same(got_row, value(r, (5,), torch.int16), f"gather to {root}")
+        out = torch.empty(2, 2)
+        parts = [value(root, (2, 2), torch.float32, salt=j) for j in range(n)] if me == i else None
+        dist.scatter(out, parts, src=root, **kw)
+        same(out, value(root, (2, 2), torch.float32, salt=me), f"scatter from {root}")
+    dist.barrier(**kw)
+    # point to point: a ring with isend/irecv, then blocking send/recv of bfloat16
+    if n > 1:
+        nxt, prev = ranks[(me + 1) % n], ranks[(me - 1) % n]
+        incoming = torch.empty(6)
+        works = [dist.isend(value(rank, (6,), torch.float32), nxt, **kw),
+                 dist.irecv(incoming, prev, **kw)]  # fmt: skip
+        for work in works:
+            work.wait()
+        same(incoming, value(prev, (6,), torch.float32), "isend/irecv ring")
+        if me == 0:
+            dist.send(value(rank, (3,), torch.bfloat16), ranks[1], tag=7, **kw)
+        elif me == 1:
+            received = torch.empty(3, dtype=torch.bfloat16)
+            dist.recv(received, ranks[0], tag=7, **kw)
+            same(received, value(ranks[0], (3,), torch.bfloat16), "send/recv")
+    # asynchronous work: several in flight, futures with the result tensors, then-callbacks
+    tensors = [value(rank, (8,), torch.float32, salt=k) for k in range(4)]
+    works = [dist.all_reduce(t, async_op=True, **kw) for t in tensors]
+    doubled = works[-1].get_future().then(lambda fut: fut.value()[0] * 2)
+    torch.futures.wait_all([w.get_future() for w in works])
+    for k, (t, work) in enumerate(zip(tensors, works, strict=True)):
+        assert work.wait() and work.is_completed()
+        expected = combine([value(r, (8,), torch.float32, salt=k) for r in ranks], R.SUM)
+        same(t, expected, f"async all_reduce {k}")
+        assert work.get_future().value()[0] is t
+    same(doubled.wait(), 2 * tensors[-1], "then-callback")
+    work = dist.broadcast(value(rank, (2,), torch.float32), src=ranks[0], async_op=True, **kw)
+    work.wait()
+    # object collectives
+    objects: list[Any] = [None] * n
+    dist.all_gather_object(objects, {"rank": rank, "data": list(range(rank))}, **kw)
+    assert objects == [{"rank": r, "data": list(range(r))} for r in ranks], objects
+    box: list[Any] = [f"from {rank}", rank * 1.5] if me == n - 1 else [None, None]
+    dist.broadcast_object_list(box, src=ranks[-1], **kw)
+    assert box == [f"from {ranks[-1]}", ranks[-1] * 1.5], box
+    gathered_objects: list[Any] | None = [None] * n if me == 0 else None
+    dist.gather_object(("g", rank), gathered_objects, dst=ranks[0], **kw)
+    if me == 0:
+        assert gathered_objects == [("g", r) for r in ranks], gathered_objects
+    scattered: list[Any] = [None]
+    dist.scatter_object_list(scattered, [f"to {r}" for r in ranks] if me == 0 else None, src=ranks[0], **kw)
+    assert scattered == [f"to {rank}"], scattered
+    # errors: a mismatch is a DistBackendError with our message on every rank; the group goes on
+    expect_error(lambda: dist.all_reduce(torch.ones(3 if me == 0 else 4), **kw), "MismatchError")
+    expect_error(lambda: dist.all_reduce(torch.ones(2), op=R.BAND, **kw), "ReduceOp.BAND")
+    t = torch.ones(2)
+    dist.all_reduce(t, **kw)
+    same(t, torch.full((2,), float(n)), "after the errors")
+
+
+def expect_error(call: Callable[[], Any], text: str) -> None:
+    try:
+        call()
+    except dist.DistBackendError as exc:
+        assert text in str(exc), exc
+        return
+    raise AssertionError(f"no DistBackendError mentioning {text!r}")
+
+
+def ops() -> None:
+    dist.init_process_group("collective")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    assert dist.get_backend() == "collective"
+    check_ops(None, list(range(world)))
+    members = [0, world - 1]
+    subgroup = dist.new_group(members)
+    if rank in members:
+        assert dist.get_backend(subgroup) == "collective"
+        check_ops(subgroup, members)
+    dist.barrier()
+    dist.destroy_process_group()
+    print(f"OK {rank}", flush=True)
+
+
+def ddp(backend: str, out: str) -> None:
+    """Train the shared models; collective joins through tcp://, gloo through env://."""
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if backend == "collective":
+        address = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+        dist.init_process_group(backend, init_method=address, rank=rank, world_size=world)
+    else:
+        dist.init_process_group(backend)
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    results = {
+        "plain-1.3m": train("mlp-1.3m", 30, rank)[0],
+        "plain-12x128": train("mlp-12x128", 30, rank)[0],
+        "no_sync": train("mlp-12x128", 10, rank, accumulate=3)[0],
+        "fp16-hook": train("mlp-12x128", 10, rank, hook=default_hooks.fp16_compress_hook)[0],
+    }
+    if backend == "collective":
+        check_no_sync_is_local(rank, world)
+    torch.save(results, f"{out}.{rank}")
+    dist.destroy_process_group()
+    print(f"OK {rank}", flush=True)
+
+
+def check_no_sync_is_local(rank: int, world: int) -> None:
+    """Under no_sync() gradients stay each rank's own; the next backward averages them."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Linear(4, 1))
+    x = torch.full((2, 4), float(rank + 1))
+    with model.no_sync():
+        model(x).sum().backward()
+    local = model.module.weight.grad.clone()
+    locals_ = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(locals_, local)
+    assert not torch.equal(locals_[0], locals_[1]), locals_
+    model(x).sum().backward()  # the same gradient again, added to the local one, then averaged
+    synced = model.module.weight.grad.clone()
+    everyone = [torch.empty_like(synced) for _ in range(world)]
+    dist.all_gather(everyone, synced)
+    assert all(torch.equal(everyone[0], g) for g in everyone), everyone
+    same(synced, 2 * torch.stack(locals_).mean(0), "no_sync accumulation")
+
+
+def kill() -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("collective")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    started = [time.monotonic()]
+
+    def on_step(step: int) -> None:
+        started[0] = time.monotonic()
+        if step == 3 and rank == world - 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    try:
+        train("mlp-12x128", 100_000, rank, on_step=on_step)
+    except RuntimeError as exc:  # DDP's reducer re-raises our DistBackendError as a RuntimeError
+        message = str(exc).splitlines()[0]
+        print(f"RAISED {time.monotonic() - started[0]:.2f} {message}", flush=True)
+        os._exit(0)
+    print("NO ERROR", flush=True)
+
+
+def reuse() -> None:
+    peer = col.init()
+    dist.init_process_group("collective")
+    assert dist.get_rank() == peer and dist.get_world_size() == col.world_size()
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    direct = col.all_reduce(peer, torch.ones(3))
+    assert torch.equal(t, direct) and isinstance(direct, torch.Tensor), (t, direct)
+    dist.destroy_process_group()  # the peer stays registered: col.init() registered it
+    np.testing.assert_array_equal(
+        col.all_gather(peer, np.array([peer])), [[r] for r in range(col.world_size())]
+    )
+    col.finish(peer)
+    print(f"OK {peer}", flush=True)
+
+
+def main() -> int:
+    scenario = sys.argv[1]
+    if scenario == "ops":
+        ops()
+    elif scenario == "ddp":
+        ddp(sys.argv[2], sys.argv[3])
+    elif scenario == "kill":
+        kill()
+    elif scenario == "reuse":
+        reuse()
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
