@@ -7,9 +7,6 @@ algorithms Centralized, Tree(k), Ring or Direct. See docs/api.md for the full co
 
 from __future__ import annotations
 
-import importlib
-
-from collective import api
 from collective.algorithms.ops import ReduceOp
 from collective.algorithms.strategies import Centralized, Direct, Ring, Tree
 from collective.api import (
@@ -22,6 +19,7 @@ from collective.api import (
     default_runtime,
     finish,
     gather,
+    init,
     new_group,
     recv,
     reduce,
@@ -47,12 +45,6 @@ from collective.groups import Group
 from collective.launch import peer_ids_from_env
 from collective.runtime import Runtime
 from collective.work import Work
-
-# The submodule collective.init shares its name with the function init(): the first import of the
-# submodule (init() itself imports it) would rebind ``collective.init`` to the module. Load it now,
-# then bind the function again.
-importlib.import_module("collective.init")
-init = api.init
 
 __version__ = "0.2.0"
 

@@ -29,8 +29,8 @@ def default_runtime() -> Runtime:
 
 def init(device: str = "cpu") -> int:
     """Register this process's one peer from the launcher's variables (torchrun, Slurm, mpirun,
-    collective launch); returns its peer id. See collective.init."""
-    from collective.init import init as init_from_environment
+    collective launch); returns its peer id. See collective.bootstrap."""
+    from collective.bootstrap import init as init_from_environment
 
     return init_from_environment(_default, device)
 

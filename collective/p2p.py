@@ -13,11 +13,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from collective.algorithms.ops import Array
-from collective.errors import CollectiveError, CollectiveTimeout, MismatchError, PeerLostError
+from collective.arrays import Device, check_array
+from collective.errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    InvalidArgumentError,
+    MismatchError,
+    PeerLostError,
+)
+from collective.tensors import native
 
-__all__ = ["Mailbox"]
+__all__ = ["Mailbox", "recv", "send"]
+
+if TYPE_CHECKING:
+    from collective.job import LocalJob
 
 Key = tuple[int, int, int]  # (src, dst, tag)
 DEFAULT_LIMIT = 1 << 30  # unreceived bytes kept per source process
@@ -109,3 +121,62 @@ class Mailbox:
 
 def left_error(src: int, dst: int) -> PeerLostError:
     return PeerLostError(f"recv: peer {src} left the job (finish) before sending to peer {dst}", [src])
+
+
+HOST = Device("cpu")
+
+
+def send(job: LocalJob, mailbox: Mailbox, peer: int, device: Device, x: Any, dst: int, tag: int) -> None:
+    """Peer ``peer``'s send: checked, copied, and into ``dst``'s mailbox (here or in its process)."""
+    _check(job, peer, dst, tag, "dst")
+    x, _ = native(x)
+    problem = check_array(x, device, None)
+    if problem is not None:
+        raise InvalidArgumentError(f"send: peer {peer}: {problem}")
+    if job.node is not None and not job.node.is_local(dst, job.peer_ids):
+        job.node.send_p2p(peer, dst, tag, HOST.adopt(x).copy())  # a copy the caller cannot touch
+        return
+    mailbox.put(peer, dst, tag, x.copy())
+
+
+def recv(
+    job: LocalJob,
+    mailbox: Mailbox,
+    finished: set[int],
+    peer: int,
+    device: Device,
+    src: int,
+    tag: int,
+    seconds: float,
+    out: Any,
+) -> Any:
+    """Peer ``peer``'s receive from ``src``: the array (on ``device``), or ``out`` filled with it."""
+    _check(job, peer, src, tag, "src")
+
+    def gone(source: int) -> CollectiveError | None:
+        if source in finished or source in job.gone_among((source,)):
+            return left_error(source, peer)
+        return job.node.lost_peer(source) if job.node is not None else None
+
+    remote = job.node is not None and not job.node.is_local(src, job.peer_ids)
+    pump = job.node.pump if remote and job.node is not None else None
+    data = device.adopt(mailbox.take(src, peer, tag, time.monotonic() + seconds, seconds, gone, pump))
+    if out is None:
+        return data
+    target, _ = native(out)
+    if tuple(target.shape) != tuple(data.shape) or target.dtype != data.dtype:
+        raise InvalidArgumentError(
+            f"recv: out has shape {tuple(target.shape)} and dtype {target.dtype}; peer {src} sent "
+            f"{tuple(data.shape)} {data.dtype}"
+        )
+    target[...] = data
+    return out
+
+
+def _check(job: LocalJob, peer: int, other: Any, tag: Any, name: str) -> None:
+    if isinstance(other, bool) or not isinstance(other, int) or not 0 <= other < job.world:
+        raise InvalidArgumentError(f"{name}={other!r} is not a peer of the job (peers 0..{job.world - 1})")
+    if other == peer:
+        raise InvalidArgumentError(f"peer {peer} cannot send to or receive from itself")
+    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
+        raise InvalidArgumentError(f"tag must be an integer >= 0, got {tag!r}")

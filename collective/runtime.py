@@ -18,8 +18,9 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
+from collective import p2p
 from collective.algorithms.ops import Array, ReduceOp
-from collective.arrays import Device, check_array
+from collective.arrays import Device
 from collective.call import Call
 from collective.calls import (
     AllGather,
@@ -44,11 +45,8 @@ from collective.errors import (
 from collective.executors import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW
 from collective.groups import Group
 from collective.job import LocalJob
-from collective.p2p import Mailbox, left_error
-from collective.tensors import native
+from collective.p2p import Mailbox
 from collective.work import Sequencer
-
-HOST = Device("cpu")
 
 __all__ = ["Runtime"]
 
@@ -300,42 +298,16 @@ class Runtime:
     def send(self, peer_id: int, x: Array, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Hand ``x`` (copied) to peer ``dst``; returns at once, whether or not ``dst`` is receiving."""
         job, member = self._member(peer_id), self._peer(peer_id)
-        _check_p2p(job, peer_id, dst, tag, "dst")
-        x, _ = native(x)
-        problem = check_array(x, member.device, None)
-        if problem is not None:
-            raise InvalidArgumentError(f"send: peer {peer_id}: {problem}")
-        if job.node is not None and not job.node.is_local(dst, job.peer_ids):
-            job.node.send_p2p(peer_id, dst, tag, HOST.adopt(x).copy())  # a copy the caller cannot touch
-            return
-        self._mailbox.put(peer_id, dst, tag, x.copy())
+        p2p.send(job, self._mailbox, peer_id, member.device, x, dst, tag)
 
     def recv(
         self, peer_id: int, src: int, tag: int = 0, *, timeout: float | None = None, out: Array | None = None
     ) -> Array:
         """The next array ``src`` sent to this peer with ``tag`` (its shape and dtype, or into ``out``)."""
         job, member = self._member(peer_id), self._peer(peer_id)
-        _check_p2p(job, peer_id, src, tag, "src")
         seconds = job.config.timeout if timeout is None else _seconds(timeout)
-
-        def gone(source: int) -> CollectiveError | None:
-            if source in self._finished or source in job.gone_among((source,)):
-                return left_error(source, peer_id)
-            return job.node.lost_peer(source) if job.node is not None else None
-
-        pump = job.node.pump if job.node is not None and not job.node.is_local(src, job.peer_ids) else None
-        data = self._mailbox.take(src, peer_id, tag, time.monotonic() + seconds, seconds, gone, pump)
-        data = member.device.adopt(data)
-        if out is None:
-            return data
-        target, _ = native(out)
-        if tuple(target.shape) != tuple(data.shape) or target.dtype != data.dtype:
-            raise InvalidArgumentError(
-                f"recv: out has shape {tuple(target.shape)} and dtype {target.dtype}; peer {src} sent "
-                f"{tuple(data.shape)} {data.dtype}"
-            )
-        target[...] = data
-        return out
+        finished = self._finished
+        return p2p.recv(job, self._mailbox, finished, peer_id, member.device, src, tag, seconds, out)
 
     # -- the one road ---------------------------------------------------------------------------
 
@@ -375,9 +347,6 @@ class Runtime:
             return sequencer.submit(run, label)
         return sequencer.call(run, label)
 
-    def _deadline(self, job: LocalJob, timeout: float | None) -> float:
-        return time.monotonic() + (job.config.timeout if timeout is None else _seconds(timeout))
-
     def _group_of(self, peer_id: int, group: Group | None) -> tuple[_Peer, tuple[int, ...]]:
         """This peer's record and the group's members; InvalidArgumentError for a group it is not in."""
         job = self._member(peer_id)
@@ -414,12 +383,3 @@ def _seconds(timeout: Any) -> float:
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise InvalidArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}")
     return float(timeout)
-
-
-def _check_p2p(job: LocalJob, peer: int, other: Any, tag: Any, name: str) -> None:
-    if isinstance(other, bool) or not isinstance(other, int) or not 0 <= other < job.world:
-        raise InvalidArgumentError(f"{name}={other!r} is not a peer of the job (peers 0..{job.world - 1})")
-    if other == peer:
-        raise InvalidArgumentError(f"peer {peer} cannot send to or receive from itself")
-    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
-        raise InvalidArgumentError(f"tag must be an integer >= 0, got {tag!r}")

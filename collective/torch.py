@@ -10,7 +10,7 @@ dist.destroy_process_group()
 ```
 
 The default group joins this process's one peer (peer id = torch's rank) through the store torch
-hands its backends (``collective.init.init_with_store``: rank 0 hosts an embedded orchestrator and
+hands its backends (``collective.bootstrap.init_with_store``: rank 0 hosts an embedded orchestrator and
 publishes it there), unless the default runtime already has this process's peer (``col.init()``
 was called first): then the backend uses it. ``dist.new_group(ranks)`` is ``col.new_group`` of the
 same global ranks. Every torch op maps onto our collectives (see docs/frameworks.md); results are
@@ -35,9 +35,9 @@ from datetime import timedelta
 from typing import Any
 
 from collective.api import default_runtime
+from collective.bootstrap import init_with_store
 from collective.errors import CollectiveError, RegistrationError
 from collective.groups import Group, new_group
-from collective.init import init_with_store
 from collective.runtime import Runtime
 from collective.torch_ops import Ops
 from collective.torch_p2p import PointToPoint

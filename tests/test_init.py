@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import collective as col
-from collective.init import first_host, init, launched_from
+from collective.bootstrap import first_host, init, launched_from
 from collective.launch import free_port
 from tests.processes import Proc, finish_all
 
@@ -190,7 +190,7 @@ def test_init_under_torchruns_agent_store() -> None:
 
 def test_init_with_a_store_as_torch_hands_its_backends() -> None:
     torch_distributed = pytest.importorskip("torch.distributed")
-    from collective.init import init_with_store
+    from collective.bootstrap import init_with_store
 
     store = torch_distributed.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
     with col.Runtime() as rt:

@@ -40,10 +40,10 @@ def test_peer_ids_from_env_reads_a_list() -> None:
 def test_the_documented_node_script_fails_clearly_without_its_peer_ids(tmp_path: Path) -> None:
     """docs/multinode.md's script did nothing and exited 0 when COLLECTIVE_PEER_IDS was unset."""
     text = (DOCS / "multinode.md").read_text()
-    script = re.search(r"```python\n(.*?)```", text, re.S)
-    assert script is not None
+    scripts = [s for s in re.findall(r"```python\n(.*?)```", text, re.S) if "peer_ids_from_env" in s]
+    assert scripts, "docs/multinode.md shows no node script with thread peers"
     path = tmp_path / "train.py"
-    path.write_text(script.group(1))
+    path.write_text(scripts[0])
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
     env.update(
         COLLECTIVE_NUM_DEVICES="1", COLLECTIVE_NUM_NODES="2", COLLECTIVE_GLOBAL_ADDRESS="127.0.0.1:9",
