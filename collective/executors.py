@@ -7,6 +7,8 @@
   each finishes (``Call.after``: e.g. copies the shared result out).
 * ``Linked``: anything else in one process (large arrays, CuPy): the configured strategy's
   schedule (collective.algorithms) over the in-process Link.
+* ``ShmGroup`` (collective.shm_executor): peers each in their own process, all on this host
+  (NodeJob.shm_group decides from the topology's host identities).
 * ``ThreePhase`` (collective.three_phase): peers on several nodes.
 
 Inputs are combined in rank order on every path, so results are deterministic and bit-identical
@@ -50,7 +52,8 @@ def choose(
     if site.node is not None:
         from collective.three_phase import ThreePhase
 
-        return ThreePhase(site, members, local, label)
+        shm = site.node.shm_group(members)  # every member its own process, all on this host
+        return shm if shm is not None else ThreePhase(site, members, local, label)
     inputs = [call.src for call in calls]
     if site.fuse_below and _numpy_within(inputs, site.fuse_below):
         return Fused(type(calls[0]).fuse(agreed, inputs))
