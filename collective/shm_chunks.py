@@ -45,10 +45,10 @@ class Members(Protocol):
     def wait(self, rank: int, target: int, deadline: float) -> None: ...
 
 
-__all__ = ["ABORT", "ARRIVE", "END", "Chunks", "at"]
+__all__ = ["ABORT", "ARRIVE", "END", "REDUCING", "Chunks", "at", "reduce_into"]
 
 ARRIVE, ABORT, END = 0, 0xFFFFFFFE, 0xFFFFFFFF  # progress codes of a step (below ABORT: its chunks)
-_REDUCING = frozenset(["all_reduce", "reduce", "all_reduce_coalesced"])
+REDUCING = frozenset(["all_reduce", "reduce", "all_reduce_coalesced"])
 
 
 def at(step: int, code: int) -> int:
@@ -101,7 +101,7 @@ class Chunks:
 
     def run(self) -> None:
         kind = self.agreed.kind
-        if kind in _REDUCING:
+        if kind in REDUCING:
             self._reduction()
         elif kind == "broadcast":
             self._broadcast()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 from collections import Counter
 from typing import Any
 
@@ -42,7 +43,7 @@ from collective.errors import (
     PeerLostError,
     describe_peers,
 )
-from collective.shm_chunks import ABORT, ARRIVE, END, Chunks, at
+from collective.shm_chunks import ABORT, ARRIVE, END, REDUCING, Chunks, at, reduce_into
 from collective.shm_host import HostRing, SignatureCodec
 from collective.signature import Signature, agree
 from collective.transport.shm_ring import INLINE_BYTES, MESSAGE_BYTES, RingSegment, Waiting
@@ -78,6 +79,7 @@ class ShmGroup:
         self.mine: Any = None  # this process's channel for the group
         self.waiting = Waiting(self.n, ring.segment)
         self.codec = SignatureCodec()
+        self._written: list[bytes | None] = [None, None]  # the message in each slot of this channel
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -115,19 +117,23 @@ class ShmGroup:
             self._wait_all(at(s - 2, ABORT), deadline)  # every member left step s-2: slot s % 2 is free
         src = call.src if call.src is None or isinstance(call.src, np.ndarray) else call.src.get()
         inline = src is not None and src.nbytes <= INLINE_BYTES
-        self._publish(s, slot, self.codec.encode(call.signature), src if inline else None)
+        message = self.codec.encode(call.signature)
+        self._publish(s, slot, message, src if inline else None)
         if plan.error is not None and call.signature.error is None:
             raise plan.error  # recorded for the others by run()
         self._wait_all(at(s, ARRIVE), deadline)
         self._met = s
-        agreed, inputs = self._agree(s, slot)
+        agreed, inputs = self._agree(s, slot, message)
         n, rank = self.n, self.rank
         result = call.new_result(call.device, agreed, n, rank)
         target: Any = None if result is None else flat(result)
         host = target is None or isinstance(target, np.ndarray)
         dst = target if host else np.empty(target.shape, target.dtype)
         if inputs is not None:
-            if dst is not None:
+            if dst is not None and agreed.kind in REDUCING:
+                assert agreed.op is not None
+                reduce_into(agreed.op, inputs, dst)  # every member in rank order: the same bits
+            elif dst is not None:
                 np.copyto(dst, type(call).fuse(agreed, inputs)[rank])
         else:
             Chunks(self, agreed, call, src, dst, s, deadline).run()
@@ -155,56 +161,58 @@ class ShmGroup:
     def _publish(self, s: int, slot: int, message: bytes, data: np.ndarray | None) -> None:
         mine = self.mine
         head = mine.slot_heads[slot]
-        mine.messages[slot][: len(message)] = message
+        if self._written[slot] is not message:  # the same call as last time in this slot: in place
+            mine.messages[slot][: len(message)] = message
+            self._written[slot] = message
         if data is not None and data.nbytes:
-            mine.slots[slot][: data.nbytes] = data.view(np.uint8)
+            mine.data[slot][: data.nbytes] = data.view(np.uint8).data  # bfloat16 has no buffer format
         head[1] = len(message)
         head[2] = -1 if data is None else data.nbytes
         head[0] = s
         self.post(at(s, ARRIVE))
 
-    def _agree(self, s: int, slot: int) -> tuple[Signature, list[Any] | None]:
-        """The agreed call and, for a small step, every member's inline input (None for a large one)."""
-        messages, sizes = [], []
-        for rank in range(self.n):
-            channel = self.mine if rank == self.rank else self._theirs[rank]
+    def _agree(self, s: int, slot: int, message: bytes) -> tuple[Signature, list[Any] | None]:
+        """The agreed call and, for a small step, every member's inline input (None for a large one).
+
+        ``message`` is this process's own; when every member published the same bytes and the call
+        has neither a problem nor a source to find, that is the agreed call (decoded once, cached).
+        """
+        channels = [self.mine if rank == self.rank else self._theirs[rank] for rank in range(self.n)]
+        same = True
+        for rank, channel in enumerate(channels):
             head = channel.slot_heads[slot]
-            length = head[1]
-            if head[0] != s or not 0 <= length <= MESSAGE_BYTES:
-                self._finish_with(
-                    s, MismatchError(f"{self._label}: {self._who([rank])} published step {head[0]}")
-                )
-            messages.append(bytes(channel.messages[slot][:length]))
-            sizes.append(head[2])
+            if head[0] != s or not 0 <= head[1] <= MESSAGE_BYTES:
+                problem = f"{self._label}: {self._who([rank])} published step {head[0]}, not {s}"
+                self._finish_with(s, MismatchError(problem))
+            same = same and channel.messages[slot][: head[1]] == message
         try:
-            specs = {rank: self.codec.decode(message) for rank, message in enumerate(messages)}
+            agreed = self.codec.decode(message)
+            if not same or agreed.error is not None or rules_of(agreed.kind).sourced:
+                specs = {
+                    rank: self.codec.decode(bytes(channel.messages[slot][: channel.slot_heads[slot][1]]))
+                    for rank, channel in enumerate(channels)
+                }
+                agreed = agree(specs, f"#{s}", rules_of, who=self._who)
         except WireError as exc:
             self._finish_with(s, MismatchError(f"{self._label}: a member published an unusable call: {exc}"))
-        first = specs[0]
-        if first.error is None and not rules_of(first.kind).sourced and messages.count(messages[0]) == self.n:
-            agreed = first
-        else:
-            try:
-                agreed = agree(specs, f"#{s}", rules_of, who=self._who)
-            except CollectiveError as exc:
-                self._finish_with(s, exc)
+        except CollectiveError as exc:
+            self._finish_with(s, exc)
         if agreed.kind == "barrier":
             return agreed, [None] * self.n
-        count = int(np.prod(agreed.shape or ())) * (self.n if agreed.kind == "scatter" else 1)
+        count = math.prod(agreed.shape or ()) * (self.n if agreed.kind == "scatter" else 1)
         nbytes = count * agreed.dtype.itemsize
         if nbytes > INLINE_BYTES:
             return agreed, None
         inputs: list[Any] = []
-        for rank, size in enumerate(sizes):
+        for rank, channel in enumerate(channels):
+            size = channel.slot_heads[slot][2]
             if size < 0:
                 inputs.append(None)
-                continue
-            if size != nbytes:
-                self._finish_with(
-                    s, MismatchError(f"{self._label}: {self._who([rank])} published {size} bytes")
-                )
-            channel = self.mine if rank == self.rank else self._theirs[rank]
-            inputs.append(channel.slots[slot][:nbytes].view(agreed.dtype))
+            elif size != nbytes:
+                problem = f"{self._label}: {self._who([rank])} published {size} bytes, not {nbytes}"
+                self._finish_with(s, MismatchError(problem))
+            else:
+                inputs.append(channel.slots[slot][:nbytes].view(agreed.dtype))
         return agreed, inputs
 
     def _finish_with(self, s: int, error: CollectiveError) -> Any:
@@ -281,6 +289,7 @@ class ShmGroup:
         self.index = None
         self._met = -1
         self._theirs = [None] * self.n
+        self._written = [None, None]
 
     def _watch(self) -> None:
         """Raise if the job closed or a member is gone (called while blocked)."""

@@ -165,7 +165,7 @@ def _open_checked(path: str, flags: int, size: int | None) -> Any:
 class Channel:
     """Views of one channel of a segment (writable in its owner's process only)."""
 
-    __slots__ = ("buffers", "heads", "messages", "progress", "records", "slot_heads", "slots")
+    __slots__ = ("buffers", "data", "heads", "messages", "progress", "records", "slot_heads", "slots")
 
     def __init__(self, memory: Any, base: int) -> None:
         view = memoryview(memory)
@@ -177,6 +177,7 @@ class Channel:
         self.messages = [view[h + _SLOT_HEAD : h + _SLOT_HEAD + MESSAGE_BYTES] for h in heads]
         data = [h + _SLOT_HEAD + MESSAGE_BYTES for h in heads]
         self.slots = [np.frombuffer(memory, np.uint8, INLINE_BYTES, d) for d in data]
+        self.data = [view[d : d + INLINE_BYTES] for d in data]  # the same bytes as memoryviews
         first = base + _CONTROL + 2 * _SLOT
         self.buffers = [np.frombuffer(memory, np.uint8, CHUNK_BYTES, first + i * CHUNK_BYTES) for i in (0, 1)]
 
