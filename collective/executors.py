@@ -50,10 +50,12 @@ def choose(
 ) -> Executor:
     """How the step ``agreed`` of the group ``members`` runs, given every local peer's call."""
     if site.node is not None:
+        shm = site.node.shm_group(members)  # every member its own process, all on this host
+        if shm is not None:
+            return shm
         from collective.three_phase import ThreePhase
 
-        shm = site.node.shm_group(members)  # every member its own process, all on this host
-        return shm if shm is not None else ThreePhase(site, members, local, label)
+        return ThreePhase(site, members, local, label)
     inputs = [call.src for call in calls]
     if site.fuse_below and _numpy_within(inputs, site.fuse_below):
         return Fused(type(calls[0]).fuse(agreed, inputs))

@@ -34,7 +34,6 @@ import numpy as np
 
 from collective import errors
 from collective.algorithms.ops import Array
-from collective.arrays import flat
 from collective.calls import rules_of
 from collective.errors import (
     CollectiveError,
@@ -80,6 +79,8 @@ class ShmGroup:
         self.waiting = Waiting(self.n, ring.segment)
         self.codec = SignatureCodec()
         self._written: list[bytes | None] = [None, None]  # the message in each slot of this channel
+        self._channels: list[Any] = []  # every member's channel, by rank (once all were found)
+        self._views: dict[tuple[Any, ...], list[Any]] = {}  # inline inputs as arrays, by their layout
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -115,28 +116,29 @@ class ShmGroup:
         slot = s & 1
         if s >= 2 and self._met != s - 1:
             self._wait_all(at(s - 2, ABORT), deadline)  # every member left step s-2: slot s % 2 is free
-        src = call.src if call.src is None or isinstance(call.src, np.ndarray) else call.src.get()
-        inline = src is not None and src.nbytes <= INLINE_BYTES
-        message = self.codec.encode(call.signature)
-        self._publish(s, slot, message, src if inline else None)
+        src = call.src
+        if src is not None and type(src) is not np.ndarray:
+            src = src.get()  # a CuPy input: through the host
+        message, digest = self.codec.encode(call.signature)
+        self._publish(
+            s, slot, message, digest, src if src is not None and src.nbytes <= INLINE_BYTES else None
+        )
         if plan.error is not None and call.signature.error is None:
             raise plan.error  # recorded for the others by run()
         self._wait_all(at(s, ARRIVE), deadline)
         self._met = s
-        agreed, inputs = self._agree(s, slot, message)
-        n, rank = self.n, self.rank
-        result = call.new_result(call.device, agreed, n, rank)
-        target: Any = None if result is None else flat(result)
-        host = target is None or isinstance(target, np.ndarray)
+        agreed, inputs = self._agree(s, slot, message, digest)
+        result = call.new_result(call.device, agreed, self.n, self.rank)
+        target: Any = None if result is None else result.reshape(-1)  # results are C-contiguous
+        host = target is None or type(target) is np.ndarray
         dst = target if host else np.empty(target.shape, target.dtype)
-        if inputs is not None:
-            if dst is not None and agreed.kind in REDUCING:
-                assert agreed.op is not None
-                reduce_into(agreed.op, inputs, dst)  # every member in rank order: the same bits
-            elif dst is not None:
-                np.copyto(dst, type(call).fuse(agreed, inputs)[rank])
-        else:
+        if inputs is None:
             Chunks(self, agreed, call, src, dst, s, deadline).run()
+        elif dst is not None and agreed.kind in REDUCING:  # every member reduces in rank order
+            assert agreed.op is not None
+            reduce_into(agreed.op, inputs, dst)
+        elif dst is not None:
+            np.copyto(dst, type(call).fuse(agreed, inputs)[self.rank])
         if not host:
             target.set(dst)  # a CuPy result
         self._active = None
@@ -158,33 +160,36 @@ class ShmGroup:
         self._segments = segments
         self._others = [segment for rank, segment in enumerate(segments) if rank != self.rank]
 
-    def _publish(self, s: int, slot: int, message: bytes, data: np.ndarray | None) -> None:
+    def _publish(self, s: int, slot: int, message: bytes, digest: int, data: np.ndarray | None) -> None:
         mine = self.mine
         head = mine.slot_heads[slot]
         if self._written[slot] is not message:  # the same call as last time in this slot: in place
             mine.messages[slot][: len(message)] = message
             self._written[slot] = message
+            head[1] = len(message)
+            head[3] = digest
         if data is not None and data.nbytes:
             mine.data[slot][: data.nbytes] = data.view(np.uint8).data  # bfloat16 has no buffer format
-        head[1] = len(message)
         head[2] = -1 if data is None else data.nbytes
         head[0] = s
         self.post(at(s, ARRIVE))
 
-    def _agree(self, s: int, slot: int, message: bytes) -> tuple[Signature, list[Any] | None]:
+    def _agree(self, s: int, slot: int, message: bytes, digest: int) -> tuple[Signature, list[Any] | None]:
         """The agreed call and, for a small step, every member's inline input (None for a large one).
 
-        ``message`` is this process's own; when every member published the same bytes and the call
-        has neither a problem nor a source to find, that is the agreed call (decoded once, cached).
+        When every member published the digest of this process's message and the call has neither
+        a problem nor a source to find, that is the agreed call; otherwise every message is decoded
+        and ``signature.agree`` decides, the same way on every member.
         """
-        channels = [self.mine if rank == self.rank else self._theirs[rank] for rank in range(self.n)]
+        channels = self._channels or self._all_channels()
         same = True
         for rank, channel in enumerate(channels):
             head = channel.slot_heads[slot]
             if head[0] != s or not 0 <= head[1] <= MESSAGE_BYTES:
                 problem = f"{self._label}: {self._who([rank])} published step {head[0]}, not {s}"
                 self._finish_with(s, MismatchError(problem))
-            same = same and channel.messages[slot][: head[1]] == message
+            if head[3] != digest:
+                same = False
         try:
             agreed = self.codec.decode(message)
             if not same or agreed.error is not None or rules_of(agreed.kind).sourced:
@@ -203,17 +208,27 @@ class ShmGroup:
         nbytes = count * agreed.dtype.itemsize
         if nbytes > INLINE_BYTES:
             return agreed, None
-        inputs: list[Any] = []
-        for rank, channel in enumerate(channels):
-            size = channel.slot_heads[slot][2]
-            if size < 0:
-                inputs.append(None)
-            elif size != nbytes:
-                problem = f"{self._label}: {self._who([rank])} published {size} bytes, not {nbytes}"
-                self._finish_with(s, MismatchError(problem))
-            else:
-                inputs.append(channel.slots[slot][:nbytes].view(agreed.dtype))
+        sizes = [channel.slot_heads[slot][2] for channel in channels]
+        key = (slot, nbytes, agreed.dtype, *sizes)
+        inputs = self._views.get(key)  # the same views of the slots as at the last such step
+        if inputs is None:
+            for rank, size in enumerate(sizes):
+                if size >= 0 and size != nbytes:
+                    problem = f"{self._label}: {self._who([rank])} published {size} bytes, not {nbytes}"
+                    self._finish_with(s, MismatchError(problem))
+            inputs = [
+                None if size < 0 else channel.slots[slot][:nbytes].view(agreed.dtype)
+                for channel, size in zip(channels, sizes, strict=True)
+            ]
+            if len(self._views) > 16:
+                self._views.clear()
+            self._views[key] = inputs
         return agreed, inputs
+
+    def _all_channels(self) -> list[Any]:
+        channels = [self.mine if rank == self.rank else self._theirs[rank] for rank in range(self.n)]
+        self._channels = channels
+        return channels
 
     def _finish_with(self, s: int, error: CollectiveError) -> Any:
         """A verdict every member reaches by itself: leave the step normally, then raise it."""
@@ -225,8 +240,8 @@ class ShmGroup:
 
     def post(self, value: int) -> None:
         """Raise this process's progress in the group to ``value`` and wake members that sleep."""
-        segment = self.ring.segment
         self.mine.progress[0] = value
+        segment = self.ring.segment
         segment.bump()
         for other in self._others:
             if other.sleepers[0]:
@@ -289,6 +304,8 @@ class ShmGroup:
         self.index = None
         self._met = -1
         self._theirs = [None] * self.n
+        self._channels = []
+        self._views = {}
         self._written = [None, None]
 
     def _watch(self) -> None:

@@ -106,18 +106,24 @@ class HostRing:
 
 
 class SignatureCodec:
-    """Signatures to the bytes of a slot's message and back (bounded, cached)."""
+    """Signatures to the bytes of a slot's message and back (bounded, cached).
+
+    Each message also has a 63-bit digest (blake2b): members compare digests, and decode the
+    others' messages only when they differ (or when the call has a problem or a source to find).
+    """
 
     def __init__(self) -> None:
-        self._encoded: dict[Signature, bytes] = {}
+        self._encoded: dict[Signature, tuple[bytes, int]] = {}
         self._decoded: dict[bytes, Signature] = {}
 
-    def encode(self, signature: Signature) -> bytes:
+    def encode(self, signature: Signature) -> tuple[bytes, int]:
         found = self._encoded.get(signature)
         if found is None:
-            found = msgpack.packb(signature_fields(signature), use_bin_type=True)
-            if len(found) > MESSAGE_BYTES:
-                found = msgpack.packb(signature_fields(_digested(signature)), use_bin_type=True)
+            message = msgpack.packb(signature_fields(signature), use_bin_type=True)
+            if len(message) > MESSAGE_BYTES:
+                message = msgpack.packb(signature_fields(_digested(signature)), use_bin_type=True)
+            digest = hashlib.blake2b(message, digest_size=8).digest()
+            found = (message, int.from_bytes(digest, "little") >> 1)
             if len(self._encoded) > 64:
                 self._encoded.clear()
             self._encoded[signature] = found

@@ -322,8 +322,8 @@ class Waiting:
     def __init__(self, processes: int, mine: RingSegment) -> None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         crowded = processes > cpus
-        self.spin = 2e-6 if crowded else 50e-6
-        self.yields = 50e-6 if crowded else 200e-6
+        self.spin = float(os.environ.get("COLLECTIVE_SHM_SPIN_US", 2 if crowded else 50)) * 1e-6
+        self.yields = float(os.environ.get("COLLECTIVE_SHM_YIELD_US", 50 if crowded else 200)) * 1e-6
         self.mine = mine
         self._lock = threading.Lock()
 
