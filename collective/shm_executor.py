@@ -80,7 +80,7 @@ class ShmGroup:
         self.codec = SignatureCodec()
         self._written: list[bytes | None] = [None, None]  # the message in each slot of this channel
         self._channels: list[Any] = []  # every member's channel, by rank (once all were found)
-        self._views: dict[tuple[Any, ...], list[Any]] = {}  # inline inputs as arrays, by their layout
+        self._agreed: dict[tuple[Any, ...], Any] = {}  # (agreed call, inline inputs) by digests and sizes
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -179,24 +179,34 @@ class ShmGroup:
 
         When every member published the digest of this process's message and the call has neither
         a problem nor a source to find, that is the agreed call; otherwise every message is decoded
-        and ``signature.agree`` decides, the same way on every member.
+        and ``signature.agree`` decides, the same way on every member. Both are remembered by the
+        members' digests and input sizes: a group repeats the same few calls.
         """
         channels = self._channels or self._all_channels()
-        same = True
-        for rank, channel in enumerate(channels):
-            head = channel.slot_heads[slot]
+        heads = [channel.slot_heads[slot] for channel in channels]
+        key: tuple[Any, ...] = (slot,)
+        for rank, head in enumerate(heads):
             if head[0] != s or not 0 <= head[1] <= MESSAGE_BYTES:
                 problem = f"{self._label}: {self._who([rank])} published step {head[0]}, not {s}"
                 self._finish_with(s, MismatchError(problem))
-            if head[3] != digest:
-                same = False
+            key += (head[3], head[2])
+        found = self._agreed.get(key)
+        if found is None:
+            found = self._agreed_anew(s, slot, message, digest, channels, heads)
+            if len(self._agreed) > 32:
+                self._agreed.clear()
+            self._agreed[key] = found
+        return found
+
+    def _agreed_anew(
+        self, s: int, slot: int, message: bytes, digest: int, channels: list[Any], heads: list[Any]
+    ) -> tuple[Signature, list[Any] | None]:
         try:
             agreed = self.codec.decode(message)
+            same = all(head[3] == digest for head in heads)
             if not same or agreed.error is not None or rules_of(agreed.kind).sourced:
-                specs = {
-                    rank: self.codec.decode(bytes(channel.messages[slot][: channel.slot_heads[slot][1]]))
-                    for rank, channel in enumerate(channels)
-                }
+                messages = [bytes(c.messages[slot][: h[1]]) for c, h in zip(channels, heads, strict=True)]
+                specs = {rank: self.codec.decode(message) for rank, message in enumerate(messages)}
                 agreed = agree(specs, f"#{s}", rules_of, who=self._who)
         except WireError as exc:
             self._finish_with(s, MismatchError(f"{self._label}: a member published an unusable call: {exc}"))
@@ -208,21 +218,12 @@ class ShmGroup:
         nbytes = count * agreed.dtype.itemsize
         if nbytes > INLINE_BYTES:
             return agreed, None
-        sizes = [channel.slot_heads[slot][2] for channel in channels]
-        key = (slot, nbytes, agreed.dtype, *sizes)
-        inputs = self._views.get(key)  # the same views of the slots as at the last such step
-        if inputs is None:
-            for rank, size in enumerate(sizes):
-                if size >= 0 and size != nbytes:
-                    problem = f"{self._label}: {self._who([rank])} published {size} bytes, not {nbytes}"
-                    self._finish_with(s, MismatchError(problem))
-            inputs = [
-                None if size < 0 else channel.slots[slot][:nbytes].view(agreed.dtype)
-                for channel, size in zip(channels, sizes, strict=True)
-            ]
-            if len(self._views) > 16:
-                self._views.clear()
-            self._views[key] = inputs
+        inputs: list[Any] = []
+        for rank, (channel, head) in enumerate(zip(channels, heads, strict=True)):
+            if head[2] >= 0 and head[2] != nbytes:
+                problem = f"{self._label}: {self._who([rank])} published {head[2]} bytes, not {nbytes}"
+                self._finish_with(s, MismatchError(problem))
+            inputs.append(None if head[2] < 0 else channel.slots[slot][:nbytes].view(agreed.dtype))
         return agreed, inputs
 
     def _all_channels(self) -> list[Any]:
@@ -305,7 +306,7 @@ class ShmGroup:
         self._met = -1
         self._theirs = [None] * self.n
         self._channels = []
-        self._views = {}
+        self._agreed = {}
         self._written = [None, None]
 
     def _watch(self) -> None:

@@ -142,15 +142,25 @@ def loop(peer: int, world: int, size: str = "2") -> int:
 
 
 def crash(peer: int, world: int) -> int:
-    """Peer 0 fails inside a large step with a plain exception while its process lives on."""
+    """Peer 0 fails inside a large step with a plain exception while its process lives on; then
+    every process runs the same collective again (the job stays usable)."""
+    import collective.shm_chunks
+
+    kept = collective.shm_chunks.reduce_into
     if peer == 0:
-        import collective.shm_chunks
 
         def broken(*args: Any) -> None:
             raise MemoryError("simulated")
 
         collective.shm_chunks.reduce_into = broken  # type: ignore[assignment]
-    col.all_reduce(peer, np.ones(1 << 20, np.float32))
+    x = np.ones(1 << 20, np.float32)
+    try:
+        col.all_reduce(peer, x)
+    except (MemoryError, col.CollectiveError) as exc:
+        say(f"ERROR {type(exc).__name__} - {exc}")
+    collective.shm_chunks.reduce_into = kept  # type: ignore[assignment]
+    same(col.all_reduce(peer, x), np.full(1 << 20, world, np.float32), "after the failure")
+    say("AFTER")
     return 1
 
 
