@@ -168,8 +168,14 @@ class Rendezvous:
             number = self._next[0]
             self._next[0] = number + 1
         slot = _Slot(number, {0: call}, reporter=0)
+        signature = call.signature
         try:
-            slot.outcome = self._decide(slot)
+            if signature.error is None and not rules_of(signature.kind).sourced:  # it agrees with itself
+                label = f"{signature.kind} #{number}"
+                executor = choose(self.job.site, self.members, self.local, signature, [call], label)
+                slot.outcome = Plan(number, label, signature, [call], self.members, executor)
+            else:
+                slot.outcome = self._decide(slot)
         except BaseException as exc:  # e.g. MemoryError computing a fused result
             slot.outcome = PeerLostError(
                 f"{call.kind} #{number}: peer {peer} failed deciding it: {exc!r}", [peer]
