@@ -199,7 +199,8 @@ class NodeJob:
             assert self._ring_segment is not None
             if self._ring is None:
                 rings = {node: info.get("ring") for node, info in enumerate(topology.infos)}
-                self._ring = HostRing(self._ring_segment, rings, self._node_of, self.lost_peer)  # type: ignore[arg-type]
+                here = sum(info.get("host") == mine.get("host") for info in topology.infos)
+                self._ring = HostRing(self._ring_segment, rings, self._node_of, self.lost_peer, here)  # type: ignore[arg-type]
             group = ShmGroup(self._ring, members, members[nodes.index(me)])
         self._shm_groups[members] = group
         return group

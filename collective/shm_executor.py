@@ -76,7 +76,7 @@ class ShmGroup:
         self._segments: list[RingSegment] = []  # every member's segment, by rank (mapped at the first step)
         self._others: list[RingSegment] = []
         self.mine: Any = None  # this process's channel for the group
-        self.waiting = Waiting(self.n, ring.segment)
+        self.waiting = Waiting(max(self.n, ring.processes), ring.segment)
         self.codec = SignatureCodec()
         self._written: list[bytes | None] = [None, None]  # the message in each slot of this channel
         self._channels: list[Any] = []  # every member's channel, by rank (once all were found)

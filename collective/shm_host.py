@@ -51,8 +51,10 @@ class HostRing:
         rings: dict[int, str],
         node_of: dict[int, int],
         lost_peer: Callable[[int], CollectiveError | None],
+        processes: int = 1,
     ) -> None:
         self.segment = segment
+        self.processes = processes  # the job's processes on this host (more than CPUs: spin less)
         self._rings = rings  # node -> its segment's name
         self._segments: dict[int, RingSegment] = {}
         self.node_of = node_of
