@@ -179,6 +179,12 @@ class NodeJob:
         """
         if members in self._shm_groups:
             return self._shm_groups[members]
+        with self._join_lock:
+            if members not in self._shm_groups:
+                self._shm_groups[members] = self._shm_group(members)
+            return self._shm_groups[members]
+
+    def _shm_group(self, members: tuple[int, ...]) -> ShmGroup | None:
         assert self.topology is not None
         topology, me = self.topology, self.topology.index
         nodes = [self._node_of[peer] for peer in members]
@@ -202,7 +208,6 @@ class NodeJob:
                 here = sum(info.get("host") == mine.get("host") for info in topology.infos)
                 self._ring = HostRing(self._ring_segment, rings, self._node_of, self.lost_peer, here)  # type: ignore[arg-type]
             group = ShmGroup(self._ring, members, members[nodes.index(me)])
-        self._shm_groups[members] = group
         return group
 
     def layout(self, members: tuple[int, ...]) -> Layout:

@@ -115,7 +115,7 @@ class ShmGroup:
         deadline = step.deadline
         slot = s & 1
         if s >= 2 and self._met != s - 1:
-            self._wait_all(at(s - 2, ABORT), deadline)  # every member left step s-2: slot s % 2 is free
+            self._wait_all(at(s - 2, ABORT), deadline, False)  # all left step s-2: slot s % 2 is free
         src = call.src
         if src is not None and type(src) is not np.ndarray:
             src = src.get()  # a CuPy input: through the host
@@ -254,8 +254,9 @@ class ShmGroup:
         buffer: np.ndarray = channel.buffers[parity]
         return buffer
 
-    def wait(self, rank: int, target: int, deadline: float) -> None:
-        """Until member ``rank`` reached ``target`` in this step; raises if it gave up or is gone."""
+    def wait(self, rank: int, target: int, deadline: float, aborts: bool = True) -> None:
+        """Until member ``rank`` reached ``target``; raises if it is gone, or gave up that step
+        (with ``aborts``: a wait for a step this process takes part in)."""
         channel = self._theirs[rank]
         if channel is None:
             channel = self._find(rank, deadline)
@@ -266,15 +267,15 @@ class ShmGroup:
             self._time_out(target)
         value = word[0]
         s = target >> 32
-        if value >= at(s, ABORT):
+        if aborts and value >= at(s, ABORT):
             reason = channel.record(s) if value > at(s, END) or value == at(s, ABORT) else None
             if reason is not None:
                 raise self._theirs_error(rank, reason)
 
-    def _wait_all(self, target: int, deadline: float) -> None:
+    def _wait_all(self, target: int, deadline: float, aborts: bool = True) -> None:
         for rank in range(self.n):
             if rank != self.rank:
-                self.wait(rank, target, deadline)
+                self.wait(rank, target, deadline, aborts)
 
     def _find(self, rank: int, deadline: float) -> Any:
         """Member ``rank``'s channel for this group (it assigns one when it first gets here)."""
@@ -301,7 +302,7 @@ class ShmGroup:
                     and channel is not None
                     and self._segments[rank].find(self.key) is not None
                 ):
-                    self.wait(rank, at(self.last, ABORT), deadline)
+                    self.wait(rank, at(self.last, ABORT), deadline, False)
         self.index = None
         self._met = -1
         self._theirs = [None] * self.n

@@ -81,7 +81,7 @@ def _start_time(pid: int | str) -> int | None:
 
 def process_alive(pid: int, start: int) -> bool:
     """Whether process ``pid`` (started at ``start``, in ticks) still runs: not dead, reaped or reused."""
-    if not os.path.isdir("/proc/self"):
+    if start <= 0 or not os.path.isdir("/proc/self"):  # no start time known: the pid alone
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
