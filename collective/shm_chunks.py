@@ -27,7 +27,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from collective.algorithms.ops import ReduceOp, combine
-from collective.call import Call, slice_of
+from collective.call import slice_of
 from collective.signature import Signature
 from collective.transport.shm_ring import CHUNK_BYTES
 
@@ -74,6 +74,11 @@ def reduce_into(op: ReduceOp, inputs: list[Any], out: np.ndarray) -> None:
         combine(op, out, other, out)
 
 
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two flat arrays are views of the same memory."""
+    return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.size == b.size)
+
+
 class Chunks:
     """One member's large step: ``src`` and ``dst`` are flat host arrays (either may be None)."""
 
@@ -81,7 +86,6 @@ class Chunks:
         self,
         group: Members,
         agreed: Signature,
-        call: Call,
         src: np.ndarray | None,
         dst: np.ndarray | None,
         step: int,
@@ -163,8 +167,8 @@ class Chunks:
                 self.post(_in(c))  # done with chunk c - 1
                 self.wait([root], _in(c))
                 np.copyto(dst[lo:hi], self.buffer(root, c)[: hi - lo])
-        if self.me == root and dst is not None and src is not None and dst is not src:
-            np.copyto(dst, src)
+        if self.me == root and dst is not None and src is not None and not _same(dst, src):
+            np.copyto(dst, src)  # the root's own result (unless it broadcast from out=x in place)
 
     def _gathering(self) -> None:
         src, dst, me, total = self.src, self.dst, self.me, self.total

@@ -71,6 +71,7 @@ class ShmGroup:
         self.last = -1  # the last step this process ran in the group
         self._active: int | None = None  # the step in flight (for abort)
         self._label = ""
+        self._timeout = 0.0
         self._met = -1  # the last step every member arrived at
         self._theirs: list[Any] = [None] * self.n  # other members' channels, by rank
         self._segments: list[RingSegment] = []  # every member's segment, by rank (mapped at the first step)
@@ -89,6 +90,7 @@ class ShmGroup:
         plan = step.plan
         s = plan.number
         self._label = plan.label
+        self._timeout = step.timeout
         self.busy = True
         try:
             index = self.ring.channel(self, s, step.deadline)
@@ -133,7 +135,7 @@ class ShmGroup:
         host = target is None or type(target) is np.ndarray
         dst = target if host else np.empty(target.shape, target.dtype)
         if inputs is None:
-            Chunks(self, agreed, call, src, dst, s, deadline).run()
+            Chunks(self, agreed, src, dst, s, deadline).run()
         elif dst is not None and agreed.kind in REDUCING:  # every member reduces in rank order
             assert agreed.op is not None
             reduce_into(agreed.op, inputs, dst)
@@ -333,9 +335,10 @@ class ShmGroup:
             for rank in range(self.n)
             if rank != self.rank and (self._theirs[rank] is None or self._theirs[rank].progress[0] < target)
         ]
+        who = describe_peers(missing) if missing else "the others"
         raise CollectiveTimeout(
-            f"{self._label}: peer {self.members[self.rank]} waited for {describe_peers(missing or [-1])} "
-            f"past its timeout",
+            f"{self._label}: peer {self.members[self.rank]} waited {self._timeout:g}s for {who} "
+            f"({'to call it' if target & 0xFFFFFFFF == ARRIVE else 'to move its data'})",
             missing,
         )
 

@@ -66,6 +66,7 @@ SIZE = _HEADER + CHANNELS * _CHANNEL
 _PID, _START, _SIZE, _STATE, _BELL, _SLEEPERS, _KEYS = 8, 16, 24, 32, 40, 44, 64
 
 MAX_SLEEP = 0.01  # a blocked waiter looks again at least this often
+_GAVE_AWAY = 20e-6  # a yield that took this long gave the CPU to somebody
 WATCH_EVERY = 0.1  # and calls ``watch`` this often
 
 
@@ -317,20 +318,26 @@ def _unlink(path: str, creator: int) -> None:
 
 
 class Waiting:
-    """How long a waiter spins, then yields, before it blocks (oversubscribed hosts spin less).
+    """How long a waiter spins, then yields, before it blocks: adapted to where its peers run.
 
-    The spin is short on purpose: when the scheduler puts two processes of a group on one CPU
-    (it does, now and then, even with a CPU free), a waiter that spins keeps its peer off the
-    CPU for as long as it spins (measured: 5 us of spin, 24 us per small collective; 50 us,
-    220 us). A yield hands the CPU to such a peer and returns at once on a CPU of its own; a
-    blocked waiter costs a wake-up (about 100 us on this VM), so it blocks only after the yields.
-    ``COLLECTIVE_SHM_SPIN_US`` and ``COLLECTIVE_SHM_YIELD_US`` override the defaults.
+    Spinning is best while the peers have CPUs of their own (a post is seen within a microsecond,
+    and a spinner keeps its CPU when other programs compete for it), and worst when the scheduler
+    puts a peer on the spinner's CPU (it does, now and then, even with a CPU free): the peer runs
+    only once the spin ends (measured: 50 us of spin, 220 us per small collective). So the spin
+    budget adapts: a wait that ends while spinning doubles it (up to ``most``); one that ends just
+    after a yield that gave the CPU away (the yield took a while: somebody else ran) divides it by
+    four (down to ``least``). Yields return at once on a CPU of nobody else's; a blocked waiter
+    costs a wake-up (about 100 us on this VM), so it blocks only once the yields are over.
+    Oversubscribed hosts (more of the job's processes than CPUs) spin at most a microsecond or two.
+    ``COLLECTIVE_SHM_SPIN_US`` (the most) and ``COLLECTIVE_SHM_YIELD_US`` override the defaults.
     """
 
     def __init__(self, processes: int, mine: RingSegment) -> None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         crowded = processes > cpus
-        self.spin = float(os.environ.get("COLLECTIVE_SHM_SPIN_US", 1 if crowded else 5)) * 1e-6
+        self.most = float(os.environ.get("COLLECTIVE_SHM_SPIN_US", 2 if crowded else 100)) * 1e-6
+        self.least = min(self.most, 1e-6)
+        self.spin = self.most
         self.yields = float(os.environ.get("COLLECTIVE_SHM_YIELD_US", 50 if crowded else 200)) * 1e-6
         self.mine = mine
         self._lock = threading.Lock()
@@ -346,14 +353,18 @@ class Waiting:
         while now < stop:
             for _ in range(32):
                 if word[0] >= target:
+                    self.spin = min(self.most, 2 * self.spin)
                     return True
             now = time.monotonic()
         stop = now + self.yields
         while now < stop:
+            before = now
             os.sched_yield()
-            if word[0] >= target:
-                return True
             now = time.monotonic()
+            if word[0] >= target:
+                if now - before > _GAVE_AWAY:  # the CPU went to somebody, and then the post came
+                    self.spin = max(self.least, self.spin / 4)
+                return True
         return self._block(lambda: bool(word[0] >= target), owner, deadline, watch, now)
 
     def ready(
