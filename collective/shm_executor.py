@@ -10,8 +10,8 @@ gets a channel in each member's segment. One step ``s`` of the group, on every m
     meet      wait until every member arrived (one synchronisation), read every Signature, run
               ``signature.agree`` over them by group rank: a mismatch is the same error on every
               member, and every member still moves on to step s + 1 together
-    small     every member computes its own result from every member's inline input with the
-              call's ``fuse``, in rank order: bit-identical results everywhere, no more waits
+    small     every member computes its own result from every member's inline input (in rank
+              order; the call's ``part``): bit-identical results everywhere, no more waits
     large     chunks through two chunk buffers per member, pipelined (collective.shm_chunks)
     end       progress = END(s); no trailing barrier: slot s % 2 is reused at step s + 2, once
               every member has left step s
@@ -139,8 +139,8 @@ class ShmGroup:
         elif dst is not None and agreed.kind in REDUCING:  # every member reduces in rank order
             assert agreed.op is not None
             reduce_into(agreed.op, inputs, dst)
-        elif dst is not None:
-            np.copyto(dst, type(call).fuse(agreed, inputs)[self.rank])
+        elif dst is not None:  # this member's share, straight into its result (Call.part)
+            call.part(agreed, inputs, None, self.rank, dst)
         if not host:
             target.set(dst)  # a CuPy result
         self._active = None

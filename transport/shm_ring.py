@@ -67,6 +67,7 @@ _PID, _START, _SIZE, _STATE, _BELL, _SLEEPERS, _KEYS = 8, 16, 24, 32, 40, 44, 64
 
 MAX_SLEEP = 0.01  # a blocked waiter looks again at least this often
 _GAVE_AWAY = 20e-6  # a yield that took this long gave the CPU to somebody
+_PATIENCE = 2e-3  # yields go on this long while they come straight back (nobody else wants the CPU)
 WATCH_EVERY = 0.1  # and calls ``watch`` this often
 
 
@@ -326,15 +327,16 @@ class Waiting:
     only once the spin ends (measured: 50 us of spin, 220 us per small collective). So the spin
     budget adapts: a wait that ends while spinning doubles it (up to ``most``); one that ends just
     after a yield that gave the CPU away (the yield took a while: somebody else ran) divides it by
-    four (down to ``least``). Yields return at once on a CPU of nobody else's; a blocked waiter
-    costs a wake-up (about 100 us on this VM), so it blocks only once the yields are over.
+    four (down to ``least``). A blocked waiter costs a wake-up (about 100 us on this VM), so it
+    blocks only after the yields: 200 us of them, or up to 2 ms while each comes straight back
+    (nobody else wants the CPU: yielding costs nobody anything, and the waiter sees the post at once).
     Oversubscribed hosts (more of the job's processes than CPUs) spin at most a microsecond or two.
     ``COLLECTIVE_SHM_SPIN_US`` (the most) and ``COLLECTIVE_SHM_YIELD_US`` override the defaults.
     """
 
     def __init__(self, processes: int, mine: RingSegment) -> None:
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        crowded = processes > cpus
+        crowded = self.crowded = processes > cpus
         self.most = float(os.environ.get("COLLECTIVE_SHM_SPIN_US", 2 if crowded else 100)) * 1e-6
         self.least = min(self.most, 1e-6)
         self.spin = self.most
@@ -356,8 +358,9 @@ class Waiting:
                     self.spin = min(self.most, 2 * self.spin)
                     return True
             now = time.monotonic()
-        stop = now + self.yields
-        while now < stop:
+        crowded = self.crowded
+        stop, patience = now + self.yields, now + _PATIENCE
+        while now < stop or (now < patience and not crowded):
             before = now
             os.sched_yield()
             now = time.monotonic()
@@ -365,6 +368,8 @@ class Waiting:
                 if now - before > _GAVE_AWAY:  # the CPU went to somebody, and then the post came
                     self.spin = max(self.least, self.spin / 4)
                 return True
+            if now - before > _GAVE_AWAY:
+                crowded = True  # somebody wants this CPU: block once the short yield phase is over
         return self._block(lambda: bool(word[0] >= target), owner, deadline, watch, now)
 
     def ready(
