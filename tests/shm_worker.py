@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -112,6 +113,32 @@ def groups(peer: int, world: int) -> int:
     return count
 
 
+def concurrent(peer: int, world: int) -> int:
+    """Two threads of each process: the whole job and the group of peers 0 and 1 at once."""
+    pair = col.new_group([0, 1])
+    failures: list[BaseException] = []
+
+    def run(group: Any, members: list[int], length: int) -> None:
+        try:
+            for i in range(60):
+                xs = [data(p, length, "float32", i) for p in members]
+                got = col.all_reduce(peer, xs[members.index(peer)], group=group)
+                same(got, reduced(xs, "sum"), f"group {members} call {i}")
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(None, list(range(world)), 300_000))]
+    if peer in (0, 1):
+        threads.append(threading.Thread(target=run, args=(pair, [0, 1], 50)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return 60 * len(threads)
+
+
 def mismatch(peer: int, world: int, how: str) -> int:
     """Peer 0 calls differently from the others; then a good collective."""
     odd = peer == 0
@@ -188,8 +215,8 @@ def crowded(peer: int, world: int, calls: str = "300") -> int:
     return int(calls)
 
 
-MODES = {"every": every, "groups": groups, "mismatch": mismatch, "loop": loop, "crash": crash, "late": late,
-         "crowded": crowded}  # fmt: skip
+MODES = {"every": every, "groups": groups, "concurrent": concurrent, "mismatch": mismatch, "loop": loop,
+         "crash": crash, "late": late, "crowded": crowded}  # fmt: skip
 
 
 def main() -> int:

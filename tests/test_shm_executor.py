@@ -64,6 +64,12 @@ def test_more_groups_than_channels_take_turns(orchestrator: str) -> None:
         assert line.split()[1] == line.split()[3] == "32", line
 
 
+def test_two_groups_of_one_process_run_at_once_from_two_threads(orchestrator: str) -> None:
+    procs = start(orchestrator, 3, "concurrent")
+    for proc, code in zip(procs, finish_all(procs, 100), strict=True):
+        assert code == 0, proc.output()
+
+
 @pytest.mark.parametrize(
     ("how", "expected"),
     [
