@@ -10,7 +10,8 @@ the block): while any of them lives, the block's reference count is above the po
 references and the block is not reused. Never a buffer still referenced, then.
 
 Idle blocks (nothing else refers to them) are kept up to ``limit`` bytes in all (the least
-recently used are dropped first); ``COLLECTIVE_POOL_BYTES`` sets it (0: no pooling).
+recently used are dropped first); ``COLLECTIVE_POOL_BYTES`` sets it (0: no pooling). A pooled
+result does not own its memory (``flags.owndata`` is False, so ``ndarray.resize`` refuses it).
 """
 
 from __future__ import annotations
