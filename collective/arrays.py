@@ -15,6 +15,7 @@ import numpy as np
 
 from collective.algorithms.ops import Array, ReduceOp, array_module
 from collective.errors import InvalidArgumentError, RegistrationError
+from collective.pool import pool
 
 __all__ = ["Device", "as_array", "check_array", "check_out", "flat", "new_result", "scale_for_mean"]
 
@@ -56,9 +57,9 @@ class Device:
         return "cpu" if self.kind == "cpu" else f"cuda:{self.index}"
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Array:
-        """An uninitialised array on this device."""
+        """An uninitialised array on this device (a large numpy one recycled: collective.pool)."""
         if self.kind == "cpu":
-            return np.empty(shape, dtype)
+            return pool.empty(shape, dtype)
         import cupy
 
         with cupy.cuda.Device(self.index):

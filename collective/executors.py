@@ -7,6 +7,8 @@
   each finishes (``Call.after``: e.g. copies the shared result out).
 * ``Linked``: anything else in one process (large arrays, CuPy): the configured strategy's
   schedule (collective.algorithms) over the in-process Link.
+* ``ShmGroup`` (collective.shm_executor): peers each in their own process, all on this host
+  (NodeJob.shm_group decides from the topology's host identities).
 * ``ThreePhase`` (collective.three_phase): peers on several nodes.
 
 Inputs are combined in rank order on every path, so results are deterministic and bit-identical
@@ -48,6 +50,9 @@ def choose(
 ) -> Executor:
     """How the step ``agreed`` of the group ``members`` runs, given every local peer's call."""
     if site.node is not None:
+        shm = site.node.shm_group(members)  # every member its own process, all on this host
+        if shm is not None:
+            return shm
         from collective.three_phase import ThreePhase
 
         return ThreePhase(site, members, local, label)

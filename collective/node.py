@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,10 +27,13 @@ from collective.config import CollectiveConfig
 from collective.errors import CollectiveError, MismatchError, PeerLostError
 from collective.layout import Layout
 from collective.protocol import CallMessage, P2PMessage, VerdictMessage, check_fields, decode_call
+from collective.shm_executor import ShmGroup
+from collective.shm_host import HostRing
 from collective.signature import Signature, agree
 from collective.transport.inproc import clone_error
 from collective.transport.network import NodeNetwork
 from collective.transport.orchestrator_client import OrchestratorClient, Topology
+from collective.transport.shm_ring import RingSegment
 from collective.transport.wire import WireError, dtype_from_name
 from collective.transport.zmq_link import ZmqLink
 
@@ -74,6 +78,10 @@ class NodeJob:
         self._agreed: dict[int, int] = {}  # channel -> the last step whose calls every node agreed on
         self._local: frozenset[int] = frozenset()
         self._layouts: dict[tuple[int, ...], Layout] = {}
+        shm = os.environ.get("COLLECTIVE_SHM", "1") != "0"  # 0: never the Shm executor (e.g. to compare)
+        self._ring_segment = RingSegment.create() if shm else None
+        self._ring: HostRing | None = None
+        self._shm_groups: dict[tuple[int, ...], ShmGroup | None] = {}
 
     # -- membership -----------------------------------------------------------------------------
 
@@ -90,7 +98,11 @@ class NodeJob:
                     self._network.address,
                     list(local_peers),
                     deadline,
-                    self._network.info,
+                    {
+                        **self._network.info,
+                        "ring": None if self._ring_segment is None else self._ring_segment.name,
+                        "uid": str(os.geteuid()),
+                    },
                 )
             except CollectiveError as exc:
                 self._join_error = exc
@@ -156,6 +168,10 @@ class NodeJob:
         self._client.close()
         self._network.close()
         self._context.destroy(linger=0)
+        if self._ring is not None:
+            self._ring.close()
+        elif self._ring_segment is not None:
+            self._ring_segment.close()
 
     @contextmanager
     def giving_up(self, members: tuple[int, ...], step: int) -> Iterator[None]:
@@ -200,6 +216,46 @@ class NodeJob:
             return 0
         digest = hashlib.blake2b(repr(members).encode(), digest_size=7).digest()
         return 1 + int.from_bytes(digest, "big")
+
+    def shm_group(self, members: tuple[int, ...]) -> ShmGroup | None:
+        """The Shm executor of the group ``members``, or None where it does not apply.
+
+        It applies when every peer of the group is the only one of its process in the group and
+        every one of those processes runs on this host (the same host identity and user) with a ring
+        segment: a rule every process of the group evaluates the same way from the topology.
+        """
+        if members in self._shm_groups:
+            return self._shm_groups[members]
+        with self._join_lock:
+            if members not in self._shm_groups:
+                self._shm_groups[members] = self._shm_group(members)
+            return self._shm_groups[members]
+
+    def _shm_group(self, members: tuple[int, ...]) -> ShmGroup | None:
+        assert self.topology is not None
+        topology, me = self.topology, self.topology.index
+        nodes = [self._node_of[peer] for peer in members]
+        mine = topology.infos[me] if me < len(topology.infos) else {}
+        fits = (
+            self._ring_segment is not None
+            and len(set(nodes)) == len(nodes)
+            and me in nodes
+            and all(
+                isinstance(topology.infos[node].get("ring"), str)
+                and topology.infos[node].get("host") == mine.get("host")
+                and topology.infos[node].get("uid") == mine.get("uid")
+                for node in nodes
+            )
+        )
+        group = None
+        if fits:
+            assert self._ring_segment is not None
+            if self._ring is None:
+                rings = {node: info.get("ring") for node, info in enumerate(topology.infos)}
+                here = sum(info.get("host") == mine.get("host") for info in topology.infos)
+                self._ring = HostRing(self._ring_segment, rings, self._node_of, self.lost_peer, here)  # type: ignore[arg-type]
+            group = ShmGroup(self._ring, members, members[nodes.index(me)])
+        return group
 
     def layout(self, members: tuple[int, ...]) -> Layout:
         """Where the group's ranks live (cached per group)."""

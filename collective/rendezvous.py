@@ -64,6 +64,8 @@ class Rendezvous:
         self.members = members
         self.local = local
         self._index = {peer: i for i, peer in enumerate(local)}
+        self._ranks = [members.index(peer) for peer in local]
+        self._alone = len(local) == 1  # one local peer: nobody to meet here, it decides at once
         self._next = [0] * len(local)
         self._busy = [threading.Lock() for _ in local]
         self.bells = [Doorbell() for _ in local]  # one per local peer and group: a peer may wait in several
@@ -96,7 +98,7 @@ class Rendezvous:
                 f"group from one thread, or use async_op=True"
             )
         try:
-            slot = self._arrive(index, peer, call)
+            slot = self._decide_alone(peer, call) if self._alone else self._arrive(index, peer, call)
             outcome = self._await(slot, index, call, deadline, timeout)
             if isinstance(outcome, CollectiveError):
                 if slot.reporter == index and self.job.site.node is not None:
@@ -157,6 +159,29 @@ class Rendezvous:
                         self.ring()
             return slot
 
+    def _decide_alone(self, peer: int, call: Call) -> _Slot:
+        """The one local peer's step: what ``_arrive`` does, without a slot to meet in."""
+        job = self.job
+        with job.guard:
+            job.check_member(peer)
+            number = self._next[0]
+            self._next[0] = number + 1
+        slot = _Slot(number, {0: call}, reporter=0)
+        signature = call.signature
+        try:
+            if signature.error is None and not rules_of(signature.kind).sourced:  # it agrees with itself
+                label = f"{signature.kind} #{number}"
+                executor = choose(self.job.site, self.members, self.local, signature, [call], label)
+                slot.outcome = Plan(number, label, signature, [call], self.members, executor)
+            else:
+                slot.outcome = self._decide(slot)
+        except BaseException as exc:  # e.g. MemoryError computing a fused result
+            slot.outcome = PeerLostError(
+                f"{call.kind} #{number}: peer {peer} failed deciding it: {exc!r}", [peer]
+            )
+            raise
+        return slot
+
     def _await(
         self, slot: _Slot, index: int, call: Call, deadline: float, timeout: float
     ) -> Plan | CollectiveError:
@@ -203,7 +228,7 @@ class Rendezvous:
     def _decide(self, slot: _Slot) -> Plan | CollectiveError:
         label = f"#{slot.number}"
         specs: dict[int, Signature] = {i: call.signature for i, call in slot.calls.items()}
-        ranks = [self.members.index(peer) for peer in self.local]
+        ranks = self._ranks
         try:
             agreed = agree(
                 {ranks[i]: spec for i, spec in specs.items()},

@@ -72,7 +72,7 @@ class Sequencer:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._cv = threading.Condition()
+        self._cv = threading.Lock()  # guards the queue and the active flag (nobody waits on it)
         self._queue: deque[tuple[Callable[[], Any], Work]] = deque()
         self._active = False  # a call is running (in its caller's thread or the worker)
 

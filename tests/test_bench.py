@@ -286,3 +286,17 @@ def test_every_op_against_gloo(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     gloo = {row["op"] for row in rows if row["system"] == "gloo"}
     assert gloo == {row["op"] for row in rows if row["system"] == "collective"}
     assert all(row["wrong"] == 0 for row in rows)
+
+
+def test_shm_vs_gloo_runs_ours_over_processes_and_checks_every_result(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from collective.bench import shm_vs_gloo
+
+    argv = ["--worlds", "2", "--ops", "all_reduce,all_gather,reduce_scatter,broadcast", "--sizes", "8,200K",
+            "--systems", "ours", "--repeats", "1", "--budget", "0.02"]  # fmt: skip
+    assert shm_vs_gloo.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line.split() for line in out.splitlines() if not line.startswith("#")][1:]
+    assert len(rows) == 8 and all(row[0] == "2" and float(row[4]) > 0 for row in rows), out
+    assert "# wrong result elements: 0" in out

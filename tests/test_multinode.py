@@ -76,7 +76,7 @@ def test_two_jobs_at_the_same_time_on_one_orchestrator(orchestrator: str) -> Non
 def test_a_node_killed_mid_collective_is_a_peer_lost_error_everywhere_within_seconds(
     orchestrator: str,
 ) -> None:
-    nodes = start_nodes(orchestrator, job_name(), 3, 1, "loop")
+    nodes = start_nodes(orchestrator, job_name(), 3, 1, "loop", shm=0)  # three phases (see test_shm_executor)
     try:
         nodes[0].wait_for("READY", 60)
         nodes[1].kill()
@@ -219,7 +219,7 @@ def test_nodes_holding_the_token_run_and_others_are_refused_at_once() -> None:
 
 def test_a_node_failing_inside_a_step_fails_the_others_at_once(orchestrator: str) -> None:
     """Not a dead process (heartbeats go on): the node tells the others it gave up the step."""
-    nodes = start_nodes(orchestrator, job_name(), 3, 1, "crash", timeout=60)
+    nodes = start_nodes(orchestrator, job_name(), 3, 1, "crash", timeout=60, shm=0)
     started = time.monotonic()
     codes = finish_all(nodes, 60)
     assert time.monotonic() - started < 30, "the others must not wait for their 60 s timeout"

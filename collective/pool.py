@@ -1,0 +1,97 @@
+"""Recycled result buffers: a collective without ``out=`` does not pay fresh page faults.
+
+A new numpy array of 64 MiB costs its pages on first touch (about 2.5 ms here, more than a
+quarter of the collective); ``y = all_reduce(x)`` in a loop would pay that on every call. So a
+result of at least MIN_BYTES is handed out as a view of a *block* (a uint8 array the pool keeps),
+and a block is handed out again once nothing but the pool refers to it. Every numpy view of a
+block keeps the block itself as its ``base`` (numpy collapses chains of views), and so does
+anything that exports its memory (memoryview, DLPack, torch.from_numpy hold the array that holds
+the block): while any of them lives, the block's reference count is above the pool's own
+references and the block is not reused. Never a buffer still referenced, then.
+
+Idle blocks (nothing else refers to them) are kept up to ``limit`` bytes in all (the least
+recently used are dropped first); ``COLLECTIVE_POOL_BYTES`` sets it (0: no pooling). A pooled
+result does not own its memory (``flags.owndata`` is False, so ``ndarray.resize`` refuses it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MIN_BYTES", "Pool", "pool"]
+
+MIN_BYTES = 1 << 20
+DEFAULT_LIMIT = 1 << 30
+_OWN = 3  # references to an idle block while it is looked at: the pool's list, the loop, getrefcount's
+
+
+class Pool:
+    """Blocks of recently returned large results, by size, reused once unreferenced."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._blocks: dict[int, list[np.ndarray]] = {}  # nbytes -> blocks, least recently handed out first
+        self.reused = 0  # blocks handed out again (for tests)
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """An uninitialised numpy array (a recycled block when it is large)."""
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < MIN_BYTES or self.limit <= 0:
+            return np.empty(shape, dtype)
+        with self._lock:
+            blocks = self._blocks.setdefault(nbytes, [])
+            found = next((block for block in blocks if sys.getrefcount(block) <= _OWN), None)
+            if found is None:
+                found = np.empty(nbytes, np.uint8)
+            else:
+                del blocks[next(i for i, b in enumerate(blocks) if b is found)]
+                self.reused += 1
+            blocks.append(found)
+            self._trim()
+        result: np.ndarray = found.view(dtype).reshape(shape)
+        weakref.finalize(result, self.trim)  # bound what stays idle once results are dropped
+        return result
+
+    def trim(self) -> None:
+        with self._lock:
+            self._trim()
+
+    def _trim(self) -> None:
+        """Drop idle blocks, least recently handed out first, until at most ``limit`` bytes idle."""
+        idle = [
+            (size, block)
+            for size, blocks in self._blocks.items()
+            for block in blocks
+            if sys.getrefcount(block) <= _OWN
+        ]
+        excess = sum(size for size, _ in idle) - self.limit
+        for size, block in idle:
+            if excess <= 0:
+                break
+            self._blocks[size] = [b for b in self._blocks[size] if b is not block]
+            excess -= size
+        for size in [size for size, blocks in self._blocks.items() if not blocks]:
+            del self._blocks[size]
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(
+                size for size, blocks in self._blocks.items() for b in blocks if sys.getrefcount(b) <= _OWN
+            )
+
+
+def _limit() -> int:
+    text = os.environ.get("COLLECTIVE_POOL_BYTES", "")
+    return int(text) if text.strip().isdigit() else DEFAULT_LIMIT
+
+
+pool = Pool(_limit())

@@ -1,0 +1,363 @@
+"""The Shm executor: a collective among peers in different processes of one host, in shared memory.
+
+Chosen (collective.node.NodeJob.shm_group, asked by executors.choose) when every peer of the
+group is the one peer of its process in the group and every such process runs on this host (host
+identities from the topology). Each process has one ring segment (transport.shm_ring); a group
+gets a channel in each member's segment. One step ``s`` of the group, on every member::
+
+    publish   the call's Signature (and the input itself, when it fits the slot: small
+              collectives) into slot s % 2 of this process's channel; progress = ARRIVE(s)
+    meet      wait until every member arrived (one synchronisation), read every Signature, run
+              ``signature.agree`` over them by group rank: a mismatch is the same error on every
+              member, and every member still moves on to step s + 1 together
+    small     every member computes its own result from every member's inline input (in rank
+              order; the call's ``part``): bit-identical results everywhere, no more waits
+    large     chunks through two chunk buffers per member, pipelined (collective.shm_chunks)
+    end       progress = END(s); no trailing barrier: slot s % 2 is reused at step s + 2, once
+              every member has left step s
+
+A member that fails inside a step (an exception, a timeout, a lost peer) records why in its
+channel and sets its progress to ABORT(s): the others raise at once (PeerLostError naming it, or
+its CollectiveTimeout). A process that dies is noticed from its pid (checked every 0.1 s while
+waiting), one that left from its segment, a lost node from the orchestrator's heartbeats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+from collective import errors
+from collective.algorithms.ops import Array
+from collective.calls import rules_of
+from collective.errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    MismatchError,
+    PeerLostError,
+    describe_peers,
+)
+from collective.shm_chunks import ABORT, ARRIVE, END, REDUCING, Chunks, at, reduce_into
+from collective.shm_host import HostRing, SignatureCodec
+from collective.signature import Signature, agree
+from collective.transport.shm_ring import INLINE_BYTES, MESSAGE_BYTES, RingSegment, Waiting
+from collective.transport.wire import WireError
+
+__all__ = ["STEPS", "ShmGroup"]
+
+log = logging.getLogger(__name__)
+
+STEPS: Counter[str] = Counter()  # steps this process ran through shared memory, by kind (for tests)
+
+
+class ShmGroup:
+    """The executor of one group's steps through shared memory (one per group, reused every step)."""
+
+    def __init__(self, ring: HostRing, members: tuple[int, ...], me: int) -> None:
+        self.ring = ring
+        self.members = members
+        self.n = len(members)
+        self.rank = members.index(me)
+        self.key = (
+            int.from_bytes(hashlib.blake2b(repr(members).encode(), digest_size=8).digest(), "little") | 1
+        )
+        self.index: int | None = None
+        self.busy = False
+        self.last = -1  # the last step this process ran in the group
+        self._active: int | None = None  # the step in flight (for abort)
+        self._label = ""
+        self._timeout = 0.0
+        self._met = -1  # the last step every member arrived at
+        self._theirs: list[Any] = [None] * self.n  # other members' channels, by rank
+        self._segments: list[RingSegment] = []  # every member's segment, by rank (mapped at the first step)
+        self._others: list[RingSegment] = []
+        self.mine: Any = None  # this process's channel for the group
+        self.waiting = Waiting(max(self.n, ring.processes), ring.segment)
+        self.codec = SignatureCodec()
+        self._written: list[bytes | None] = [None, None]  # the message in each slot of this channel
+        self._channels: list[Any] = []  # every member's channel, by rank (once all were found)
+        self._agreed: dict[tuple[Any, ...], Any] = {}  # (agreed call, inline inputs) by digests and sizes
+
+    # -- the step -------------------------------------------------------------------------------
+
+    def run(self, step: Any) -> Array | None:
+        """This process's part of ``step`` (a collective.step.Step)."""
+        plan = step.plan
+        s = plan.number
+        self._label = plan.label
+        self._timeout = step.timeout
+        self.busy = True
+        try:
+            index = self.ring.channel(self, s, step.deadline)
+            self.mine = self.ring.segment.channels[index]
+            self._active = s
+            self.last = s
+            if not self._segments:
+                self._map(s)
+            return self._step(step, s)
+        except CollectiveError as exc:
+            if self._active is not None:
+                self._give_up(s, exc)
+            raise
+        finally:
+            self.busy = False
+
+    def abort(self, error: CollectiveError) -> None:
+        """This process failed inside the step (Step.__exit__): the others learn of it at once."""
+        if self._active is not None:
+            self._give_up(self._active, error)
+
+    def _step(self, step: Any, s: int) -> Array | None:
+        plan, call = step.plan, step.call
+        deadline = step.deadline
+        slot = s & 1
+        if s >= 2 and self._met != s - 1:
+            self._wait_all(at(s - 2, ABORT), deadline, False)  # all left step s-2: slot s % 2 is free
+        src = call.src
+        if src is not None and type(src) is not np.ndarray:
+            src = src.get()  # a CuPy input: through the host
+        message, digest = self.codec.encode(call.signature)
+        self._publish(
+            s, slot, message, digest, src if src is not None and src.nbytes <= INLINE_BYTES else None
+        )
+        if plan.error is not None and call.signature.error is None:
+            raise plan.error  # recorded for the others by run()
+        self._wait_all(at(s, ARRIVE), deadline)
+        self._met = s
+        agreed, inputs = self._agree(s, slot, message, digest)
+        result = call.new_result(call.device, agreed, self.n, self.rank)
+        target: Any = None if result is None else result.reshape(-1)  # results are C-contiguous
+        host = target is None or type(target) is np.ndarray
+        dst = target if host else np.empty(target.shape, target.dtype)
+        if inputs is None:
+            Chunks(self, agreed, src, dst, s, deadline).run()
+        elif dst is not None and agreed.kind in REDUCING:  # every member reduces in rank order
+            assert agreed.op is not None
+            reduce_into(agreed.op, inputs, dst)
+        elif dst is not None:  # this member's share, straight into its result (Call.part)
+            call.part(agreed, inputs, None, self.rank, dst)
+        if not host:
+            target.set(dst)  # a CuPy result
+        self._active = None
+        self.post(at(s, END))
+        STEPS[agreed.kind] += 1
+        return result
+
+    def _map(self, s: int) -> None:
+        """Map every other member's segment (a failure is this process giving up the step)."""
+        ring, me = self.ring, self.members[self.rank]
+        segments = []
+        for peer in self.members:
+            try:
+                segments.append(ring.segment_of(ring.node_of[peer]) if peer != me else ring.segment)
+            except (OSError, ValueError) as exc:
+                raise PeerLostError(
+                    f"{self._label}: the shared memory of peer {peer} cannot be mapped here: {exc}", [peer]
+                ) from exc
+        self._segments = segments
+        self._others = [segment for rank, segment in enumerate(segments) if rank != self.rank]
+
+    def _publish(self, s: int, slot: int, message: bytes, digest: int, data: np.ndarray | None) -> None:
+        mine = self.mine
+        head = mine.slot_heads[slot]
+        if self._written[slot] is not message:  # the same call as last time in this slot: in place
+            mine.messages[slot][: len(message)] = message
+            self._written[slot] = message
+            head[1] = len(message)
+            head[3] = digest
+        if data is not None and data.nbytes:
+            mine.data[slot][: data.nbytes] = data.view(np.uint8).data  # bfloat16 has no buffer format
+        head[2] = -1 if data is None else data.nbytes
+        head[0] = s
+        self.post(at(s, ARRIVE))
+
+    def _agree(self, s: int, slot: int, message: bytes, digest: int) -> tuple[Signature, list[Any] | None]:
+        """The agreed call and, for a small step, every member's inline input (None for a large one).
+
+        When every member published the digest of this process's message and the call has neither
+        a problem nor a source to find, that is the agreed call; otherwise every message is decoded
+        and ``signature.agree`` decides, the same way on every member. Both are remembered by the
+        members' digests and input sizes: a group repeats the same few calls.
+        """
+        channels = self._channels or self._all_channels()
+        heads = [channel.slot_heads[slot] for channel in channels]
+        key: tuple[Any, ...] = (slot,)
+        for rank, head in enumerate(heads):
+            if head[0] != s or not 0 <= head[1] <= MESSAGE_BYTES:
+                problem = f"{self._label}: {self._who([rank])} published step {head[0]}, not {s}"
+                self._finish_with(s, MismatchError(problem))
+            key += (head[3], head[2])
+        found = self._agreed.get(key)
+        if found is None:
+            found = self._agreed_anew(s, slot, message, digest, channels, heads)
+            if len(self._agreed) > 32:
+                self._agreed.clear()
+            self._agreed[key] = found
+        return found
+
+    def _agreed_anew(
+        self, s: int, slot: int, message: bytes, digest: int, channels: list[Any], heads: list[Any]
+    ) -> tuple[Signature, list[Any] | None]:
+        try:
+            agreed = self.codec.decode(message)
+            same = all(head[3] == digest for head in heads)
+            if not same or agreed.error is not None or rules_of(agreed.kind).sourced:
+                messages = [bytes(c.messages[slot][: h[1]]) for c, h in zip(channels, heads, strict=True)]
+                specs = {rank: self.codec.decode(message) for rank, message in enumerate(messages)}
+                agreed = agree(specs, f"#{s}", rules_of, who=self._who)
+        except WireError as exc:
+            self._finish_with(s, MismatchError(f"{self._label}: a member published an unusable call: {exc}"))
+        except CollectiveError as exc:
+            self._finish_with(s, exc)
+        if agreed.kind == "barrier":
+            return agreed, [None] * self.n
+        count = math.prod(agreed.shape or ()) * (self.n if agreed.kind == "scatter" else 1)
+        nbytes = count * agreed.dtype.itemsize
+        if nbytes > INLINE_BYTES:
+            return agreed, None
+        inputs: list[Any] = []
+        for rank, (channel, head) in enumerate(zip(channels, heads, strict=True)):
+            if head[2] >= 0 and head[2] != nbytes:
+                problem = f"{self._label}: {self._who([rank])} published {head[2]} bytes, not {nbytes}"
+                self._finish_with(s, MismatchError(problem))
+            inputs.append(None if head[2] < 0 else channel.slots[slot][:nbytes].view(agreed.dtype))
+        return agreed, inputs
+
+    def _all_channels(self) -> list[Any]:
+        channels = [self.mine if rank == self.rank else self._theirs[rank] for rank in range(self.n)]
+        self._channels = channels
+        return channels
+
+    def _finish_with(self, s: int, error: CollectiveError) -> Any:
+        """A verdict every member reaches by itself: leave the step normally, then raise it."""
+        self._active = None
+        self.post(at(s, END))
+        raise error
+
+    # -- progress -------------------------------------------------------------------------------
+
+    def post(self, value: int) -> None:
+        """Raise this process's progress in the group to ``value`` and wake members that sleep."""
+        self.mine.progress[0] = value
+        segment = self.ring.segment
+        segment.bump()
+        for other in self._others:
+            if other.sleepers[0]:
+                segment.wake()
+                return
+
+    def buffer(self, rank: int, parity: int) -> np.ndarray:
+        channel = self.mine if rank == self.rank else self._theirs[rank]
+        buffer: np.ndarray = channel.buffers[parity]
+        return buffer
+
+    def wait(self, rank: int, target: int, deadline: float, aborts: bool = True) -> None:
+        """Until member ``rank`` reached ``target``; raises if it is gone, or gave up that step
+        (with ``aborts``: a wait for a step this process takes part in)."""
+        channel = self._theirs[rank]
+        if channel is None:
+            channel = self._find(rank, deadline)
+        word = channel.progress
+        if word[0] < target and not self.waiting.until(
+            word, target, self._segments[rank], deadline, self._watch
+        ):
+            self._time_out(target)
+        value = word[0]
+        s = target >> 32
+        if aborts and value >= at(s, ABORT):
+            reason = channel.record(s) if value > at(s, END) or value == at(s, ABORT) else None
+            if reason is not None:
+                raise self._theirs_error(rank, reason)
+
+    def _wait_all(self, target: int, deadline: float, aborts: bool = True) -> None:
+        for rank in range(self.n):
+            if rank != self.rank:
+                self.wait(rank, target, deadline, aborts)
+
+    def _find(self, rank: int, deadline: float) -> Any:
+        """Member ``rank``'s channel for this group (it assigns one when it first gets here)."""
+        segment = self._segments[rank]
+        index = segment.find(self.key)
+        if index is None:
+            if not self.waiting.ready(
+                lambda: segment.find(self.key) is not None, segment, deadline, self._watch
+            ):
+                self._time_out(at(self._active or 0, ARRIVE))
+            index = segment.find(self.key)
+            assert index is not None
+        channel = self._theirs[rank] = segment.channels[index]
+        return channel
+
+    def release(self, deadline: float) -> None:
+        """Give up this group's channel: wait until every member left its last step (lock held)."""
+        if self.last >= 0:
+            self._active = None
+            for rank in range(self.n):
+                channel = self._theirs[rank]
+                if (
+                    rank != self.rank
+                    and channel is not None
+                    and self._segments[rank].find(self.key) is not None
+                ):
+                    self.wait(rank, at(self.last, ABORT), deadline, False)
+        self.index = None
+        self._met = -1
+        self._theirs = [None] * self.n
+        self._channels = []
+        self._agreed = {}
+        self._written = [None, None]
+
+    def _watch(self) -> None:
+        """Raise if the job closed or a member is gone (called while blocked)."""
+        ring = self.ring
+        if ring.closed is not None:
+            raise ring.closed
+        for rank, peer in enumerate(self.members):
+            if rank == self.rank:
+                continue
+            segment = self._segments[rank]
+            lost = ring.lost_peer(peer)
+            if lost is not None:
+                raise lost
+            if not segment.alive():
+                raise PeerLostError(f"{self._label}: peer {peer} (process {segment.pid}) died", [peer])
+            if segment.closed:
+                raise PeerLostError(f"{self._label}: peer {peer} left the job while others needed it", [peer])
+
+    def _time_out(self, target: int) -> None:
+        missing = [
+            self.members[rank]
+            for rank in range(self.n)
+            if rank != self.rank and (self._theirs[rank] is None or self._theirs[rank].progress[0] < target)
+        ]
+        who = describe_peers(missing) if missing else "the others"
+        raise CollectiveTimeout(
+            f"{self._label}: peer {self.members[self.rank]} waited {self._timeout:g}s for {who} "
+            f"({'to call it' if target & 0xFFFFFFFF == ARRIVE else 'to move its data'})",
+            missing,
+        )
+
+    def _give_up(self, s: int, error: CollectiveError) -> None:
+        """Tell the other members this process left step ``s`` without finishing it."""
+        self._active = None
+        peers = getattr(error, "missing", None) or getattr(error, "peers", None) or ()
+        text = f"{type(error).__name__}|{','.join(map(str, peers))}|{error}"
+        self.mine.write_record(s, text)
+        self.post(at(s, ABORT))
+
+    def _theirs_error(self, rank: int, reason: str) -> CollectiveError:
+        name, peers_text, message = [*reason.split("|", 2), "", ""][:3]
+        peers = [int(p) for p in peers_text.split(",") if p.strip().lstrip("-").isdigit()]
+        cls = getattr(errors, name, None)
+        text = f"{self._label}: peer {self.members[rank]} gave up: {message}"
+        if cls is CollectiveTimeout:
+            return CollectiveTimeout(text, peers)
+        return PeerLostError(text, peers or [self.members[rank]])
+
+    def _who(self, ranks: list[int]) -> str:
+        return describe_peers([self.members[rank] for rank in ranks])

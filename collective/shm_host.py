@@ -1,0 +1,155 @@
+"""This process's side of the shared-memory ring of a job (for collective.shm_executor).
+
+``HostRing`` owns this process's ring segment, maps the segments of the job's other processes on
+this host when a group first needs them, and lends the segment's channels to groups: a group
+keeps its channel while it is used; when every channel is taken, the group used least recently
+(and not inside a step) gives its channel up once every member has left its last step.
+``SignatureCodec`` is how a call travels in a slot: msgpack of collective.protocol's fields,
+decoded with bounds, both cached (a group calls the same few collectives over and over).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import msgpack
+
+from collective.errors import CollectiveError, JobClosedError, describe_peers
+from collective.protocol import signature_fields, signature_from_fields
+from collective.shm_chunks import at
+from collective.signature import Signature
+from collective.transport.shm_ring import CHANNELS, MESSAGE_BYTES, RingSegment
+from collective.transport.wire import WireError
+
+__all__ = ["HostRing", "SignatureCodec"]
+
+log = logging.getLogger(__name__)
+
+
+class User(Protocol):
+    """A group that borrows a channel (collective.shm_executor.ShmGroup)."""
+
+    members: tuple[int, ...]
+    key: int
+    index: int | None
+    busy: bool
+
+    def release(self, deadline: float) -> None: ...
+
+
+class HostRing:
+    """This process's ring for a job: its segment, the others' (mapped on first use), its channels."""
+
+    def __init__(
+        self,
+        segment: RingSegment,
+        rings: dict[int, str],
+        node_of: dict[int, int],
+        lost_peer: Callable[[int], CollectiveError | None],
+        processes: int = 1,
+    ) -> None:
+        self.segment = segment
+        self.processes = processes  # the job's processes on this host (more than CPUs: spin less)
+        self._rings = rings  # node -> its segment's name
+        self._segments: dict[int, RingSegment] = {}
+        self.node_of = node_of
+        self.lost_peer = lost_peer
+        self.closed: JobClosedError | None = None
+        self._lock = threading.Lock()
+        self._users: list[User | None] = [None] * CHANNELS
+        self._used = [0.0] * CHANNELS
+
+    def segment_of(self, node: int) -> RingSegment:
+        """Node ``node``'s segment, validated and mapped (OSError, ValueError if it cannot be)."""
+        found = self._segments.get(node)
+        if found is None:
+            name = self._rings[node]
+            pid = int(name.split("-")[1])
+            found = self._segments[node] = RingSegment.attach(name, pid)
+        return found
+
+    def channel(self, group: User, step: int, deadline: float) -> int:
+        """This process's channel for ``group`` (given one, evicting an idle group if all are taken)."""
+        with self._lock:
+            index = group.index
+            if index is not None and self._users[index] is group:
+                self._used[index] = time.monotonic()
+                return index
+            free = [i for i in range(CHANNELS) if self._users[i] is None]
+            if not free:
+                idle = [i for i, user in enumerate(self._users) if user is not None and not user.busy]
+                if not idle:
+                    raise CollectiveError(
+                        f"{CHANNELS} groups of this process are inside a collective at once: the "
+                        f"shared-memory ring has no channel for group {describe_peers(list(group.members))}"
+                    )
+                victim = min(idle, key=self._used.__getitem__)
+                user = self._users[victim]
+                assert user is not None
+                user.release(deadline)  # returns once its readers have left its last step
+                free = [victim]
+            index = free[0]
+            self._users[index] = group
+            self._used[index] = time.monotonic()
+            self.segment.assign(group.key, index, at(step, 0) - 1)  # as if step - 1 had ended
+            group.index = index
+            log.debug("group %s uses channel %d of %s", group.members, index, self.segment.name)
+            return index
+
+    def close(self) -> None:
+        """The job is over: waits raise JobClosedError, the others see this process left."""
+        self.closed = JobClosedError("the job was closed")
+        self.segment.close()
+
+
+class SignatureCodec:
+    """Signatures to the bytes of a slot's message and back (bounded, cached).
+
+    Each message also has a 63-bit digest (blake2b): members compare digests, and decode the
+    others' messages only when they differ (or when the call has a problem or a source to find).
+    """
+
+    def __init__(self) -> None:
+        self._encoded: dict[Signature, tuple[bytes, int]] = {}
+        self._decoded: dict[bytes, Signature] = {}
+
+    def encode(self, signature: Signature) -> tuple[bytes, int]:
+        found = self._encoded.get(signature)
+        if found is None:
+            message = msgpack.packb(signature_fields(signature), use_bin_type=True)
+            if len(message) > MESSAGE_BYTES:
+                message = msgpack.packb(signature_fields(_digested(signature)), use_bin_type=True)
+            digest = hashlib.blake2b(message, digest_size=8).digest()
+            found = (message, int.from_bytes(digest, "little") >> 1)
+            if len(self._encoded) > 64:
+                self._encoded.clear()
+            self._encoded[signature] = found
+        return found
+
+    def decode(self, message: bytes) -> Signature:
+        """The Signature of ``message``; WireError if it is not one."""
+        found = self._decoded.get(message)
+        if found is None:
+            try:
+                fields: Any = msgpack.unpackb(message, raw=False, max_str_len=MESSAGE_BYTES, max_map_len=32)
+            except Exception as exc:  # msgpack raises several types for malformed input
+                raise WireError(f"undecodable call: {exc}") from None
+            if not isinstance(fields, dict):
+                raise WireError("a call is not a map")
+            found = signature_from_fields(fields)
+            if len(self._decoded) > 64:
+                self._decoded.clear()
+            self._decoded[message] = found
+        return found
+
+
+def _digested(signature: Signature) -> Signature:
+    """A signature whose long list of parts is cut to its first 4 and a digest of them all."""
+    digest = hashlib.blake2b(repr(signature.parts).encode(), digest_size=6).digest()
+    tail = ((len(signature.parts), *digest), "uint8")
+    return signature._replace(parts=(*signature.parts[:4], tail))

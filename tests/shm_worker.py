@@ -1,0 +1,251 @@
+"""One process (one peer) of a same-host job: run by tests/test_shm_executor.py.
+
+Usage: python tests/shm_worker.py MODE [ARG]   (the job comes from COLLECTIVE_* variables)
+
+Every process knows every peer's input (a function of the peer id and the call), so it checks
+each result bit for bit against a reference it computes itself, combining in rank order. Output:
+"RING <segment name>" first, then "OK <collectives> SHM <steps through shared memory>" at the
+end, or "ERROR <class> <seconds> <message>" (exit status 3); "READY" once a loop runs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+import collective as col
+from collective import shm_executor
+from collective.transport.shm_ring import NAME
+
+SIZES = [0, 1, 3, 17, 1000, 20_000, 300_001]  # elements: empty .. more than a chunk, odd
+DTYPES = ["float32", "float64", "int32", ml_dtypes.bfloat16]
+UFUNCS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def data(peer: int, shape: Any, dtype: Any, salt: int) -> np.ndarray:
+    rng = np.random.default_rng(7919 * peer + salt)
+    return rng.integers(-3, 4, size=shape).astype(dtype)
+
+
+def reduced(arrays: list[np.ndarray], op: str) -> np.ndarray:
+    total = arrays[0].copy()
+    for other in arrays[1:]:
+        UFUNCS[op](total, other, out=total)
+    if op == "mean":
+        total = total // len(arrays) if total.dtype.kind in "iu" else total / total.dtype.type(len(arrays))
+    return total
+
+
+def same(got: Any, expected: np.ndarray, what: str) -> None:
+    assert got is not None, what
+    assert got.shape == expected.shape and got.dtype == expected.dtype, (what, got.shape, got.dtype)
+    assert got.tobytes() == expected.tobytes(), what
+
+
+def every(peer: int, world: int) -> int:
+    """Every collective, several sizes and dtypes, every root, out= and in place."""
+    count = 0
+    for salt, (length, dtype) in enumerate(itertools.product(SIZES, DTYPES)):
+        if length > 20_000 and dtype != "float32":
+            continue
+        xs = [data(p, world * length, dtype, salt) for p in range(world)]
+        x = xs[peer]
+        k = length
+        for op in ("sum", "max", "mean", "prod") if length < 1000 or dtype == "float32" else ("sum",):
+            same(col.all_reduce(peer, x, op), reduced(xs, op), f"all_reduce {op} {length} {dtype}")
+            count += 1
+        same(col.reduce_scatter(peer, x), reduced(xs, "sum")[peer * k : (peer + 1) * k], "reduce_scatter")
+        a2a = np.concatenate([xs[j][peer * k : (peer + 1) * k] for j in range(world)])
+        same(col.all_to_all(peer, x), a2a, f"all_to_all {length}")
+        inplace = x.copy()
+        col.all_to_all(peer, inplace, out=inplace)
+        same(inplace, a2a, "all_to_all in place")
+        inplace = x.copy()
+        col.all_reduce(peer, inplace, out=inplace)
+        same(inplace, reduced(xs, "sum"), "all_reduce in place")
+        same(col.all_gather(peer, x), np.stack(xs), "all_gather")
+        out = np.empty((world, *x.shape), x.dtype)
+        same(col.all_gather(peer, x, out=out), np.stack(xs), "all_gather out=")
+        count += 6
+        for root in range(world):
+            got = col.reduce(peer, x, "sum", root=root)
+            assert got is None if peer != root else same(got, reduced(xs, "sum"), "reduce") is None
+            same(col.broadcast(peer, x if peer == root else None), xs[root], f"broadcast {length} {root}")
+            out = np.empty_like(x)
+            same(col.broadcast(peer, x if peer == root else None, out=out), xs[root], "broadcast out=")
+            got = col.gather(peer, x, root=root)
+            assert got is None if peer != root else same(got, np.stack(xs), "gather") is None
+            rows = data(root, (world, 3, k), dtype, salt + 1)
+            same(col.scatter(peer, rows if peer == root else None, root=root), rows[peer], "scatter")
+            count += 5
+    parts = [data(peer, shape, "float32", 5) for shape in [(3,), (4, 5), (), (70_000,)]]
+    everyone = [[data(p, a.shape, "float32", 5) for a in parts] for p in range(world)]
+    for got, index in zip(col.all_reduce_coalesced(peer, parts), range(len(parts)), strict=True):
+        same(got, reduced([e[index] for e in everyone], "sum"), "all_reduce_coalesced")
+    col.barrier(peer)
+    return count + 2
+
+
+def groups(peer: int, world: int) -> int:
+    """Every subset of the job twice, in one order everywhere: more groups than channels."""
+    count = 0
+    subsets = [s for size in range(1, world + 1) for s in itertools.combinations(range(world), size)]
+    for round_ in range(2):
+        for subset in subsets:
+            if peer not in subset:
+                continue
+            group = col.new_group(list(subset))
+            xs = [data(p, 100 + len(subset), "float64", round_) for p in subset]
+            same(col.all_reduce(peer, xs[subset.index(peer)], group=group), reduced(xs, "sum"), str(subset))
+            count += 1
+    return count
+
+
+def concurrent(peer: int, world: int) -> int:
+    """Two threads of each process: the whole job and the group of peers 0 and 1 at once."""
+    pair = col.new_group([0, 1])
+    failures: list[BaseException] = []
+
+    def run(group: Any, members: list[int], length: int) -> None:
+        try:
+            for i in range(60):
+                xs = [data(p, length, "float32", i) for p in members]
+                got = col.all_reduce(peer, xs[members.index(peer)], group=group)
+                same(got, reduced(xs, "sum"), f"group {members} call {i}")
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(None, list(range(world)), 300_000))]
+    if peer in (0, 1):
+        threads.append(threading.Thread(target=run, args=(pair, [0, 1], 50)))
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if failures:
+        raise failures[0]
+    return 60 * len(threads)
+
+
+def mismatch(peer: int, world: int, how: str) -> int:
+    """Peer 0 calls differently from the others; then a good collective."""
+    odd = peer == 0
+    x = np.zeros(5 if (how == "shape" and odd) else 4, np.float32 if (how == "dtype" and odd) else np.float64)
+    if how == "collective" and odd:
+        col.reduce(peer, x)
+    elif how == "op":
+        col.all_reduce(peer, x, "max" if odd else "sum")
+    elif how == "root":
+        col.reduce(peer, x, root=0 if odd else 1)
+    elif how == "invalid":
+        col.all_reduce(peer, np.zeros(4, bool) if odd else x)
+    elif how == "broadcast":
+        col.broadcast(peer, x if peer < 2 else None)
+    else:
+        col.all_reduce(peer, x)
+    return 1
+
+
+def loop(peer: int, world: int, size: str = "2") -> int:
+    """Small (or ``size``-element) all_reduce until something breaks; READY once running."""
+    x = np.ones(int(size), np.float32)
+    for i in range(10_000_000):
+        col.all_reduce(peer, x)
+        if i == 20 and peer == 0:
+            say("READY")
+    return 0
+
+
+def crash(peer: int, world: int) -> int:
+    """Peer 0 fails inside a large step with a plain exception while its process lives on; then
+    every process runs the same collective again (the job stays usable)."""
+    import collective.shm_chunks
+
+    kept = collective.shm_chunks.reduce_into
+    if peer == 0:
+
+        def broken(*args: Any) -> None:
+            raise MemoryError("simulated")
+
+        collective.shm_chunks.reduce_into = broken  # type: ignore[assignment]
+    x = np.ones(1 << 20, np.float32)
+    try:
+        col.all_reduce(peer, x)
+    except (MemoryError, col.CollectiveError) as exc:
+        say(f"ERROR {type(exc).__name__} - {exc}")
+    collective.shm_chunks.reduce_into = kept  # type: ignore[assignment]
+    same(col.all_reduce(peer, x), np.full(1 << 20, world, np.float32), "after the failure")
+    say("AFTER")
+    return 1
+
+
+def late(peer: int, world: int) -> int:
+    """The last peer comes late: the others time out naming it, so does it; then all go on."""
+    if peer == world - 1:
+        time.sleep(2.0)
+    try:
+        col.all_reduce(peer, np.ones(3), timeout=1.0)
+    except col.CollectiveTimeout as exc:
+        say(f"TIMEOUT {list(exc.missing)} {exc}")
+    same(col.all_reduce(peer, np.ones(3)), np.full(3, float(world)), "after the timeout")
+    return 1
+
+
+def crowded(peer: int, world: int, calls: str = "300") -> int:
+    """Many small collectives and a few larger ones (oversubscribed: more processes than cores)."""
+    started = time.monotonic()
+    x, big = np.full(2, peer, np.float32), np.ones(1 << 18, np.float32)
+    for i in range(int(calls)):
+        same(col.all_reduce(peer, x), np.full(2, world * (world - 1) / 2, np.float32), "small")
+        if i % 100 == 0:
+            same(col.all_reduce(peer, big), np.full(1 << 18, world, np.float32), "1 MiB")
+    say(f"TIME {time.monotonic() - started:.2f}")
+    return int(calls)
+
+
+MODES = {"every": every, "groups": groups, "concurrent": concurrent, "mismatch": mismatch, "loop": loop,
+         "crash": crash, "late": late, "crowded": crowded}  # fmt: skip
+
+
+def main() -> int:
+    mode, extra = sys.argv[1], sys.argv[2:]
+    config = col.CollectiveConfig.from_env()
+    (peer,) = col.peer_ids_from_env()
+    world = config.num_nodes or 1
+    started = time.monotonic()
+    try:
+        col.register(peer, "cpu", config)
+        matches = [NAME.fullmatch(name) for name in os.listdir("/dev/shm")]
+        ours = [m.group(0) for m in matches if m is not None and int(m.group(1)) == os.getpid()]
+        say(f"RING {ours[0] if ours else None}")
+        try:
+            count = MODES[mode](peer, world, *extra)
+        except col.CollectiveError as exc:
+            say(f"ERROR {type(exc).__name__} {time.monotonic() - started:.2f} {exc}")
+            if mode == "mismatch":  # the job goes on after a mismatch
+                same(col.all_reduce(peer, np.ones(3)), np.full(3, float(world)), "after the mismatch")
+                say(f"AFTER {dict(shm_executor.STEPS)}")
+            col.finish(peer)
+            return 3
+        say(f"OK {count} SHM {sum(shm_executor.STEPS.values())}")
+        col.finish(peer)
+        return 0
+    except BaseException as exc:
+        say(f"ERROR {type(exc).__name__} - {exc}")
+        return 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())

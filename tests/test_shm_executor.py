@@ -1,0 +1,168 @@
+"""The Shm executor: one-peer processes of one host run every collective through shared memory.
+
+Real processes on 127.0.0.1 (tests/shm_worker.py), one peer each, meeting through an orchestrator;
+every worker checks its results bit for bit and reports how many steps went through shared memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.processes import Proc, finish_all, node_env, start_orchestrator
+
+pytestmark = pytest.mark.timeout(120)
+WORKER = str(Path(__file__).with_name("shm_worker.py"))
+_jobs = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def orchestrator() -> Iterator[str]:
+    proc, address = start_orchestrator()
+    try:
+        yield address
+    finally:
+        proc.terminate()
+
+
+def start(address: str, processes: int, *argv: str, **extra: object) -> list[Proc]:
+    job = f"shm-{os.getpid()}-{next(_jobs)}"
+    return [
+        Proc([sys.executable, WORKER, *argv], node_env(address, job, rank, processes, 1, **extra))
+        for rank in range(processes)
+    ]
+
+
+def errors_of(proc: Proc) -> list[str]:
+    return [line for _, line in proc.lines if line.startswith("ERROR")]
+
+
+@pytest.mark.parametrize("processes", [2, 3])
+def test_every_collective_matches_its_reference_through_shared_memory(
+    orchestrator: str, processes: int
+) -> None:
+    procs = start(orchestrator, processes, "every")
+    for proc, code in zip(procs, finish_all(procs, 100), strict=True):
+        assert code == 0, proc.output()
+        _, line = proc.wait_for("OK", 1)
+        _, count, _, steps = line.split()
+        assert int(steps) >= int(count) > 400, line  # every collective took the shared-memory path
+
+
+def test_more_groups_than_channels_take_turns(orchestrator: str) -> None:
+    """5 processes, every subset twice: each process is in 16 groups, its segment has 8 channels."""
+    procs = start(orchestrator, 5, "groups")
+    for proc, code in zip(procs, finish_all(procs, 100), strict=True):
+        assert code == 0, proc.output()
+        _, line = proc.wait_for("OK", 1)
+        assert line.split()[1] == line.split()[3] == "32", line
+
+
+def test_two_groups_of_one_process_run_at_once_from_two_threads(orchestrator: str) -> None:
+    procs = start(orchestrator, 3, "concurrent")
+    for proc, code in zip(procs, finish_all(procs, 100), strict=True):
+        assert code == 0, proc.output()
+
+
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("shape", "shape: peer 0 passed (5,), peers 1-2 passed (4,)"),
+        ("dtype", "dtype: peer 0 passed float32, peers 1-2 passed float64"),
+        ("op", "op: peer 0 passed max, peers 1-2 passed sum"),
+        ("root", "root: peer 0 passed 0, peers 1-2 passed 1"),
+        ("collective", "peer 0 passed reduce, peers 1-2 passed all_reduce"),
+        ("broadcast", "exactly one peer (the root) must pass an array; peers 0-1 passed one"),
+        ("invalid", "peer 0: unsupported dtype bool"),
+    ],
+)
+def test_a_mismatch_is_the_same_error_on_every_process_and_the_job_goes_on(
+    orchestrator: str, how: str, expected: str
+) -> None:
+    procs = start(orchestrator, 3, "mismatch", how)
+    kind = "InvalidArgumentError" if how == "invalid" else "MismatchError"
+    messages = set()
+    for proc, code in zip(procs, finish_all(procs, 60), strict=True):
+        (line,) = errors_of(proc)
+        assert code == 3 and line.startswith(f"ERROR {kind}") and expected in line, proc.output()
+        messages.add(line.split(" ", 3)[3])
+        _, after = proc.wait_for("AFTER", 1)
+        assert "'all_reduce'" in after  # the next collective ran, through shared memory
+    assert len(messages) == 1, messages  # word for word the same everywhere
+
+
+def test_a_process_killed_mid_spin_is_a_peer_lost_error_on_every_survivor(orchestrator: str) -> None:
+    procs = start(orchestrator, 3, "loop")
+    try:
+        procs[0].wait_for("READY", 60)
+        procs[1].kill()
+        killed = time.monotonic()
+        for survivor in (procs[0], procs[2]):
+            when, line = survivor.wait_for("ERROR", 15)
+            assert line.startswith("ERROR PeerLostError") and "peer 1" in line, survivor.output()
+            assert when - killed < 3.0, f"noticed after {when - killed:.1f}s"
+            assert survivor.wait(30) == 3
+    finally:
+        finish_all(procs, 30)
+
+
+def test_a_process_failing_inside_a_step_fails_the_others_at_once_and_the_job_goes_on(
+    orchestrator: str,
+) -> None:
+    procs = start(orchestrator, 3, "crash", timeout=60)
+    started = time.monotonic()
+    codes = finish_all(procs, 60)
+    assert time.monotonic() - started < 30, "the others must not wait for their 60 s timeout"
+    assert codes == [0, 0, 0], [p.output() for p in procs]
+    assert errors_of(procs[0]) == ["ERROR MemoryError - simulated"]
+    for proc in procs[1:]:
+        (line,) = errors_of(proc)
+        assert line.startswith("ERROR PeerLostError") and "peer 0 gave up" in line and "MemoryError" in line
+    assert all("AFTER" in proc.output() for proc in procs)
+
+
+def test_a_late_process_is_named_by_the_timeout_everywhere_and_the_job_goes_on(orchestrator: str) -> None:
+    procs = start(orchestrator, 3, "late")
+    for proc, code in zip(procs, finish_all(procs, 60), strict=True):
+        assert code == 0, proc.output()
+        _, line = proc.wait_for("TIMEOUT", 1)
+        assert line.startswith("TIMEOUT [2]") and "peer 2" in line, line
+
+
+def test_four_processes_on_two_cores_do_not_starve_each_other(orchestrator: str) -> None:
+    procs = start(orchestrator, 4, "crowded", "300")
+    started = time.monotonic()
+    for proc, code in zip(procs, finish_all(procs, 90), strict=True):
+        assert code == 0, proc.output()
+    assert time.monotonic() - started < 60
+
+
+def _rings(procs: list[Proc]) -> list[Path]:
+    return [Path("/dev/shm") / proc.wait_for("RING", 60)[1].split()[1] for proc in procs]
+
+
+def test_segments_are_private_and_gone_after_finish_and_after_sigkill_once_the_next_job_starts(
+    orchestrator: str,
+) -> None:
+    procs = start(orchestrator, 2, "crowded", "10")
+    rings = _rings(procs)
+    assert all(ring.stat().st_mode & 0o777 == 0o600 for ring in rings if ring.exists())
+    assert finish_all(procs, 60) == [0, 0]
+    assert not any(ring.exists() for ring in rings), "removed at finish"
+
+    procs = start(orchestrator, 2, "loop")
+    rings = _rings(procs)
+    procs[0].wait_for("READY", 60)
+    for proc in procs:
+        proc.kill()
+    assert all(ring.exists() for ring in rings), "SIGKILL leaves them behind"
+    procs = start(orchestrator, 2, "crowded", "10")
+    _rings(procs)
+    assert finish_all(procs, 60) == [0, 0]
+    assert not any(ring.exists() for ring in rings), "the next job removed them"

@@ -1,0 +1,416 @@
+"""Shared-memory rings between the processes of one host: segments, progress words and waiting.
+
+Every process of a job creates one *ring segment* in /dev/shm and maps the segments of the other
+processes on its host read-only; a process writes only to its own segment, so no word has two
+writers. A segment holds a header and CHANNELS channels::
+
+    header   magic, pid, start time, state, bell (futex word), sleepers, channel directory
+    channel  progress (one int64 the owner raises), an abort ring (the owner's reasons for giving
+             up a step), two slots (double-buffered: a header message plus up to INLINE_BYTES of
+             data) and two chunk buffers of CHUNK_BYTES (double-buffered large data)
+
+The directory maps a 64-bit key (a group of the job) to a channel; the owner assigns channels, the
+others look them up. A waiter reads another process's progress word: it spins briefly, then
+yields, then blocks on the owner's *bell*, a futex word the owner bumps after every change (and
+wakes when some reader sleeps), and checks ``watch`` (liveness, aborts) periodically while
+blocked. A lost wake-up (possible: there is no store-load fence between the poster's progress
+store and its read of the sleepers word) costs at most MAX_SLEEP.
+
+Segments are named ``collective-<pid>-<16 hex>``, created 0600 with O_EXCL and O_NOFOLLOW, their
+whole size reserved up front (a full /dev/shm fails at creation, never later with SIGBUS), and
+unlinked when closed, when garbage-collected or at exit; segments of dead processes are removed
+by the next process that creates one. A segment is validated before it is mapped: our name
+pattern, a regular file of our uid, mode 0600, the exact size, our magic and the pid of its name.
+Relies on x86-64 store ordering (a reader that sees a progress value sees the data written before
+it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import re
+import secrets
+import stat
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CHANNELS", "CHUNK_BYTES", "INLINE_BYTES", "MESSAGE_BYTES", "RingSegment", "Waiting", "futex_wake",
+    "process_alive", "remove_stale",
+]  # fmt: skip
+
+DIRECTORY = "/dev/shm"
+NAME = re.compile(r"collective-(\d{1,10})-([0-9a-f]{16})")
+MAGIC = b"COLRING1"
+CHANNELS = 8
+CHUNK_BYTES = 1 << 20
+INLINE_BYTES = 64 << 10
+MESSAGE_BYTES = 16 << 10  # a slot's header message (the caller's encoding)
+ABORTS = 8  # abort records kept per channel
+_RECORD = 512  # bytes per abort record: seq (int64), length (int64), text
+_HEADER = 4096
+_CONTROL = 64 + ABORTS * _RECORD
+_SLOT_HEAD = 64
+_SLOT = _SLOT_HEAD + MESSAGE_BYTES + INLINE_BYTES
+_CHANNEL = _CONTROL + 2 * _SLOT + 2 * CHUNK_BYTES
+SIZE = _HEADER + CHANNELS * _CHANNEL
+# header fields (byte offsets)
+_PID, _START, _SIZE, _STATE, _BELL, _SLEEPERS, _KEYS = 8, 16, 24, 32, 40, 44, 64
+
+MAX_SLEEP = 0.01  # a blocked waiter looks again at least this often
+_GAVE_AWAY = 20e-6  # a yield that took this long gave the CPU to somebody
+_PATIENCE = 2e-3  # yields go on this long while they come straight back (nobody else wants the CPU)
+WATCH_EVERY = 0.1  # and calls ``watch`` this often
+
+
+def _start_time(pid: int | str) -> int | None:
+    """The process's start time in clock ticks since boot (None: no such process, or a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            fields = handle.read().rpartition(b")")[2].split()
+    except OSError:
+        return None
+    return None if fields[0] in (b"Z", b"X") else int(fields[19])
+
+
+def process_alive(pid: int, start: int) -> bool:
+    """Whether process ``pid`` (started at ``start``, in ticks) still runs: not dead, reaped or reused."""
+    if start <= 0 or not os.path.isdir("/proc/self"):  # no start time known: the pid alone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True
+    return _start_time(pid) == start
+
+
+class _Futex:
+    """futex(2) through libc's syscall(); ``None`` where it is not available (then waiters poll)."""
+
+    def __init__(self) -> None:
+        number = {"x86_64": 202, "aarch64": 98}.get(os.uname().machine)
+        libc = ctypes.CDLL(None, use_errno=True) if number is not None else None
+        self.call = getattr(libc, "syscall", None)
+        self.number = number
+        if self.call is not None:
+            self.call.restype = ctypes.c_long
+
+    def wait(self, address: int, value: int, seconds: float) -> None:
+        if self.call is None:
+            time.sleep(min(seconds, 0.001))
+            return
+        whole = int(seconds)
+        spec = (ctypes.c_long * 2)(whole, int((seconds - whole) * 1e9))
+        self.call(self.number, ctypes.c_void_p(address), 0, ctypes.c_int(value), spec, None, 0)
+
+    def wake(self, address: int) -> None:
+        if self.call is not None:
+            self.call(self.number, ctypes.c_void_p(address), 1, ctypes.c_int(0x7FFFFFFF), None, None, 0)
+
+
+_FUTEX = _Futex()
+
+
+def futex_wake(address: int) -> None:
+    _FUTEX.wake(address)
+
+
+def remove_stale() -> int:
+    """Unlink ring segments of processes that are gone (dead, or their pid reused); how many."""
+    removed = 0
+    with contextlib.suppress(OSError):
+        for name in os.listdir(DIRECTORY):
+            match = NAME.fullmatch(name)
+            if match is None:
+                continue
+            path = os.path.join(DIRECTORY, name)
+            try:
+                with _open_checked(path, os.O_RDONLY, None) as handle:
+                    header = handle.read(_KEYS)
+            except (OSError, ValueError):
+                continue  # not ours, or not a ring segment (transport.shm cleans its own)
+            if len(header) < _KEYS or header[:8] != MAGIC:
+                continue
+            pid, start = (int.from_bytes(header[o : o + 8], "little") for o in (_PID, _START))
+            if pid == int(match.group(1)) and not process_alive(pid, start):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+                    removed += 1
+    return removed
+
+
+def _open_checked(path: str, flags: int, size: int | None) -> Any:
+    """Open ``path`` without following links; ValueError unless a regular file of ours, mode 0600."""
+    descriptor = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            raise ValueError(f"{path} is not a private regular file of this user")
+        if size is not None and info.st_size != size:
+            raise ValueError(f"{path} has {info.st_size} bytes, expected {size}")
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return os.fdopen(descriptor, "rb", buffering=0)
+
+
+class Channel:
+    """Views of one channel of a segment (writable in its owner's process only)."""
+
+    __slots__ = ("buffers", "data", "heads", "messages", "progress", "records", "slot_heads", "slots")
+
+    def __init__(self, memory: Any, base: int) -> None:
+        view = memoryview(memory)
+        self.progress = view[base : base + 8].cast("q")
+        self.records = [view[base + 64 + i * _RECORD : base + 64 + (i + 1) * _RECORD] for i in range(ABORTS)]
+        self.heads = [record[:16].cast("q") for record in self.records]  # (seq, text length) each
+        heads = [base + _CONTROL + i * _SLOT for i in (0, 1)]
+        self.slot_heads = [view[h : h + _SLOT_HEAD].cast("q") for h in heads]
+        self.messages = [view[h + _SLOT_HEAD : h + _SLOT_HEAD + MESSAGE_BYTES] for h in heads]
+        data = [h + _SLOT_HEAD + MESSAGE_BYTES for h in heads]
+        self.slots = [np.frombuffer(memory, np.uint8, INLINE_BYTES, d) for d in data]
+        self.data = [view[d : d + INLINE_BYTES] for d in data]  # the same bytes as memoryviews
+        first = base + _CONTROL + 2 * _SLOT
+        self.buffers = [np.frombuffer(memory, np.uint8, CHUNK_BYTES, first + i * CHUNK_BYTES) for i in (0, 1)]
+
+    def record(self, seq: int) -> str | None:
+        """The owner's reason for giving up step ``seq``, if it recorded one."""
+        for record, head in zip(self.records, self.heads, strict=True):
+            if head[0] == seq:
+                return bytes(record[16 : 16 + min(head[1], _RECORD - 16)]).decode(errors="replace")
+        return None
+
+    def write_record(self, seq: int, text: str) -> None:
+        """Record why step ``seq`` was given up (oldest record replaced), before the progress says so."""
+        heads = self.heads
+        oldest = min(range(ABORTS), key=lambda i: heads[i][0])
+        data = text.encode()[: _RECORD - 16]
+        self.records[oldest][16 : 16 + len(data)] = data
+        heads[oldest][1] = len(data)
+        heads[oldest][0] = seq
+
+
+class RingSegment:
+    """One process's ring segment: its own (``create``, writable) or another's (``attach``, read-only)."""
+
+    def __init__(self, path: str, memory: Any, owner: bool) -> None:
+        self.path = path
+        self.name = os.path.basename(path)
+        self._memory = memory
+        self.owner = owner
+        view = memoryview(memory)
+        self.words = view[:_KEYS].cast("q")
+        self.bell = view[_BELL : _BELL + 4].cast("i")
+        self.sleepers = view[_SLEEPERS : _SLEEPERS + 4].cast("i")
+        self.keys = view[_KEYS : _KEYS + 8 * CHANNELS].cast("Q")
+        self.bell_address = int(np.frombuffer(memory, np.int32, 1, _BELL).ctypes.data)
+        self.pid = self.words[_PID // 8]
+        self.start = self.words[_START // 8]
+        self.channels = [Channel(memory, _HEADER + i * _CHANNEL) for i in range(CHANNELS)]
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _unlink, path, os.getpid()) if owner else None
+
+    @classmethod
+    def create(cls) -> RingSegment | None:
+        """This process's segment (stale ones removed first); None where /dev/shm cannot hold one."""
+        if not os.path.isdir(DIRECTORY):
+            return None
+        remove_stale()
+        path = os.path.join(DIRECTORY, f"collective-{os.getpid()}-{secrets.token_hex(8)}")
+        try:
+            descriptor = os.open(
+                path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            )
+        except OSError:
+            return None
+        try:
+            os.fchmod(descriptor, 0o600)
+            os.ftruncate(descriptor, SIZE)
+            os.posix_fallocate(descriptor, 0, SIZE)  # ENOSPC now rather than SIGBUS later
+            memory = mmap.mmap(descriptor, SIZE)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            return None
+        finally:
+            os.close(descriptor)
+        words = memoryview(memory)[:_KEYS].cast("q")
+        words[_PID // 8] = os.getpid()
+        words[_START // 8] = _start_time("self") or 0
+        words[_SIZE // 8] = SIZE
+        memory[:8] = MAGIC  # last: a segment with our magic is complete
+        return cls(path, memory, True)
+
+    @classmethod
+    def attach(cls, name: Any, pid: int) -> RingSegment:
+        """Process ``pid``'s segment ``name``, validated and mapped read-only; ValueError/OSError if unfit."""
+        match = NAME.fullmatch(name) if isinstance(name, str) else None
+        if match is None or int(match.group(1)) != pid:
+            raise ValueError(f"{name!r} is not the ring segment of process {pid}")
+        path = os.path.join(DIRECTORY, name)
+        with _open_checked(path, os.O_RDONLY, SIZE) as handle:
+            memory = mmap.mmap(handle.fileno(), SIZE, prot=mmap.PROT_READ)
+        if memory[:8] != MAGIC or int.from_bytes(memory[_PID : _PID + 8], "little") != pid:
+            memory.close()
+            raise ValueError(f"{path} is not a complete ring segment of process {pid}")
+        return cls(path, memory, False)
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        return bool(self.words[_STATE // 8])
+
+    def alive(self) -> bool:
+        return process_alive(self.pid, self.start)
+
+    def wake(self) -> None:
+        """Wake every process blocked on this segment's bell."""
+        _FUTEX.wake(self.bell_address)
+
+    def bump(self) -> None:
+        """Ring the bell: another word of this segment changed (owner only)."""
+        with self._lock:
+            self.bell[0] = (self.bell[0] + 1) & 0x7FFFFFFF
+
+    # -- the channel directory ----------------------------------------------------------------
+
+    def find(self, key: int) -> int | None:
+        """The channel the owner gave ``key`` (None if none yet)."""
+        for index in range(CHANNELS):
+            if self.keys[index] == key:
+                return index
+        return None
+
+    def assign(self, key: int, index: int, progress: int) -> Channel:
+        """Give channel ``index`` to ``key`` with its progress at ``progress`` (owner only)."""
+        channel = self.channels[index]
+        self.keys[index] = 0
+        channel.progress[0] = progress
+        for head in channel.heads:
+            head[0] = -1
+        self.keys[index] = key  # last: readers that find the key see the channel ready
+        return channel
+
+    def close(self) -> None:
+        """Mark the segment closed (readers see this process left) and unlink it (owner only)."""
+        if self.owner:
+            self.words[_STATE // 8] = 1
+            self.bump()
+            self.wake()
+            if self._finalizer is not None:
+                self._finalizer()
+
+
+def _unlink(path: str, creator: int) -> None:
+    if os.getpid() == creator:  # a forked child must not remove its parent's segment
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+class Waiting:
+    """How long a waiter spins, then yields, before it blocks: adapted to where its peers run.
+
+    Spinning is best while the peers have CPUs of their own (a post is seen within a microsecond,
+    and a spinner keeps its CPU when other programs compete for it), and worst when the scheduler
+    puts a peer on the spinner's CPU (it does, now and then, even with a CPU free): the peer runs
+    only once the spin ends (measured: 50 us of spin, 220 us per small collective). So the spin
+    budget adapts: a wait that ends while spinning doubles it (up to ``most``); one that ends just
+    after a yield that gave the CPU away (the yield took a while: somebody else ran) divides it by
+    four (down to ``least``). A blocked waiter costs a wake-up (about 100 us on this VM), so it
+    blocks only after the yields: 200 us of them, or up to 2 ms while each comes straight back
+    (nobody else wants the CPU: yielding costs nobody anything, and the waiter sees the post at once).
+    Oversubscribed hosts (more of the job's processes than CPUs) spin at most a microsecond or two.
+    ``COLLECTIVE_SHM_SPIN_US`` (the most) and ``COLLECTIVE_SHM_YIELD_US`` override the defaults.
+    """
+
+    def __init__(self, processes: int, mine: RingSegment) -> None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        crowded = self.crowded = processes > cpus
+        self.most = float(os.environ.get("COLLECTIVE_SHM_SPIN_US", 2 if crowded else 100)) * 1e-6
+        self.least = min(self.most, 1e-6)
+        self.spin = self.most
+        self.yields = float(os.environ.get("COLLECTIVE_SHM_YIELD_US", 50 if crowded else 200)) * 1e-6
+        self.mine = mine
+        self._lock = threading.Lock()
+
+    def until(
+        self, word: Any, target: int, owner: RingSegment, deadline: float, watch: Callable[[], None]
+    ) -> bool:
+        """Wait until ``word[0] >= target`` (True) or the deadline (False); ``watch`` may raise."""
+        if word[0] >= target:
+            return True
+        now = time.monotonic()
+        stop = now + self.spin
+        while now < stop:
+            for _ in range(32):
+                if word[0] >= target:
+                    self.spin = min(self.most, 2 * self.spin)
+                    return True
+            now = time.monotonic()
+        crowded = self.crowded
+        stop, patience = now + self.yields, now + _PATIENCE
+        while now < stop or (now < patience and not crowded):
+            before = now
+            os.sched_yield()
+            now = time.monotonic()
+            if word[0] >= target:
+                if now - before > _GAVE_AWAY:  # the CPU went to somebody, and then the post came
+                    self.spin = max(self.least, self.spin / 4)
+                return True
+            if now - before > _GAVE_AWAY:
+                crowded = True  # somebody wants this CPU: block once the short yield phase is over
+        return self._block(lambda: bool(word[0] >= target), owner, deadline, watch, now)
+
+    def ready(
+        self, check: Callable[[], bool], owner: RingSegment, deadline: float, watch: Callable[[], None]
+    ) -> bool:
+        """Wait until ``check()`` (True) or the deadline (False), ``owner``'s bell ringing on changes."""
+        now = time.monotonic()
+        stop = now + self.spin + self.yields
+        while now < stop:
+            if check():
+                return True
+            os.sched_yield()
+            now = time.monotonic()
+        return self._block(check, owner, deadline, watch, now)
+
+    def _block(
+        self,
+        check: Callable[[], bool],
+        owner: RingSegment,
+        deadline: float,
+        watch: Callable[[], None],
+        now: float,
+    ) -> bool:
+        sleepers = self.mine.sleepers
+        watched = -WATCH_EVERY
+        while True:
+            if now - watched >= WATCH_EVERY:
+                watch()
+                watched = now
+            if now >= deadline:
+                return check()
+            bell = owner.bell[0]
+            with self._lock:
+                sleepers[0] += 1
+            try:
+                if check():
+                    return True
+                _FUTEX.wait(owner.bell_address, bell, min(deadline - now, MAX_SLEEP, WATCH_EVERY))
+            finally:
+                with self._lock:
+                    sleepers[0] -= 1
+            if check():
+                return True
+            now = time.monotonic()
