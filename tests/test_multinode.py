@@ -247,7 +247,7 @@ def test_a_node_suspended_for_less_than_the_orchestrators_threshold_goes_on(tmp_
     """Suspended 3 s (more than its own 2 s threshold): it must not blame the orchestrator."""
     proc, address = start_orchestrator("--lost-after", "8")
     stop = tmp_path / "stop"
-    nodes = start_nodes(address, job_name(), 2, 1, "until", str(stop), "0.05")
+    nodes = start_nodes(address, job_name(), 2, 1, "until", str(stop), "0.05", shm=0)
     try:
         for node in nodes:
             node.wait_for("READY", 60)
@@ -265,7 +265,7 @@ def test_a_node_suspended_for_less_than_the_orchestrators_threshold_goes_on(tmp_
 
 def test_a_node_suspended_past_the_orchestrators_threshold_says_so(tmp_path: Path) -> None:
     proc, address = start_orchestrator()
-    nodes = start_nodes(address, job_name(), 2, 1, "until", str(tmp_path / "never"), "0.05")
+    nodes = start_nodes(address, job_name(), 2, 1, "until", str(tmp_path / "never"), "0.05", shm=0)
     try:
         for node in nodes:
             node.wait_for("READY", 60)
