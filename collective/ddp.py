@@ -5,10 +5,11 @@ framework's arrays (numpy, CuPy, torch, JAX through numpy):
 
 * gradients are packed into buckets of about ``bucket_bytes`` (25 MiB), in reverse order of the
   parameters (backward produces the last layers' gradients first);
-* ``ready(name, grad)`` marks one gradient ready; when every gradient of a bucket is ready, one
-  asynchronous ``all_reduce_coalesced`` of the bucket starts, so communication overlaps the rest
-  of backward. Buckets start in bucket order on every peer (a bucket that fills early waits for
-  the ones before it), so every peer issues the same calls in the same order;
+* ``ready(name, grad)`` copies one gradient into its bucket's flat buffer (one per dtype,
+  allocated once, as torch's reducer keeps them); when every gradient of a bucket is ready, one
+  asynchronous ``all_reduce`` per buffer starts, so communication overlaps the rest of backward.
+  Buckets start in bucket order on every peer (a bucket that fills early waits for the ones
+  before it), so every peer issues the same calls in the same order;
 * ``wait()`` before the optimizer step: every bucket's result is written into the gradients
   handed to ``ready`` (in place) and they are returned by name;
 * ``with sync.no_sync():`` accumulates gradients locally over micro-batches (``ready`` adds them
@@ -43,11 +44,43 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "GradientSync", "attach_torch", "broadcast_pa
 DEFAULT_BUCKET_BYTES = 25 << 20
 
 
+@dataclass(frozen=True)
+class _Slot:
+    """Where one gradient lives in its bucket: a range of the flat buffer of its dtype."""
+
+    part: int
+    start: int
+    stop: int
+    shape: tuple[int, ...]
+    dtype: Any
+
+
 @dataclass
 class _Bucket:
+    """Some parameters' gradients, synced as one flat buffer per dtype (usually one)."""
+
     names: list[str]
+    slots: dict[str, _Slot]
+    sends: list[Any]  # ready() copies each gradient in here ...
+    recvs: list[Any]  # ... and the synced ones come back here (persistent: no allocation per step)
     grads: dict[str, Any] = field(default_factory=dict)  # handed to ready() this step
-    work: Work | None = None
+    works: list[Work] = field(default_factory=list)
+
+
+def _bucket_of(names: list[str], params: Mapping[str, Any]) -> _Bucket:
+    """The bucket of ``names``: each gradient's slot, and the flat buffers of each dtype."""
+    slots: dict[str, _Slot] = {}
+    parts: dict[str, list[Any]] = {}  # dtype -> [array module, dtype, elements]
+    for name in names:
+        array, _ = native(params[name])
+        part = parts.setdefault(str(array.dtype), [array_module(array), array.dtype, 0])
+        start, part[2] = part[2], part[2] + int(array.size)
+        slots[name] = _Slot(
+            list(parts).index(str(array.dtype)), start, part[2], tuple(array.shape), array.dtype
+        )
+    sends = [xp.empty(size, dtype) for xp, dtype, size in parts.values()]
+    recvs = [xp.empty(size, dtype) for xp, dtype, size in parts.values()]
+    return _Bucket(names, slots, sends, recvs)
 
 
 def _nbytes(value: Any) -> int:
@@ -59,7 +92,8 @@ class GradientSync:
     """Averages (by default) named gradients across the peers of ``group``, bucket by bucket.
 
     ``params`` maps names to arrays shaped like the gradients (the parameters themselves will do),
-    in the order the model defines them.
+    in the order the model defines them. Each bucket keeps one flat buffer per dtype for the
+    gradients going out and one for those coming back (twice with ``stale=True``), allocated here.
     """
 
     def __init__(
@@ -82,19 +116,22 @@ class GradientSync:
         self.group = group
         self.stale = stale
         self._runtime = runtime or default_runtime()
-        self._buckets: list[_Bucket] = []
+        groups: list[list[str]] = []
         size = 0
         for name in reversed(list(params)):  # backward makes the last gradients first
-            if not self._buckets or size >= bucket_bytes:
-                self._buckets.append(_Bucket([]))
+            if not groups or size >= bucket_bytes:
+                groups.append([])
                 size = 0
-            self._buckets[-1].names.append(name)
+            groups[-1].append(name)
             size += _nbytes(params[name])
-        self._bucket_of = {name: i for i, bucket in enumerate(self._buckets) for name in bucket.names}
+        self._buckets = [_bucket_of(names, params) for names in groups]
+        self._bucket_of = {name: i for i, names in enumerate(groups) for name in names}
         self._next = 0  # the next bucket to start, in bucket order
         self._accumulating = False
         self._accumulated: dict[str, Any] = {}
-        self._previous: list[_Bucket] | None = None  # stale=True: the step whose sync is in flight
+        # stale=True: the step whose sync is in flight, and the buffers the next step fills meanwhile
+        self._previous: list[_Bucket] | None = None
+        self._spare = [_bucket_of(names, params) for names in groups] if stale else None
         self.paused = False  # attach_torch's hooks do nothing while set (torch_no_sync)
 
     @property
@@ -103,25 +140,37 @@ class GradientSync:
         return [list(bucket.names) for bucket in self._buckets]
 
     def ready(self, name: str, grad: Any) -> None:
-        """``grad`` (this micro-batch's gradient of ``name``) is final: sync it with its bucket."""
+        """``grad`` (this micro-batch's gradient of ``name``) is final: sync it with its bucket.
+
+        It is copied into the bucket's buffer at once. Raises InvalidArgumentError for a name that
+        is not a parameter, a gradient whose shape or dtype is not its parameter's, or a second
+        ``ready`` of one name before ``wait()``.
+        """
         index = self._bucket_of.get(name)
         if index is None:
             raise InvalidArgumentError(f"ready({name!r}): not a parameter of this GradientSync")
-        if self._accumulating:
-            self._accumulate(name, grad)
-            return
-        held = self._accumulated.pop(name, None)
-        if held is not None:
-            array, _ = native(grad)
-            array += held
         bucket = self._buckets[index]
+        slot = bucket.slots[name]
+        array, _ = native(grad)
+        if tuple(array.shape) != slot.shape or array.dtype != slot.dtype:
+            raise InvalidArgumentError(
+                f"ready({name!r}): a gradient of shape {tuple(array.shape)} and dtype {array.dtype}, "
+                f"but the parameter has shape {slot.shape} and dtype {slot.dtype}"
+            )
+        if self._accumulating:
+            self._accumulate(name, array)
+            return
         if name in bucket.grads:
             raise InvalidArgumentError(f"ready({name!r}) called twice in one step: call wait() first")
+        target = bucket.sends[slot.part][slot.start : slot.stop]
+        target[...] = array.reshape(-1)
+        held = self._accumulated.pop(name, None)
+        if held is not None:
+            target += held.reshape(-1)
         bucket.grads[name] = grad
         self._start_ready_buckets()
 
-    def _accumulate(self, name: str, grad: Any) -> None:
-        array, _ = native(grad)
+    def _accumulate(self, name: str, array: Any) -> None:
         held = self._accumulated.get(name)
         if held is None:
             self._accumulated[name] = array.copy()
@@ -133,37 +182,49 @@ class GradientSync:
             bucket = self._buckets[self._next]
             if len(bucket.grads) < len(bucket.names):
                 return
-            if self.stale:  # the caller reuses its gradients next step: sync copies of them
-                bucket.grads = {name: native(grad)[0].copy() for name, grad in bucket.grads.items()}
-            grads = [bucket.grads[name] for name in bucket.names]
-            bucket.work = self._runtime.all_reduce_coalesced(
-                self.peer, grads, self.op, group=self.group, async_op=True, out=grads
-            )
+            bucket.works = [
+                self._runtime.all_reduce(self.peer, send, self.op, group=self.group, async_op=True, out=recv)
+                for send, recv in zip(bucket.sends, bucket.recvs, strict=True)
+            ]
             self._next += 1
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Every gradient of this step averaged, written into the arrays given to ``ready``, by name.
 
-        With ``stale=True``: the previous step's (None at the first step), without waiting for this
-        step's. Raises the collective's error (PeerLostError when a peer died mid-step, ...).
+        With ``stale=True``: the previous step's (None at the first step), as new arrays, without
+        waiting for this step's. Raises the collective's error (PeerLostError when a peer died
+        mid-step, ...).
         """
         missing = [name for bucket in self._buckets for name in bucket.names if name not in bucket.grads]
         if missing:
             raise InvalidArgumentError(f"wait(): no gradient was made ready for {missing[:5]}")
         current = self._buckets
-        self._buckets = [_Bucket(bucket.names) for bucket in current]
         self._next = 0
         if self.stale:
             finished, self._previous = self._previous, current
-            return None if finished is None else self._collect(finished, timeout)
-        return self._collect(current, timeout)
+            if finished is None:  # the first step: the next one fills the spare buffers
+                assert self._spare is not None
+                self._buckets, self._spare = self._spare, None
+                return None
+            self._buckets = finished
+            return self._collect(finished, timeout, in_place=False)
+        return self._collect(current, timeout, in_place=True)
 
-    def _collect(self, buckets: list[_Bucket], timeout: float | None) -> dict[str, Any]:
+    def _collect(self, buckets: list[_Bucket], timeout: float | None, in_place: bool) -> dict[str, Any]:
         synced: dict[str, Any] = {}
         for bucket in buckets:
-            assert bucket.work is not None
-            bucket.work.wait(timeout)
-            synced.update(bucket.grads)
+            grads, works = bucket.grads, bucket.works
+            bucket.grads, bucket.works = {}, []  # the bucket is free for the next step, whatever happens
+            for work in works:
+                work.wait(timeout)
+            for name, grad in grads.items():
+                slot = bucket.slots[name]
+                result = bucket.recvs[slot.part][slot.start : slot.stop].reshape(slot.shape)
+                if in_place:
+                    native(grad)[0][...] = result
+                    synced[name] = grad
+                else:
+                    synced[name] = result.copy()
         return synced
 
     @contextmanager
