@@ -58,6 +58,22 @@ def global_batch(step: int, rows: int, width: int) -> tuple[torch.Tensor, torch.
     return x, x.sum(dim=1, keepdim=True).sin()
 
 
+class SGD:
+    """Plain SGD (torch.optim.SGD does the same; its constructor costs each process a second of imports)."""
+
+    def __init__(self, params: list[torch.Tensor], lr: float) -> None:
+        self.params, self.lr = params, lr
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for param in self.params:
+            param.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for param in self.params:
+            param -= self.lr * param.grad
+
+
 class Trainer:
     """One replica: its model, its rows of each batch, a plain SGD step."""
 
@@ -66,7 +82,7 @@ class Trainer:
         self.model = mlp(args.width, args.depth)
         self.params = list(self.model.parameters())
         self.initial = initial
-        self.optimizer = torch.optim.SGD(self.params, lr=args.lr)
+        self.optimizer = SGD(self.params, args.lr)
 
     def reset(self) -> None:
         with torch.no_grad():

@@ -63,29 +63,29 @@ def load(net: torch.nn.Module, weights: torch.Tensor) -> None:
 
 
 class Optimiser:
-    """The server's model and its optimizer: applies an averaged flat gradient."""
+    """The server's weights (flat) and SGD with momentum 0.9, as torch.optim.SGD computes it."""
 
     def __init__(self, width: int, lr: float) -> None:
-        self.net = model(width)
-        self.optimizer = torch.optim.SGD(self.net.parameters(), lr=lr, momentum=0.9)
+        self.weights = flat_weights(model(width))
+        self.velocity = torch.zeros_like(self.weights)
+        self.lr = lr
 
     def apply(self, grad: torch.Tensor) -> torch.Tensor:
-        offset = 0
-        for param in self.net.parameters():
-            param.grad = grad[offset : offset + param.numel()].view_as(param).clone()
-            offset += param.numel()
-        self.optimizer.step()
-        return flat_weights(self.net)
+        """One step with an averaged flat gradient; the new weights."""
+        self.velocity.mul_(0.9).add_(grad)
+        self.weights = self.weights - self.lr * self.velocity
+        return self.weights
 
 
 def reference(args: argparse.Namespace) -> torch.Tensor:
     """One process, every worker's rows at once, the same optimizer."""
-    single = Optimiser(args.width, args.lr)
+    single, net = Optimiser(args.width, args.lr), model(args.width)
     for step in range(args.steps):
         batches = [rows_of(step, w, args.rows, args.width) for w in range(args.workers)]
         x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
-        single.apply(flat_grads(single.net, x, y))
-    return flat_weights(single.net)
+        load(net, single.weights)
+        single.apply(flat_grads(net, x, y))
+    return single.weights
 
 
 def two_tier(peer: int, args: argparse.Namespace) -> torch.Tensor:
@@ -93,7 +93,7 @@ def two_tier(peer: int, args: argparse.Namespace) -> torch.Tensor:
     server = args.workers
     replica = model(args.width)
     optimiser = Optimiser(args.width, args.lr) if peer == server else None
-    weights = flat_weights(optimiser.net if optimiser else replica)
+    weights = optimiser.weights if optimiser else flat_weights(replica)
     for step in range(args.steps):
         weights = col.broadcast(peer, weights if optimiser else None, out=None if optimiser else weights)
         if optimiser is None:
@@ -112,7 +112,7 @@ def three_tier(peer: int, args: argparse.Namespace) -> torch.Tensor:
     shape = flat_weights(model(args.width)).shape
     if peer == optimiser_peer:
         optimiser = Optimiser(args.width, args.lr)
-        weights, grad = flat_weights(optimiser.net), torch.empty(shape)
+        weights, grad = optimiser.weights, torch.empty(shape)
         for _ in range(args.steps):
             col.send(peer, weights, dst=aggregator, tag=1)
             weights = optimiser.apply(col.recv(peer, src=aggregator, tag=0, out=grad))
