@@ -162,7 +162,10 @@ def run_processes(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
         dict(env, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         for r in range(2)
     ]
-    procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=e) for e in envs]
+    outputs = [subprocess.PIPE, subprocess.DEVNULL]  # rank 0 reports
+    procs = [
+        subprocess.Popen(argv, stdout=out, text=True, env=e) for out, e in zip(outputs, envs, strict=True)
+    ]
     try:
         out, _ = procs[0].communicate(timeout=args.limit)
         procs[1].wait(60)
@@ -215,7 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gloo-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args)), flush=True)
+        times = worker(args)
+        if os.environ["RANK"] == "0":
+            print(json.dumps(times), flush=True)
         return 0
     print(f"# ddp_bench: 2 processes, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.rounds} rounds "
           f"x {args.steps} steps, median ms per step (the slower process's)", flush=True)  # fmt: skip

@@ -44,43 +44,34 @@ __all__ = ["DEFAULT_BUCKET_BYTES", "GradientSync", "attach_torch", "broadcast_pa
 DEFAULT_BUCKET_BYTES = 25 << 20
 
 
-@dataclass(frozen=True)
-class _Slot:
-    """Where one gradient lives in its bucket: a range of the flat buffer of its dtype."""
-
-    part: int
-    start: int
-    stop: int
-    shape: tuple[int, ...]
-    dtype: Any
-
-
 @dataclass
 class _Bucket:
     """Some parameters' gradients, synced as one flat buffer per dtype (usually one)."""
 
     names: list[str]
-    slots: dict[str, _Slot]
     sends: list[Any]  # ready() copies each gradient in here ...
     recvs: list[Any]  # ... and the synced ones come back here (persistent: no allocation per step)
+    views: dict[str, tuple[Any, Any]]  # name -> its views of sends and recvs, in the parameter's shape
     grads: dict[str, Any] = field(default_factory=dict)  # handed to ready() this step
     works: list[Work] = field(default_factory=list)
 
 
 def _bucket_of(names: list[str], params: Mapping[str, Any]) -> _Bucket:
-    """The bucket of ``names``: each gradient's slot, and the flat buffers of each dtype."""
-    slots: dict[str, _Slot] = {}
+    """The bucket of ``names``: one flat buffer per dtype, and each gradient's place in it."""
+    places: dict[str, tuple[str, int, int, tuple[int, ...]]] = {}
     parts: dict[str, list[Any]] = {}  # dtype -> [array module, dtype, elements]
     for name in names:
         array, _ = native(params[name])
         part = parts.setdefault(str(array.dtype), [array_module(array), array.dtype, 0])
-        start, part[2] = part[2], part[2] + int(array.size)
-        slots[name] = _Slot(
-            list(parts).index(str(array.dtype)), start, part[2], tuple(array.shape), array.dtype
-        )
-    sends = [xp.empty(size, dtype) for xp, dtype, size in parts.values()]
-    recvs = [xp.empty(size, dtype) for xp, dtype, size in parts.values()]
-    return _Bucket(names, slots, sends, recvs)
+        places[name] = (str(array.dtype), part[2], part[2] + int(array.size), tuple(array.shape))
+        part[2] += int(array.size)
+    sends = {key: xp.empty(size, dtype) for key, (xp, dtype, size) in parts.items()}
+    recvs = {key: xp.empty(size, dtype) for key, (xp, dtype, size) in parts.items()}
+    views = {
+        name: (sends[key][start:stop].reshape(shape), recvs[key][start:stop].reshape(shape))
+        for name, (key, start, stop, shape) in places.items()
+    }
+    return _Bucket(names, list(sends.values()), list(recvs.values()), views)
 
 
 def _nbytes(value: Any) -> int:
@@ -150,23 +141,22 @@ class GradientSync:
         if index is None:
             raise InvalidArgumentError(f"ready({name!r}): not a parameter of this GradientSync")
         bucket = self._buckets[index]
-        slot = bucket.slots[name]
+        send, _ = bucket.views[name]
         array, _ = native(grad)
-        if tuple(array.shape) != slot.shape or array.dtype != slot.dtype:
+        if array.shape != send.shape or array.dtype != send.dtype:
             raise InvalidArgumentError(
                 f"ready({name!r}): a gradient of shape {tuple(array.shape)} and dtype {array.dtype}, "
-                f"but the parameter has shape {slot.shape} and dtype {slot.dtype}"
+                f"but the parameter has shape {tuple(send.shape)} and dtype {send.dtype}"
             )
         if self._accumulating:
             self._accumulate(name, array)
             return
         if name in bucket.grads:
             raise InvalidArgumentError(f"ready({name!r}) called twice in one step: call wait() first")
-        target = bucket.sends[slot.part][slot.start : slot.stop]
-        target[...] = array.reshape(-1)
+        send[...] = array
         held = self._accumulated.pop(name, None)
         if held is not None:
-            target += held.reshape(-1)
+            send += held
         bucket.grads[name] = grad
         self._start_ready_buckets()
 
@@ -218,8 +208,7 @@ class GradientSync:
             for work in works:
                 work.wait(timeout)
             for name, grad in grads.items():
-                slot = bucket.slots[name]
-                result = bucket.recvs[slot.part][slot.start : slot.stop].reshape(slot.shape)
+                _, result = bucket.views[name]
                 if in_place:
                     native(grad)[0][...] = result
                     synced[name] = grad

@@ -84,6 +84,31 @@ def test_mean_of_every_gradient_whatever_order_they_become_ready(order: str) -> 
                 np.testing.assert_allclose(got, np.full(p.shape, expected), rtol=1e-3)
 
 
+def test_a_full_bucket_is_reduced_while_the_rest_of_backward_runs() -> None:
+    """Overlap: the first bucket's all_reduce completes before the other gradients are even ready."""
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> dict[str, Any]:
+            rt.register(peer, "cpu", cfg())
+            sync = GradientSync(peer, params(), bucket_bytes=16 * 1024, runtime=rt)
+            grads = grads_of(peer, 0)
+            first, rest = sync.buckets
+            for name in first:
+                sync.ready(name, grads[name])
+            for work in sync._buckets[0].works:
+                work.wait(timeout=20)  # done, with "embed" (the rest of backward) not made yet
+            for name in rest:
+                sync.ready(name, grads[name])
+            result = sync.wait()
+            rt.finish(peer)
+            assert result is not None
+            return result
+
+        for result in run_peers(N, body, rt):
+            np.testing.assert_allclose(result["head.w"], np.mean(range(N)))
+            np.testing.assert_allclose(result["embed"], np.mean(range(N)))
+
+
 def test_no_sync_accumulates_micro_batches_and_syncs_once() -> None:
     with col.Runtime() as rt:
 
@@ -115,7 +140,7 @@ def test_stale_mode_returns_the_previous_steps_average() -> None:
             rt.register(peer, "cpu", cfg())
             sync = GradientSync(peer, params(), stale=True, runtime=rt)
             seen = []
-            for step in range(3):
+            for step in range(5):  # the two sets of buffers take turns
                 grads = grads_of(peer, step)
                 for name in reversed(grads):
                     sync.ready(name, grads[name])
@@ -128,7 +153,7 @@ def test_stale_mode_returns_the_previous_steps_average() -> None:
         per_peer = run_peers(N, body, rt)
     mean = np.mean(range(N))
     for seen in per_peer:
-        assert seen == [None, mean, mean + 10]
+        assert seen == [None, mean, mean + 10, mean + 20, mean + 30]
 
 
 def test_broadcast_parameters_gives_every_peer_the_roots_weights() -> None:
