@@ -10,8 +10,9 @@ framework's arrays (numpy, CuPy, torch, JAX through numpy):
   asynchronous ``all_reduce`` per buffer starts, so communication overlaps the rest of backward.
   Buckets start in bucket order on every peer (a bucket that fills early waits for the ones
   before it), so every peer issues the same calls in the same order;
-* ``wait()`` before the optimizer step: every bucket's result is written into the gradients
-  handed to ``ready`` (in place) and they are returned by name;
+* ``wait()`` before the optimizer step runs the last bucket (full only when backward is over) in
+  the caller's thread, waits for the others, writes every result into the gradients handed to
+  ``ready`` (in place) and returns them by name;
 * ``with sync.no_sync():`` accumulates gradients locally over micro-batches (``ready`` adds them
   up, nothing is sent); the first ``ready`` after it adds the accumulated sum and syncs once;
 * ``stale=True`` double-buffers (burn's GradsSyncer): ``wait()`` returns the previous step's
@@ -168,22 +169,31 @@ class GradientSync:
             held += array
 
     def _start_ready_buckets(self) -> None:
-        while self._next < len(self._buckets):
+        # Without stale, the last bucket is left to wait(): once it is full, backward is over and
+        # nothing is left to overlap it with, and the caller's thread runs it without a hand-off.
+        end = len(self._buckets) - (0 if self.stale else 1)
+        while self._next < end:
             bucket = self._buckets[self._next]
             if len(bucket.grads) < len(bucket.names):
                 return
-            bucket.works = [
-                self._runtime.all_reduce(self.peer, send, self.op, group=self.group, async_op=True, out=recv)
-                for send, recv in zip(bucket.sends, bucket.recvs, strict=True)
-            ]
+            bucket.works = self._reduce(bucket, async_op=True)
             self._next += 1
+
+    def _reduce(self, bucket: _Bucket, async_op: bool) -> list[Work]:
+        """One all_reduce per buffer of ``bucket``: their Works, or [] once done (blocking)."""
+        works = [
+            self._runtime.all_reduce(self.peer, send, self.op, group=self.group, async_op=async_op, out=recv)
+            for send, recv in zip(bucket.sends, bucket.recvs, strict=True)
+        ]
+        return works if async_op else []
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Every gradient of this step averaged, written into the arrays given to ``ready``, by name.
 
-        With ``stale=True``: the previous step's (None at the first step), as new arrays, without
-        waiting for this step's. Raises the collective's error (PeerLostError when a peer died
-        mid-step, ...).
+        The last bucket's all_reduce runs here, in the caller's thread (asynchronously, like the
+        others, when ``timeout`` bounds the wait). With ``stale=True``: the previous step's
+        averages (None at the first step), as new arrays, without waiting for this step's.
+        Raises the collective's error (PeerLostError when a peer died mid-step, ...).
         """
         missing = [name for bucket in self._buckets for name in bucket.names if name not in bucket.grads]
         if missing:
@@ -198,13 +208,22 @@ class GradientSync:
                 return None
             self._buckets = finished
             return self._collect(finished, timeout, in_place=False)
-        return self._collect(current, timeout, in_place=True)
+        last: _Bucket | None = current[-1]
+        if timeout is not None:  # a bounded wait needs Works to bound
+            current[-1].works, last = self._reduce(current[-1], async_op=True), None
+        return self._collect(current, timeout, in_place=True, run=last)
 
-    def _collect(self, buckets: list[_Bucket], timeout: float | None, in_place: bool) -> dict[str, Any]:
+    def _collect(
+        self, buckets: list[_Bucket], timeout: float | None, in_place: bool, run: _Bucket | None = None
+    ) -> dict[str, Any]:
+        """Wait for each bucket (``run``: reduce it here first) and hand out its results."""
+        steps = [(bucket, bucket.grads, bucket.works) for bucket in buckets]
+        for bucket in buckets:  # free for the next step, whatever happens below
+            bucket.grads, bucket.works = {}, []
         synced: dict[str, Any] = {}
-        for bucket in buckets:
-            grads, works = bucket.grads, bucket.works
-            bucket.grads, bucket.works = {}, []  # the bucket is free for the next step, whatever happens
+        for bucket, grads, works in steps:
+            if bucket is run:
+                self._reduce(bucket, async_op=False)
             for work in works:
                 work.wait(timeout)
             for name, grad in grads.items():
