@@ -17,10 +17,12 @@ gradient sync, the optimizer step. The variants of the sync:
 Models: ``mlp26`` (12 Linear(128, 128) layers and a head: 26 tensors, 198 K parameters, 64 rows
 per process) and ``mlp1.3M`` (784 -> 1024 -> 512 -> 10: 6 tensors, 1.33 M parameters, 64 rows);
 ``overlap`` is ``mlp26`` with ``--overlap-rows`` rows per process, a backward long enough to hide
-the sync. Before every step the processes meet at a barrier (untimed); a step's time is the
-slower process's; each figure is the median over every timed step of every round, the variants
-taking turns step by step (a slow moment of the machine hits them all). The issue's targets
-are checked at the end.
+the sync; ``idle`` is ``mlp26`` whose backward also waits ``--idle-ms`` per layer with the CPU free
+(as it is while an accelerator computes): on a machine whose every core computes, only the
+second leaves the sync a CPU to run on. Before every step the processes meet at a barrier
+(untimed); a step's time is the slower process's; each figure is the median over every timed
+step of every round, the variants taking turns step by step (a slow moment of the machine hits
+them all). The issue's targets are checked at the end.
 """
 
 from __future__ import annotations
@@ -52,12 +54,40 @@ Step = Callable[[torch.Tensor, torch.Tensor], None]
 SIZES = {"mlp26": [128] * 13 + [1], "mlp1.3M": [784, 1024, 512, 10]}  # layer widths
 
 
-def model_of(name: str) -> torch.nn.Sequential:
+class Idle(torch.autograd.Function):
+    """Identity; its backward sleeps: compute on an accelerator, during which the CPU is free."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class Sleeper(torch.nn.Module):
+    def __init__(self, ms: float) -> None:
+        super().__init__()
+        self.seconds = ms / 1000
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return Idle.apply(x, self.seconds)  # type: ignore[no-untyped-call]
+
+
+def model_of(name: str, idle_ms: float = 0.0) -> torch.nn.Sequential:
+    """The MLP ``name``; with ``idle_ms``, each layer's backward also waits that long, CPU idle."""
     torch.manual_seed(0)
     sizes = SIZES[name]
     layers: list[torch.nn.Module] = []
     for fan_in, fan_out in itertools.pairwise(sizes):
-        layers += [torch.nn.Linear(fan_in, fan_out), torch.nn.Tanh()]
+        layers += [
+            torch.nn.Linear(fan_in, fan_out),
+            *([Sleeper(idle_ms)] if idle_ms else []),
+            torch.nn.Tanh(),
+        ]
     return torch.nn.Sequential(*layers[:-1])
 
 
@@ -127,11 +157,12 @@ def worker(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
         "gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=peer, world_size=2,
         timeout=timedelta(seconds=120),
     )  # fmt: skip
-    cases = {"mlp26": ("mlp26", 64), "mlp1.3M": ("mlp1.3M", 64), "overlap": ("mlp26", args.overlap_rows)}
+    cases = {"mlp26": ("mlp26", 64, 0.0), "mlp1.3M": ("mlp1.3M", 64, 0.0),
+             "overlap": ("mlp26", args.overlap_rows, 0.0), "idle": ("mlp26", 64, args.idle_ms)}  # fmt: skip
     times: dict[str, dict[str, list[float]]] = {case: {v: [] for v in VARIANTS} for case in cases}
     for _ in range(args.rounds):
-        for case, (name, rows) in cases.items():
-            base = model_of(name)
+        for case, (name, rows, idle_ms) in cases.items():
+            base = model_of(name, idle_ms)
             x, y = batch_of(name, rows, peer)
             trainers = {variant: Trainer(variant, base, peer, args.bucket_kib) for variant in VARIANTS}
             steps: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
@@ -157,7 +188,8 @@ def run_processes(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
     port, gloo_port = free_port(), free_port()
     argv = [sys.executable, "-m", "collective.bench.ddp_bench", "--worker", "--gloo-port", str(gloo_port),
             "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--bucket-kib", str(args.bucket_kib), "--overlap-rows", str(args.overlap_rows)]  # fmt: skip
+            "--bucket-kib", str(args.bucket_kib), "--overlap-rows", str(args.overlap_rows),
+            "--idle-ms", str(args.idle_ms)]  # fmt: skip
     envs = [
         dict(env, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         for r in range(2)
@@ -187,13 +219,15 @@ def report(times: dict[str, dict[str, list[float]]], args: argparse.Namespace) -
             lines.append(
                 f"{case:<9}" + "".join(form.format(row[v] / (row[base] if base else 1)) for v in VARIANTS)
             )
-    m26, m13, over = medians["mlp26"], medians["mlp1.3M"], medians["overlap"]
+    m26, m13, over, idle = medians["mlp26"], medians["mlp1.3M"], medians["overlap"], medians["idle"]
     targets = [
         ("mlp26: ddp <= 1.0x gloo DDP", m26["ddp"] / m26["gloo-ddp"], 1.0),
         ("mlp1.3M: ddp <= 1.0x gloo DDP", m13["ddp"] / m13["gloo-ddp"], 1.0),
         ("mlp26: ddp <= 0.5x naive", m26["ddp"] / m26["naive"], 0.5),
         (f"overlap ({args.overlap_rows} rows): ddp-overlap <= 1.15x none (flat, no overlap: "
          f"{over['flat'] / over['none']:.2f}x)", over["ddp-overlap"] / over["none"], 1.15),
+        (f"idle ({args.idle_ms:g} ms idle backward per layer): ddp-overlap <= 1.15x none (flat, no overlap: "
+         f"{idle['flat'] / idle['none']:.2f}x)", idle["ddp-overlap"] / idle["none"], 1.15),
     ]  # fmt: skip
     lines.append("")
     for label, ratio, bound in targets:
@@ -208,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--bucket-kib", type=int, default=256, help="buckets of the ddp-overlap variant")
     parser.add_argument("--overlap-rows", type=int, default=1024, help="rows per process of the overlap case")
+    parser.add_argument("--idle-ms", type=float, default=0.5, help="idle backward per layer, idle case")
     parser.add_argument("--limit", type=float, default=1800, help="seconds the whole run may take")
     parser.add_argument("--json", help="write every step time here")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

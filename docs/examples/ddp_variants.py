@@ -31,8 +31,8 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -64,7 +64,7 @@ class SGD:
     def __init__(self, params: list[torch.Tensor], lr: float) -> None:
         self.params, self.lr = params, lr
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self) -> None:
         for param in self.params:
             param.grad = None
 
@@ -94,17 +94,12 @@ class Trainer:
         rows = self.args.batch
         x, y = global_batch(step, rows * self.world, self.args.width)
         x, y = x[self.peer * rows : (self.peer + 1) * rows], y[self.peer * rows : (self.peer + 1) * rows]
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad()
         for i, (xs, ys) in enumerate(zip(x.chunk(micro), y.chunk(micro), strict=True)):
-            context = before_last() if before_last is not None and i < micro - 1 else _nothing()
+            context = before_last() if before_last is not None and i < micro - 1 else nullcontext()
             with context:
                 loss = torch.nn.functional.mse_loss(self.model(xs), ys) / micro
                 loss.backward()
-
-
-@contextmanager
-def _nothing() -> Iterator[None]:
-    yield
 
 
 # -- the variants: each runs one training step ------------------------------------------------------
