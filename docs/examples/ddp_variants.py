@@ -38,7 +38,13 @@ from typing import Any
 import torch
 
 import collective as col
-from collective.ddp import GradientSync, attach_torch, broadcast_parameters, torch_no_sync
+from collective.ddp import (
+    DEFAULT_BUCKET_BYTES,
+    GradientSync,
+    attach_torch,
+    broadcast_parameters,
+    torch_no_sync,
+)
 
 TOLERANCE = 1e-5  # float32: the peers sum in another order than the single process
 
@@ -217,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depth", type=int, default=12, help="hidden layers (2 * depth + 2 tensors)")
     parser.add_argument("--batch", type=int, default=64, help="rows per peer per step")
     parser.add_argument("--micro", type=int, default=4, help="micro-batches of the accumulation variant")
-    parser.add_argument("--bucket-kib", type=int, default=256, help="GradientSync bucket size")
+    parser.add_argument(
+        "--bucket-kib", type=int, default=DEFAULT_BUCKET_BYTES >> 10, help="GradientSync buckets"
+    )
     parser.add_argument("--steps", type=int, default=5, help="steps of the checked run")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--timed", type=int, default=30)
