@@ -5,12 +5,14 @@ framework's arrays (numpy, CuPy, torch, JAX through numpy):
 
 * gradients are packed into buckets of about ``bucket_bytes`` (25 MiB), in reverse order of the
   parameters (backward produces the last layers' gradients first);
-* ``ready(name, grad)`` marks one gradient ready; when every gradient of a bucket is ready, one
-  asynchronous ``all_reduce_coalesced`` of the bucket starts, so communication overlaps the rest
-  of backward. Buckets start in bucket order on every peer (a bucket that fills early waits for
-  the ones before it), so every peer issues the same calls in the same order;
-* ``wait()`` before the optimizer step: every bucket's result is written into the gradients
-  handed to ``ready`` (in place) and they are returned by name;
+* ``ready(name, grad)`` copies one gradient into its bucket's flat buffer (one per dtype,
+  allocated once, as torch's reducer keeps them); when every gradient of a bucket is ready, one
+  asynchronous ``all_reduce`` per buffer starts, so communication overlaps the rest of backward.
+  Buckets start in bucket order on every peer (a bucket that fills early waits for the ones
+  before it), so every peer issues the same calls in the same order;
+* ``wait()`` before the optimizer step runs the last bucket (full only when backward is over) in
+  the caller's thread, waits for the others, writes every result into the gradients handed to
+  ``ready`` (in place) and returns them by name;
 * ``with sync.no_sync():`` accumulates gradients locally over micro-batches (``ready`` adds them
   up, nothing is sent); the first ``ready`` after it adds the accumulated sum and syncs once;
 * ``stale=True`` double-buffers (burn's GradsSyncer): ``wait()`` returns the previous step's
@@ -45,9 +47,32 @@ DEFAULT_BUCKET_BYTES = 25 << 20
 
 @dataclass
 class _Bucket:
+    """Some parameters' gradients, synced as one flat buffer per dtype (usually one)."""
+
     names: list[str]
+    sends: list[Any]  # ready() copies each gradient in here ...
+    recvs: list[Any]  # ... and the synced ones come back here (persistent: no allocation per step)
+    views: dict[str, tuple[Any, Any]]  # name -> its views of sends and recvs, in the parameter's shape
     grads: dict[str, Any] = field(default_factory=dict)  # handed to ready() this step
-    work: Work | None = None
+    works: list[Work] = field(default_factory=list)
+
+
+def _bucket_of(names: list[str], params: Mapping[str, Any]) -> _Bucket:
+    """The bucket of ``names``: one flat buffer per dtype, and each gradient's place in it."""
+    places: dict[str, tuple[str, int, int, tuple[int, ...]]] = {}
+    parts: dict[str, list[Any]] = {}  # dtype -> [array module, dtype, elements]
+    for name in names:
+        array, _ = native(params[name])
+        part = parts.setdefault(str(array.dtype), [array_module(array), array.dtype, 0])
+        places[name] = (str(array.dtype), part[2], part[2] + int(array.size), tuple(array.shape))
+        part[2] += int(array.size)
+    sends = {key: xp.empty(size, dtype) for key, (xp, dtype, size) in parts.items()}
+    recvs = {key: xp.empty(size, dtype) for key, (xp, dtype, size) in parts.items()}
+    views = {
+        name: (sends[key][start:stop].reshape(shape), recvs[key][start:stop].reshape(shape))
+        for name, (key, start, stop, shape) in places.items()
+    }
+    return _Bucket(names, list(sends.values()), list(recvs.values()), views)
 
 
 def _nbytes(value: Any) -> int:
@@ -59,7 +84,8 @@ class GradientSync:
     """Averages (by default) named gradients across the peers of ``group``, bucket by bucket.
 
     ``params`` maps names to arrays shaped like the gradients (the parameters themselves will do),
-    in the order the model defines them.
+    in the order the model defines them. Each bucket keeps one flat buffer per dtype for the
+    gradients going out and one for those coming back (twice with ``stale=True``), allocated here.
     """
 
     def __init__(
@@ -82,19 +108,22 @@ class GradientSync:
         self.group = group
         self.stale = stale
         self._runtime = runtime or default_runtime()
-        self._buckets: list[_Bucket] = []
+        groups: list[list[str]] = []
         size = 0
         for name in reversed(list(params)):  # backward makes the last gradients first
-            if not self._buckets or size >= bucket_bytes:
-                self._buckets.append(_Bucket([]))
+            if not groups or size >= bucket_bytes:
+                groups.append([])
                 size = 0
-            self._buckets[-1].names.append(name)
+            groups[-1].append(name)
             size += _nbytes(params[name])
-        self._bucket_of = {name: i for i, bucket in enumerate(self._buckets) for name in bucket.names}
+        self._buckets = [_bucket_of(names, params) for names in groups]
+        self._bucket_of = {name: i for i, names in enumerate(groups) for name in names}
         self._next = 0  # the next bucket to start, in bucket order
         self._accumulating = False
         self._accumulated: dict[str, Any] = {}
-        self._previous: list[_Bucket] | None = None  # stale=True: the step whose sync is in flight
+        # stale=True: the step whose sync is in flight, and the buffers the next step fills meanwhile
+        self._previous: list[_Bucket] | None = None
+        self._spare = [_bucket_of(names, params) for names in groups] if stale else None
         self.paused = False  # attach_torch's hooks do nothing while set (torch_no_sync)
 
     @property
@@ -103,25 +132,36 @@ class GradientSync:
         return [list(bucket.names) for bucket in self._buckets]
 
     def ready(self, name: str, grad: Any) -> None:
-        """``grad`` (this micro-batch's gradient of ``name``) is final: sync it with its bucket."""
+        """``grad`` (this micro-batch's gradient of ``name``) is final: sync it with its bucket.
+
+        It is copied into the bucket's buffer at once. Raises InvalidArgumentError for a name that
+        is not a parameter, a gradient whose shape or dtype is not its parameter's, or a second
+        ``ready`` of one name before ``wait()``.
+        """
         index = self._bucket_of.get(name)
         if index is None:
             raise InvalidArgumentError(f"ready({name!r}): not a parameter of this GradientSync")
-        if self._accumulating:
-            self._accumulate(name, grad)
-            return
-        held = self._accumulated.pop(name, None)
-        if held is not None:
-            array, _ = native(grad)
-            array += held
         bucket = self._buckets[index]
+        send, _ = bucket.views[name]
+        array, _ = native(grad)
+        if array.shape != send.shape or array.dtype != send.dtype:
+            raise InvalidArgumentError(
+                f"ready({name!r}): a gradient of shape {tuple(array.shape)} and dtype {array.dtype}, "
+                f"but the parameter has shape {tuple(send.shape)} and dtype {send.dtype}"
+            )
+        if self._accumulating:
+            self._accumulate(name, array)
+            return
         if name in bucket.grads:
             raise InvalidArgumentError(f"ready({name!r}) called twice in one step: call wait() first")
+        send[...] = array
+        held = self._accumulated.pop(name, None)
+        if held is not None:
+            send += held
         bucket.grads[name] = grad
         self._start_ready_buckets()
 
-    def _accumulate(self, name: str, grad: Any) -> None:
-        array, _ = native(grad)
+    def _accumulate(self, name: str, array: Any) -> None:
         held = self._accumulated.get(name)
         if held is None:
             self._accumulated[name] = array.copy()
@@ -129,41 +169,70 @@ class GradientSync:
             held += array
 
     def _start_ready_buckets(self) -> None:
-        while self._next < len(self._buckets):
+        # Without stale, the last bucket is left to wait(): once it is full, backward is over and
+        # nothing is left to overlap it with, and the caller's thread runs it without a hand-off.
+        end = len(self._buckets) - (0 if self.stale else 1)
+        while self._next < end:
             bucket = self._buckets[self._next]
             if len(bucket.grads) < len(bucket.names):
                 return
-            if self.stale:  # the caller reuses its gradients next step: sync copies of them
-                bucket.grads = {name: native(grad)[0].copy() for name, grad in bucket.grads.items()}
-            grads = [bucket.grads[name] for name in bucket.names]
-            bucket.work = self._runtime.all_reduce_coalesced(
-                self.peer, grads, self.op, group=self.group, async_op=True, out=grads
-            )
+            bucket.works = self._reduce(bucket, async_op=True)
             self._next += 1
+
+    def _reduce(self, bucket: _Bucket, async_op: bool) -> list[Work]:
+        """One all_reduce per buffer of ``bucket``: their Works, or [] once done (blocking)."""
+        works = [
+            self._runtime.all_reduce(self.peer, send, self.op, group=self.group, async_op=async_op, out=recv)
+            for send, recv in zip(bucket.sends, bucket.recvs, strict=True)
+        ]
+        return works if async_op else []
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
         """Every gradient of this step averaged, written into the arrays given to ``ready``, by name.
 
-        With ``stale=True``: the previous step's (None at the first step), without waiting for this
-        step's. Raises the collective's error (PeerLostError when a peer died mid-step, ...).
+        The last bucket's all_reduce runs here, in the caller's thread (asynchronously, like the
+        others, when ``timeout`` bounds the wait). With ``stale=True``: the previous step's
+        averages (None at the first step), as new arrays, without waiting for this step's.
+        Raises the collective's error (PeerLostError when a peer died mid-step, ...).
         """
         missing = [name for bucket in self._buckets for name in bucket.names if name not in bucket.grads]
         if missing:
             raise InvalidArgumentError(f"wait(): no gradient was made ready for {missing[:5]}")
         current = self._buckets
-        self._buckets = [_Bucket(bucket.names) for bucket in current]
         self._next = 0
         if self.stale:
             finished, self._previous = self._previous, current
-            return None if finished is None else self._collect(finished, timeout)
-        return self._collect(current, timeout)
+            if finished is None:  # the first step: the next one fills the spare buffers
+                assert self._spare is not None
+                self._buckets, self._spare = self._spare, None
+                return None
+            self._buckets = finished
+            return self._collect(finished, timeout, in_place=False)
+        last: _Bucket | None = current[-1]
+        if timeout is not None:  # a bounded wait needs Works to bound
+            current[-1].works, last = self._reduce(current[-1], async_op=True), None
+        return self._collect(current, timeout, in_place=True, run=last)
 
-    def _collect(self, buckets: list[_Bucket], timeout: float | None) -> dict[str, Any]:
+    def _collect(
+        self, buckets: list[_Bucket], timeout: float | None, in_place: bool, run: _Bucket | None = None
+    ) -> dict[str, Any]:
+        """Wait for each bucket (``run``: reduce it here first) and hand out its results."""
+        steps = [(bucket, bucket.grads, bucket.works) for bucket in buckets]
+        for bucket in buckets:  # free for the next step, whatever happens below
+            bucket.grads, bucket.works = {}, []
         synced: dict[str, Any] = {}
-        for bucket in buckets:
-            assert bucket.work is not None
-            bucket.work.wait(timeout)
-            synced.update(bucket.grads)
+        for bucket, grads, works in steps:
+            if bucket is run:
+                self._reduce(bucket, async_op=False)
+            for work in works:
+                work.wait(timeout)
+            for name, grad in grads.items():
+                _, result = bucket.views[name]
+                if in_place:
+                    native(grad)[0][...] = result
+                    synced[name] = grad
+                else:
+                    synced[name] = result.copy()
         return synced
 
     @contextmanager

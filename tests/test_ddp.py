@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -9,9 +14,12 @@ import pytest
 
 import collective as col
 from collective.ddp import GradientSync, attach_torch, broadcast_parameters, torch_no_sync
+from collective.launch import free_port
 from tests.conftest import outcomes_of_peers, run_peers
+from tests.processes import Proc, finish_all
 
 N = 3
+WORKER = str(Path(__file__).with_name("ddp_worker.py"))
 
 
 def cfg(timeout: float = 20.0) -> col.CollectiveConfig:
@@ -60,7 +68,7 @@ def test_mean_of_every_gradient_whatever_order_they_become_ready(order: str) -> 
                     np.random.default_rng(peer * 7 + step).shuffle(names)
                 for name in names:
                     sync.ready(name, grads[name])
-                result = sync.wait()
+                result = sync.wait(timeout=20 if step % 2 else None)  # bounded: the last bucket async too
                 assert result is not None and all(result[n] is grads[n] for n in grads)  # in place
                 synced.append({n: g.copy() for n, g in result.items()})
             rt.finish(peer)
@@ -74,6 +82,31 @@ def test_mean_of_every_gradient_whatever_order_they_become_ready(order: str) -> 
                 got = per_peer[peer][step][name]
                 assert got.dtype == p.dtype
                 np.testing.assert_allclose(got, np.full(p.shape, expected), rtol=1e-3)
+
+
+def test_a_full_bucket_is_reduced_while_the_rest_of_backward_runs() -> None:
+    """Overlap: the first bucket's all_reduce completes before the other gradients are even ready."""
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> dict[str, Any]:
+            rt.register(peer, "cpu", cfg())
+            sync = GradientSync(peer, params(), bucket_bytes=16 * 1024, runtime=rt)
+            grads = grads_of(peer, 0)
+            first, rest = sync.buckets
+            for name in first:
+                sync.ready(name, grads[name])
+            for work in sync._buckets[0].works:
+                work.wait(timeout=20)  # done, with "embed" (the rest of backward) not made yet
+            for name in rest:
+                sync.ready(name, grads[name])
+            result = sync.wait()
+            rt.finish(peer)
+            assert result is not None
+            return result
+
+        for result in run_peers(N, body, rt):
+            np.testing.assert_allclose(result["head.w"], np.mean(range(N)))
+            np.testing.assert_allclose(result["embed"], np.mean(range(N)))
 
 
 def test_no_sync_accumulates_micro_batches_and_syncs_once() -> None:
@@ -107,7 +140,7 @@ def test_stale_mode_returns_the_previous_steps_average() -> None:
             rt.register(peer, "cpu", cfg())
             sync = GradientSync(peer, params(), stale=True, runtime=rt)
             seen = []
-            for step in range(3):
+            for step in range(5):  # the two sets of buffers take turns
                 grads = grads_of(peer, step)
                 for name in reversed(grads):
                     sync.ready(name, grads[name])
@@ -120,7 +153,7 @@ def test_stale_mode_returns_the_previous_steps_average() -> None:
         per_peer = run_peers(N, body, rt)
     mean = np.mean(range(N))
     for seen in per_peer:
-        assert seen == [None, mean, mean + 10]
+        assert seen == [None, mean, mean + 10, mean + 20, mean + 30]
 
 
 def test_broadcast_parameters_gives_every_peer_the_roots_weights() -> None:
@@ -188,3 +221,108 @@ def test_torch_hooks_sync_after_backward_and_survive_zero_grad() -> None:
         per_peer = run_peers(N, body, rt)
     assert per_peer[0] == per_peer[1] == per_peer[2]  # averaged over peers
     assert per_peer[0] == [4.0, 4.0]  # d(sum)/d(bias) = 2 rows x 2 backward passes, on every peer
+
+
+def test_mixed_dtypes_share_a_bucket_one_all_reduce_per_dtype() -> None:
+    """float32, float64, float16 and int64 gradients in one bucket: each keeps its dtype and its values."""
+    mixed = {
+        "a": np.zeros(5, np.float32),
+        "b": np.zeros((2, 3), np.float64),
+        "c": np.zeros(4, np.float16),
+        "d": np.zeros(3, np.int64),
+        "e": np.zeros(2, np.float32),
+    }
+    with col.Runtime() as rt:
+        calls: list[int] = []  # the peer of each all_reduce
+        all_reduce = rt.all_reduce
+
+        def counted(peer: int, *args: Any, **kwargs: Any) -> Any:
+            calls.append(peer)
+            return all_reduce(peer, *args, **kwargs)
+
+        rt.all_reduce = counted  # type: ignore[method-assign]
+
+        def body(peer: int) -> dict[str, np.ndarray]:
+            rt.register(peer, "cpu", cfg())
+            sync = GradientSync(peer, mixed, op="sum", runtime=rt)
+            grads = {name: np.full(p.shape, peer + 1, p.dtype) for name, p in mixed.items()}
+            for name in reversed(grads):
+                sync.ready(name, grads[name])
+            result = sync.wait()
+            rt.finish(peer)
+            assert result is not None
+            return result
+
+        per_peer = run_peers(N, body, rt)
+    assert sorted(calls) == sorted(list(range(N)) * 4)  # one all_reduce per dtype, not one per gradient
+    total = sum(peer + 1 for peer in range(N))
+    for result in per_peer:
+        for name, p in mixed.items():
+            assert result[name].dtype == p.dtype and result[name].shape == p.shape
+            assert result[name].tolist() == np.full(p.shape, total, p.dtype).tolist()
+
+
+def test_torch_mixed_dtypes_bfloat16_included() -> None:
+    torch = pytest.importorskip("torch")
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> dict[str, Any]:
+            rt.register(peer, "cpu", cfg())
+            model = torch.nn.Linear(4, 3)
+            model.bias.data = model.bias.data.to(torch.bfloat16)
+            model.weight.data = model.weight.data.to(torch.float64)
+            sync = GradientSync(peer, dict(model.named_parameters()), runtime=rt)
+            grads = {"weight": torch.full((3, 4), float(peer), dtype=torch.float64),
+                     "bias": torch.full((3,), float(peer), dtype=torch.bfloat16)}  # fmt: skip
+            for name in ("bias", "weight"):
+                sync.ready(name, grads[name])
+            result = sync.wait()
+            rt.finish(peer)
+            assert result is not None and result["bias"] is grads["bias"]  # in place, still a tensor
+            return result
+
+        for result in run_peers(N, body, rt):
+            assert result["weight"].dtype == torch.float64 and result["bias"].dtype == torch.bfloat16
+            assert result["weight"].tolist() == [[1.0] * 4] * 3 and result["bias"].tolist() == [1.0] * 3
+
+
+def test_a_gradient_unlike_its_parameter_is_refused() -> None:
+    with col.Runtime() as rt:
+        rt.register(0, "cpu", col.CollectiveConfig(num_devices=1))
+        sync = GradientSync(0, params(), runtime=rt)
+        with pytest.raises(col.InvalidArgumentError, match=r"shape \(3,\).*parameter has shape \(10,\)"):
+            sync.ready("head.b", np.zeros(3, np.float16))
+        with pytest.raises(col.InvalidArgumentError, match=r"dtype float32.*dtype float16"):
+            sync.ready("head.b", np.zeros(10, np.float32))
+        rt.finish(0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim", [2, 0], ids=["a worker", "rank 0 (hosts the orchestrator)"])
+def test_a_process_killed_mid_step_is_an_error_on_every_other_peer(victim: int) -> None:
+    """Real processes: SIGKILL one in the middle of a step; the others raise PeerLostError, no hang."""
+    world, port = 3, free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVE_", "SLURM_", "OMPI_"))}
+    env["COLLECTIVE_TIMEOUT"] = "90"  # far beyond the detection: an answer before it is not a timeout
+    torchrun = {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    procs = [
+        Proc([sys.executable, WORKER, str(victim)], {**env, **torchrun, "RANK": str(r)}) for r in range(world)
+    ]
+    try:
+        procs[victim].wait_for("MID-STEP", 60)
+        killed = time.monotonic()
+        procs[victim].process.send_signal(signal.SIGKILL)
+        codes = finish_all([p for rank, p in enumerate(procs) if rank != victim], 60)
+        took = time.monotonic() - killed
+    finally:
+        for proc in procs:
+            proc.kill()
+    for rank, proc in enumerate(procs):
+        if rank == victim:
+            continue
+        output = proc.output()
+        assert "STEP 0 OK" in output and "STEP 1 OK" not in output, output
+        assert codes.pop(0) == 3 and f"LOST {rank} PeerLostError" in output, output
+        if victim != 0:
+            assert f"[{victim}]" in output, output  # the error names the dead peer
+    assert took < 60  # answered by the loss of the peer, not by the 90 s collective timeout
