@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -18,7 +17,7 @@ from dataclasses import asdict
 from typing import IO
 
 from collective.bench.sweep import Case, Row
-from collective.launch import node_environment, start_orchestrator, stop_processes
+from collective.launch import free_port, node_environment, start_orchestrator, stop_processes
 
 __all__ = ["run_gloo", "run_nodes", "torch_available"]
 
@@ -41,9 +40,8 @@ def _plan(cases: Sequence[Case], warmup: int, iters: int, timeout: float, backen
     )
 
 
-def _collect(processes: list[subprocess.Popen[str]], what: str, timeout: float) -> list[Row]:
-    """Rows printed by the first process; RuntimeError with the others' stderr if any fails."""
-    rows: list[Row] = []
+def collect_lines(processes: list[subprocess.Popen[str]], what: str, timeout: float) -> list[str]:
+    """The first process's stdout lines; RuntimeError with every failing process's stderr."""
     errors: dict[int, str] = {}
 
     def drain_errors(rank: int, stream: IO[str]) -> None:
@@ -56,9 +54,7 @@ def _collect(processes: list[subprocess.Popen[str]], what: str, timeout: float) 
     for reader in readers:
         reader.start()
     assert processes[0].stdout is not None
-    for line in processes[0].stdout:
-        if line.startswith("ROW "):
-            rows.append(Row.from_dict(json.loads(line[4:])))
+    lines = list(processes[0].stdout)
     deadline = time.monotonic() + timeout
     codes = [p.wait(max(0.1, deadline - time.monotonic())) for p in processes]
     for reader in readers:
@@ -68,7 +64,13 @@ def _collect(processes: list[subprocess.Popen[str]], what: str, timeout: float) 
             f"[{what} {rank}] {errors.get(rank, '').strip()[-2000:]}" for rank, c in enumerate(codes) if c
         )
         raise RuntimeError(f"{what} processes failed (exit codes {codes}):\n{detail}")
-    return rows
+    return lines
+
+
+def _collect(processes: list[subprocess.Popen[str]], what: str, timeout: float) -> list[Row]:
+    """Rows printed by the first process; RuntimeError with the others' stderr if any fails."""
+    lines = collect_lines(processes, what, timeout)
+    return [Row.from_dict(json.loads(line[4:])) for line in lines if line.startswith("ROW ")]
 
 
 def run_nodes(
@@ -95,18 +97,12 @@ def run_nodes(
         stop_processes([*processes, orchestrator])
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 def run_gloo(
     cases: Sequence[Case], world: int, warmup: int, iters: int, timeout: float, backend: str = "gloo"
 ) -> list[Row]:
     """Time ``cases`` through torch.distributed, one process per peer: its gloo backend, or ours
     (``backend="collective"``)."""
-    port = _free_port()
+    port = free_port()
     processes: list[subprocess.Popen[str]] = []
     try:
         for rank in range(world):

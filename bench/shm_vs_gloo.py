@@ -22,17 +22,15 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
+from collective.bench.multinode import collect_lines
 from collective.bench.report import format_size, parse_size
-from collective.launch import node_environment, start_orchestrator, stop_processes
+from collective.launch import free_port, node_environment, start_orchestrator, stop_processes
 
 __all__ = ["main"]
 
@@ -81,7 +79,7 @@ def run_system(
                 environment = node_environment(address, job, rank, world, 1, env)
                 processes.append(_spawn(_worker(system, plan), environment))
         elif system == "gloo":
-            port = str(_free_port())
+            port = str(free_port())
             for rank in range(world):
                 environment = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
                                    WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")  # fmt: skip
@@ -90,41 +88,10 @@ def run_system(
             mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo",
                       "-n", str(world)]  # fmt: skip
             processes.append(_spawn(mpirun + _worker(system, plan), env))
-        lines = _collect_lines(processes, system, timeout)
+        lines = collect_lines(processes, system, timeout)
         return [json.loads(line[4:]) for line in lines if line.startswith("ROW ")]
     finally:
         stop_processes([*processes, *([orchestrator] if orchestrator else [])])
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _collect_lines(processes: list[subprocess.Popen[str]], what: str, timeout: float) -> list[str]:
-    """The first process's stdout lines; RuntimeError with every failing process's stderr."""
-    errors: dict[int, str] = {}
-
-    def drain(rank: int, process: subprocess.Popen[str]) -> None:
-        assert process.stderr is not None
-        errors[rank] = process.stderr.read()
-
-    readers = [threading.Thread(target=drain, args=(r, p), daemon=True) for r, p in enumerate(processes)]
-    for reader in readers:
-        reader.start()
-    assert processes[0].stdout is not None
-    lines = list(processes[0].stdout)
-    deadline = time.monotonic() + timeout
-    codes = [p.wait(max(0.1, deadline - time.monotonic())) for p in processes]
-    for reader in readers:
-        reader.join(5)
-    if any(codes):
-        detail = "\n".join(
-            f"[{what} {r}] {errors.get(r, '').strip()[-2000:]}" for r, c in enumerate(codes) if c
-        )
-        raise RuntimeError(f"{what} processes failed (exit codes {codes}):\n{detail}")
-    return lines
 
 
 def _spawn(argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:

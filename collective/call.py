@@ -78,6 +78,7 @@ class Call:
         self.src: Array | None = None  # this peer's flat input, once prepared
         self.device = Device("cpu")
         self.problem: str | None = None  # set by refuse(): found before this call was made
+        self.op: ReduceOp | None = None  # parsed from ``op`` by prepare()
         self.signature = Signature(self.kind)
 
     # -- before the rendezvous: this peer's own checks ------------------------------------------
@@ -90,6 +91,7 @@ class Call:
         """
         self.device = device
         op, problem = parse_op(self.op_arg) if self.reduces else (None, None)
+        self.op = op
         self.root_peer = self.root
         if self.rooted:
             valid = isinstance(self.root, int) and not isinstance(self.root, bool) and self.root in members
@@ -109,8 +111,7 @@ class Call:
 
     def check(self, device: Device, size: int, rank: int) -> str | None:
         """Why this peer's arrays cannot be used (None if they can)."""
-        op = ReduceOp.parse(self.op_arg) if self.reduces else None
-        problem = check_array(self.x, device, op)
+        problem = check_array(self.x, device, self.op)
         if problem is None and self.out is not None:
             problem = check_out(self.out, device, self.own_shape(size), self.x.dtype, self.x)
         return problem

@@ -58,7 +58,7 @@ class Reduce(AllReduce):
 
     def check(self, device: Device, size: int, rank: int) -> str | None:
         if rank != self.root:
-            return check_array(self.x, device, ReduceOp.parse(self.op_arg))  # ``out`` is the root's only
+            return check_array(self.x, device, self.op)  # ``out`` is the root's only
         return super().check(device, size, rank)
 
     def result_shape(self, agreed: Signature, size: int, rank: int) -> tuple[int, ...] | None:
