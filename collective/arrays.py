@@ -17,7 +17,7 @@ from collective.algorithms.ops import Array, ReduceOp, array_module
 from collective.errors import InvalidArgumentError, RegistrationError
 from collective.pool import pool
 
-__all__ = ["Device", "as_array", "check_array", "check_out", "flat", "new_result", "scale_for_mean"]
+__all__ = ["CPU", "Device", "as_array", "check_array", "check_out", "flat", "new_result", "scale_for_mean"]
 
 _ORDERED_KINDS = frozenset("iuf")
 
@@ -73,6 +73,9 @@ class Device:
 
         with cupy.cuda.Device(self.index):
             return cupy.asarray(array)
+
+
+CPU = Device("cpu")
 
 
 def _check_cuda(value: Any, index: int) -> None:

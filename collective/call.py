@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from collective.algorithms.link import Link
 from collective.algorithms.ops import Array, ReduceOp, combine, copy_into
-from collective.arrays import Device, check_array, check_out, flat, scale_for_mean
+from collective.arrays import CPU, Device, check_array, check_out, flat, scale_for_mean
 from collective.errors import InvalidArgumentError
 from collective.signature import Rules, Signature, describe_peers
 from collective.tensors import native, same_memory
@@ -44,7 +44,14 @@ def reduce_all(op: ReduceOp, inputs: list[Any], out: Array | None = None) -> Arr
     return result
 
 
+_SPELLED: dict[Any, ReduceOp] = {**{op.value: op for op in ReduceOp}, **{op: op for op in ReduceOp}}
+
+
 def parse_op(op: Any) -> tuple[ReduceOp | None, str | None]:
+    if type(op) is str or type(op) is ReduceOp:
+        found = _SPELLED.get(op)
+        if found is not None:
+            return found, None
     try:
         return ReduceOp.parse(op), None
     except InvalidArgumentError as exc:
@@ -76,10 +83,10 @@ class Call:
             self.out = self.x  # out is exactly x's memory: in place
         self.root_peer = root  # the root as the caller named it (a peer id); ``root`` becomes its rank
         self.src: Array | None = None  # this peer's flat input, once prepared
-        self.device = Device("cpu")
+        self.device = CPU
         self.problem: str | None = None  # set by refuse(): found before this call was made
         self.op: ReduceOp | None = None  # parsed from ``op`` by prepare()
-        self.signature = Signature(self.kind)
+        self.signature: Signature  # set by prepare()
 
     # -- before the rendezvous: this peer's own checks ------------------------------------------
 

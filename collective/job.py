@@ -76,6 +76,7 @@ class LocalJob:
         self._closed: JobClosedError | None = None
         self._registration_failed: CollectiveTimeout | None = None
         self._groups: dict[tuple[int, ...], Rendezvous] = {}
+        self._everyone: tuple[int, ...] = ()  # multi-node: every peer id, 0..world-1
 
     @property
     def guard(self) -> _Guard:
@@ -94,7 +95,12 @@ class LocalJob:
     @property
     def members(self) -> tuple[int, ...]:
         """Every peer id of the job, sorted."""
-        return tuple(range(self.world)) if self.node is not None else self.peer_ids
+        if self.node is None:
+            return self.peer_ids
+        world = self.node.world
+        if len(self._everyone) != world:  # the world is known once the nodes joined
+            self._everyone = tuple(range(world))
+        return self._everyone
 
     def claim(self, bells: list[Doorbell]) -> None:
         """Ring ``bells`` once the lock is released (lock held)."""
@@ -158,7 +164,7 @@ class LocalJob:
     def leave(self, peer: int) -> bool:
         """Unregister ``peer``; peers waiting for it fail with PeerLostError. True if the job is now empty."""
         with self._guard:
-            self._check_member(peer)
+            self.check_member(peer)
             self._registered.discard(peer)
             self._left.add(peer)
             for rendezvous in self._groups.values():
@@ -184,7 +190,12 @@ class LocalJob:
 
     def check_member(self, peer: int) -> None:
         """Raise RegistrationError (or JobClosedError) unless ``peer`` is registered (lock held)."""
-        self._check_member(peer)
+        if self._closed is not None:
+            raise clone_error(self._closed)
+        if peer in self._left:
+            raise RegistrationError(f"peer {peer} has finished; call register() to start a new job")
+        if peer not in self._registered:
+            raise RegistrationError(f"peer {peer} is not registered: call register() first")
 
     def gone_among(self, peers: tuple[int, ...]) -> list[int]:
         """The peers of ``peers`` that left the job (lock held)."""
@@ -209,10 +220,3 @@ class LocalJob:
     def _raise_if_closed(self) -> None:
         if self._closed is not None:
             raise clone_error(self._closed)
-
-    def _check_member(self, peer: int) -> None:
-        self._raise_if_closed()
-        if peer in self._left:
-            raise RegistrationError(f"peer {peer} has finished; call register() to start a new job")
-        if peer not in self._registered:
-            raise RegistrationError(f"peer {peer} is not registered: call register() first")

@@ -98,20 +98,25 @@ class Rendezvous:
                 f"group from one thread, or use async_op=True"
             )
         try:
-            slot = self._decide_alone(peer, call) if self._alone else self._arrive(index, peer, call)
-            outcome = self._await(slot, index, call, deadline, timeout)
+            reporter: int | None = 0
+            if self._alone:
+                number, outcome = self._decide_alone(peer, call)
+            else:
+                slot = self._arrive(index, peer, call)
+                outcome = self._await(slot, index, call, deadline, timeout)
+                number, reporter = slot.number, slot.reporter
             if isinstance(outcome, CollectiveError):
-                if slot.reporter == index and self.job.site.node is not None:
-                    return self._reporting(slot, peer, index, call, outcome, deadline, timeout, busy)
+                if reporter == index and self.job.site.node is not None:
+                    return self._reporting(number, peer, index, call, outcome, deadline, timeout, busy)
                 raise clone_error(outcome)
         except BaseException:
             busy.release()
             raise
-        return Step(outcome, peer, index, call, deadline, timeout, busy)
+        return Step(outcome, peer, index, self._ranks[index], call, deadline, timeout, busy)
 
     def _reporting(
         self,
-        slot: _Slot,
+        number: int,
         peer: int,
         index: int,
         call: Call,
@@ -121,10 +126,10 @@ class Rendezvous:
         busy: threading.Lock,
     ) -> Step:
         """Multi-node: the one local peer that tells the other nodes this step failed here."""
-        label = f"{call.kind} #{slot.number}"
+        label = f"{call.kind} #{number}"
         executor = choose(self.job.site, self.members, self.local, call.signature, [], label)
-        plan = Plan(slot.number, label, call.signature, [call], self.members, executor, clone_error(error))
-        return Step(plan, peer, index, call, deadline, timeout, busy)
+        plan = Plan(number, label, call.signature, [call], self.members, executor, clone_error(error))
+        return Step(plan, peer, index, self._ranks[index], call, deadline, timeout, busy)
 
     def _arrive(self, index: int, peer: int, call: Call) -> _Slot:
         """Post the call at this peer's next step; the last peer to arrive decides the outcome."""
@@ -159,28 +164,19 @@ class Rendezvous:
                         self.ring()
             return slot
 
-    def _decide_alone(self, peer: int, call: Call) -> _Slot:
+    def _decide_alone(self, peer: int, call: Call) -> tuple[int, Plan | CollectiveError]:
         """The one local peer's step: what ``_arrive`` does, without a slot to meet in."""
         job = self.job
-        with job.guard:
+        with job.lock:  # nothing to ring: no other local peer waits here
             job.check_member(peer)
             number = self._next[0]
             self._next[0] = number + 1
-        slot = _Slot(number, {0: call}, reporter=0)
         signature = call.signature
-        try:
-            if signature.error is None and not rules_of(signature.kind).sourced:  # it agrees with itself
-                label = f"{signature.kind} #{number}"
-                executor = choose(self.job.site, self.members, self.local, signature, [call], label)
-                slot.outcome = Plan(number, label, signature, [call], self.members, executor)
-            else:
-                slot.outcome = self._decide(slot)
-        except BaseException as exc:  # e.g. MemoryError computing a fused result
-            slot.outcome = PeerLostError(
-                f"{call.kind} #{number}: peer {peer} failed deciding it: {exc!r}", [peer]
-            )
-            raise
-        return slot
+        if signature.error is None and not call.rules.sourced:  # it agrees with itself
+            label = f"{signature.kind} #{number}"
+            executor = choose(job.site, self.members, self.local, signature, [call], label)
+            return number, Plan(number, label, signature, [call], self.members, executor)
+        return number, self._decide(_Slot(number, {0: call}))
 
     def _await(
         self, slot: _Slot, index: int, call: Call, deadline: float, timeout: float

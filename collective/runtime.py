@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -46,6 +46,7 @@ from collective.executors import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW
 from collective.groups import Group
 from collective.job import LocalJob
 from collective.p2p import Mailbox
+from collective.rendezvous import Rendezvous
 from collective.work import Sequencer
 
 __all__ = ["Runtime"]
@@ -288,10 +289,17 @@ class Runtime:
         timeout: float | None = None, async_op: bool = False, out: Sequence[Array] | None = None,
     ) -> Any:  # fmt: skip
         """One all_reduce over many arrays (one agreement, one schedule per dtype): a list back."""
-        member, members, run = self._road(peer_id, group, timeout)
-        return self._sequence(
-            member, members, partial(coalesced_all_reduce, xs, op, out, run), "all_reduce_coalesced", async_op
-        )
+        member, members, rendezvous, seconds, problem = self._road(peer_id, group, timeout)
+
+        def execute(call: Call) -> Any:
+            if problem is not None:
+                call.refuse(problem)
+            return rendezvous.run(member.peer, member.device, seconds, call)
+
+        run = partial(coalesced_all_reduce, xs, op, out, execute)
+        sequencer = member.sequencer(members)
+        label = "all_reduce_coalesced"
+        return sequencer.submit(run, label) if async_op else sequencer.call(run, label)
 
     # -- point to point -------------------------------------------------------------------------
 
@@ -314,50 +322,39 @@ class Runtime:
     def _start(
         self, peer_id: int, call: Call, group: Group | None, timeout: float | None, async_op: bool
     ) -> Any:
-        member, members, run = self._road(peer_id, group, timeout)
-        return self._sequence(member, members, partial(run, call), call.kind, async_op)
+        member, members, rendezvous, seconds, problem = self._road(peer_id, group, timeout)
+        if problem is not None:
+            call.refuse(problem)
+        run = partial(rendezvous.run, member.peer, member.device, seconds, call)
+        sequencer = member.sequencer(members)
+        return sequencer.submit(run, call.kind) if async_op else sequencer.call(run, call.kind)
 
     def _road(
         self, peer_id: int, group: Group | None, timeout: float | None
-    ) -> tuple[_Peer, tuple[int, ...], Callable[[Call], Any]]:
-        """This peer, its group, and what runs one call there (the group's rendezvous).
+    ) -> tuple[_Peer, tuple[int, ...], Rendezvous, float, str | None]:
+        """This peer, its group, the group's rendezvous, the call's timeout, and a problem with it.
 
         A bad ``timeout`` fails the call on every peer (the config's timeout bounds that step).
         """
         job = self._member(peer_id)
-        member, members = self._group_of(peer_id, group)
-        seconds, problem = job.config.timeout, None
-        if timeout is not None:
-            try:
-                seconds = _seconds(timeout)
-            except InvalidArgumentError as exc:
-                problem = str(exc)
-        rendezvous = job.rendezvous(members)
+        member = self._peers.get(peer_id)
+        if member is None:
+            member = self._peer(peer_id)  # raises the precise RegistrationError
+        members = job.members if group is None else self._members_of(peer_id, job, group)
+        if timeout is None:
+            return member, members, job.rendezvous(members), job.config.timeout, None
+        try:
+            return member, members, job.rendezvous(members), _seconds(timeout), None
+        except InvalidArgumentError as exc:
+            return member, members, job.rendezvous(members), job.config.timeout, str(exc)
 
-        def run(call: Call) -> Any:
-            if problem is not None:
-                call.refuse(problem)
-            return rendezvous.run(member.peer, member.device, seconds, call)
-
-        return member, members, run
-
-    def _sequence(self, member: _Peer, members: tuple[int, ...], run: Any, label: str, async_op: bool) -> Any:
-        sequencer = member.sequencer(members)
-        if async_op:
-            return sequencer.submit(run, label)
-        return sequencer.call(run, label)
-
-    def _group_of(self, peer_id: int, group: Group | None) -> tuple[_Peer, tuple[int, ...]]:
-        """This peer's record and the group's members; InvalidArgumentError for a group it is not in."""
-        job = self._member(peer_id)
-        member = self._peer(peer_id)
-        if group is None:
-            return member, job.members
+    def _members_of(self, peer_id: int, job: LocalJob, group: Group) -> tuple[int, ...]:
+        """The group's members; InvalidArgumentError for a group this peer is not in."""
         if not isinstance(group, Group):
             raise InvalidArgumentError(f"group must be a value of new_group(), got {group!r}")
         group.check_within(job.world)
         group.rank(peer_id)  # raises for a peer outside the group
-        return member, group.members
+        return group.members
 
     def _member(self, peer_id: int) -> LocalJob:
         job = self._job  # read without the lock: the job's own checks are authoritative

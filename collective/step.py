@@ -50,22 +50,29 @@ class Site:
     exchanges: weakref.WeakSet[Exchange] = field(default_factory=weakref.WeakSet)  # aborted on close
 
 
-@dataclass
 class Plan:
     """What the rendezvous decided for one step, shared by the local peers of the group."""
 
-    number: int
-    label: str  # "all_reduce #12" for messages
-    agreed: Signature
-    calls: list[Call]  # every local peer's call, by local index
-    members: tuple[int, ...]  # the group's peer ids, by rank
-    executor: Executor
-    error: CollectiveError | None = None  # multi-node: a local failure the reporter tells the other nodes
-    extra: dict[str, Any] = field(default_factory=dict)
+    __slots__ = ("agreed", "calls", "error", "executor", "label", "members", "number", "size")
 
-    @property
-    def size(self) -> int:
-        return len(self.members)
+    def __init__(
+        self,
+        number: int,
+        label: str,  # "all_reduce #12" for messages
+        agreed: Signature,
+        calls: list[Call],  # every local peer's call, by local index
+        members: tuple[int, ...],  # the group's peer ids, by rank
+        executor: Executor,
+        error: CollectiveError | None = None,  # multi-node: a local failure told to the other nodes
+    ) -> None:
+        self.number = number
+        self.label = label
+        self.agreed = agreed
+        self.calls = calls
+        self.members = members
+        self.executor = executor
+        self.error = error
+        self.size = len(members)
 
 
 class Step:
@@ -78,6 +85,7 @@ class Step:
         plan: Plan,
         peer: int,
         index: int,
+        rank: int,
         call: Call,
         deadline: float,
         timeout: float,
@@ -86,7 +94,7 @@ class Step:
         self.plan = plan
         self.peer = peer
         self.index = index  # among this process's peers of the group
-        self.rank = plan.members.index(peer)  # in the group
+        self.rank = rank  # in the group
         self.call = call
         self.deadline = deadline
         self.timeout = timeout
