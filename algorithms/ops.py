@@ -68,6 +68,9 @@ _UFUNC_NAMES = {
 }
 
 
+_NUMPY_UFUNCS = {op: getattr(np, name) for op, name in _UFUNC_NAMES.items()}
+
+
 def array_module(array: Array) -> types.ModuleType:
     """numpy for numpy arrays, cupy for CuPy arrays (without importing CuPy for numpy input)."""
     if isinstance(array, np.ndarray):
@@ -82,6 +85,9 @@ def array_module(array: Array) -> types.ModuleType:
 
 def combine(op: ReduceOp, a: Array, b: Array, out: Array) -> None:
     """out = op(a, b) elementwise; ``out`` may be ``a`` or ``b``. Commutative, so bit-identical either way."""
+    if type(out) is np.ndarray:
+        _NUMPY_UFUNCS[op](a, b, out=out)
+        return
     ufunc = getattr(array_module(out), op.ufunc_name)
     ufunc(a, b, out=out)
 
@@ -100,6 +106,9 @@ def chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
 def copy_into(out: Array, src: Array) -> None:
     """out[...] = src, skipped when they are the same buffer (an in-place collective)."""
     if out is src:
+        return
+    if type(out) is np.ndarray:
+        np.copyto(out, src)
         return
     array_module(out).copyto(out, src)
 

@@ -180,6 +180,8 @@ def _may_overlap(a: Array, b: Array) -> bool:
 
 def flat(array: Array) -> Array:
     """A flat C-contiguous view of ``array`` (a copy only when it is not contiguous)."""
+    if type(array) is np.ndarray:
+        return array.ravel()  # numpy's ravel copies exactly when no contiguous view exists
     xp = array_module(array)
     return xp.ascontiguousarray(array).reshape(-1)
 
