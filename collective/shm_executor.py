@@ -60,6 +60,7 @@ class ShmGroup:
 
     def __init__(self, ring: HostRing, members: tuple[int, ...], me: int) -> None:
         self.ring = ring
+        self._segment = ring.segment  # this process's own
         self.members = members
         self.n = len(members)
         self.rank = members.index(me)
@@ -170,11 +171,15 @@ class ShmGroup:
             self._written[slot] = message
             head[1] = len(message)
             head[3] = digest
-        if data is not None and data.nbytes:
-            mine.data[slot][: data.nbytes] = data.view(np.uint8).data  # bfloat16 has no buffer format
-        head[2] = -1 if data is None else data.nbytes
+        if data is None:
+            head[2] = -1
+        else:
+            nbytes = data.nbytes
+            if nbytes:
+                mine.slots[slot][:nbytes] = data.view(np.uint8)  # bytes: bfloat16 has no buffer format
+            head[2] = nbytes
         head[0] = s
-        self.post(at(s, ARRIVE))
+        self.post((s << 32) | ARRIVE)
 
     def _agree(self, s: int, slot: int, message: bytes, digest: int) -> tuple[Signature, list[Any] | None]:
         """The agreed call and, for a small step, every member's inline input (None for a large one).
@@ -244,7 +249,7 @@ class ShmGroup:
     def post(self, value: int) -> None:
         """Raise this process's progress in the group to ``value`` and wake members that sleep."""
         self.mine.progress[0] = value
-        segment = self.ring.segment
+        segment = self._segment
         segment.bump()
         for other in self._others:
             if other.sleepers[0]:
