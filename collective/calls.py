@@ -342,8 +342,10 @@ class Coalesced(AllReduce):
     kind = "all_reduce_coalesced"
     rules = Rules(("op", "parts", "shape", "dtype"))
 
-    def __init__(self, bucket: Any, op: Any, parts: tuple[tuple[tuple[int, ...], str], ...]) -> None:
-        super().__init__(bucket, op)
+    def __init__(
+        self, bucket: Any, op: Any, parts: tuple[tuple[tuple[int, ...], str], ...], out: Any = None
+    ) -> None:
+        super().__init__(bucket, op, out=out)
         self.parts = parts
 
     def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:

@@ -10,7 +10,6 @@ usual case) is one rendezvous and one schedule, whatever the number of arrays.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ import numpy as np
 
 from collective.algorithms.ops import Array, array_module
 from collective.calls import Coalesced
+from collective.pool import pool
 from collective.tensors import native
 
 __all__ = ["coalesced_all_reduce"]
@@ -31,28 +31,26 @@ def coalesced_all_reduce(
     A list that cannot be used (empty, not arrays, ``out`` of another length) still takes one step,
     whose call carries the problem: every peer gets the InvalidArgumentError and stays in step.
     """
-    problem = _problem(xs, out)
+    converted = [native(x) for x in xs] if isinstance(xs, list | tuple) else []
+    arrays = [array for array, _ in converted]
+    problem = _problem(xs, arrays, out)
     if problem is not None:
         refused = Coalesced(np.zeros(0, np.float32), op, ())
         refused.refuse(problem)
         execute(refused)  # raises the problem on every peer
         raise AssertionError("unreachable: a refused call raises")
-    converted = [native(x) for x in xs]
-    arrays = [array for array, _ in converted]
-    parts = tuple((tuple(x.shape), _name(x.dtype)) for x in arrays)
+    parts = tuple([(tuple(x.shape), _name(x.dtype)) for x in arrays])
     by_dtype: dict[Any, list[int]] = {}
     for index, x in enumerate(arrays):
         by_dtype.setdefault(x.dtype, []).append(index)
     results: list[Array] = [None] * len(arrays)
     for indices in by_dtype.values():
-        xp = array_module(arrays[indices[0]])
-        pieces = [arrays[i].reshape(-1) for i in indices]
-        bucket = xp.concatenate(pieces) if len(pieces) > 1 else xp.ascontiguousarray(pieces[0])
-        reduced = execute(Coalesced(bucket, op, parts))
+        reduced = execute(_bucket([arrays[i] for i in indices], op, parts))
         offset = 0
         for i in indices:
-            size = math.prod(arrays[i].shape)
-            view = reduced[offset : offset + size].reshape(arrays[i].shape)
+            shape = arrays[i].shape
+            size = arrays[i].size
+            view = reduced[offset : offset + size].reshape(shape)
             offset += size
             if out is not None:
                 native(out[i])[0][...] = view
@@ -62,16 +60,32 @@ def coalesced_all_reduce(
     return results
 
 
+def _bucket(arrays: list[Array], op: Any, parts: Any) -> Coalesced:
+    """The call reducing ``arrays`` (one dtype) as one flat bucket, in place.
+
+    A numpy bucket comes from the result pool (collective.pool): a fresh one per call would pay
+    its page faults every time. The results are views of the bucket, reduced in place.
+    """
+    pieces = [array.reshape(-1) for array in arrays]
+    if type(arrays[0]) is np.ndarray:
+        bucket = pool.empty((sum([piece.size for piece in pieces]),), arrays[0].dtype)
+        np.concatenate(pieces, out=bucket)
+    else:
+        xp = array_module(arrays[0])
+        bucket = xp.concatenate(pieces) if len(pieces) > 1 else xp.ascontiguousarray(pieces[0]).copy()
+    return Coalesced(bucket, op, parts, out=bucket)
+
+
 @functools.cache
 def _name(dtype: Any) -> str:
     """``str(dtype)``, once per dtype (numpy 2 builds the name anew every time: ~5 us)."""
     return str(dtype)
 
 
-def _problem(xs: Any, out: Any) -> str | None:
+def _problem(xs: Any, arrays: list[Any], out: Any) -> str | None:
     if not isinstance(xs, list | tuple) or not xs:
         return "all_reduce_coalesced takes a non-empty list of arrays"
-    if not all(hasattr(native(x)[0], "dtype") and hasattr(native(x)[0], "shape") for x in xs):
+    if not all(hasattr(array, "dtype") and hasattr(array, "shape") for array in arrays):
         return "every item of the list must be an array"
     if out is not None and (
         not isinstance(out, list | tuple) or len(out) != len(xs) or any(o is None for o in out)
