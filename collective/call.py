@@ -24,10 +24,10 @@ from typing import Any, ClassVar
 
 from collective.algorithms.link import Link
 from collective.algorithms.ops import Array, ReduceOp, combine, copy_into
-from collective.arrays import CPU, Device, check_array, check_out, flat, scale_for_mean
+from collective.arrays import CPU, Device, check_array, check_out, flat, same_memory, scale_for_mean
 from collective.errors import InvalidArgumentError
 from collective.signature import Rules, Signature, describe_peers
-from collective.tensors import native, same_memory
+from collective.tensors import native
 
 __all__ = ["Call", "Strategies", "blocks", "reduce_all", "slice_of"]
 
@@ -79,7 +79,7 @@ class Call:
         self.root = root
         self.out_given = out
         self.out, _ = native(out)
-        if self.out is not None and self.x is not None and same_memory(self.out, self.x):
+        if self.out is not None and self.x is not None and (out is x or same_memory(self.out, self.x)):
             self.out = self.x  # out is exactly x's memory: in place
         self.root_peer = root  # the root as the caller named it (a peer id); ``root`` becomes its rank
         self.src: Array | None = None  # this peer's flat input, once prepared

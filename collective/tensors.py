@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["identity", "native", "same_memory"]
+__all__ = ["identity", "native"]
 
 Back = Callable[[Any], Any]
 
@@ -70,10 +70,11 @@ def _from_torch(tensor: Any) -> tuple[Any, Back]:
 
     if not isinstance(tensor, torch.Tensor):
         return tensor, identity
-    tensor = tensor.detach()
+    if tensor.requires_grad:
+        tensor = tensor.detach()
     if tensor.is_conj() or tensor.is_neg():
         tensor = tensor.resolve_conj().resolve_neg()
-    if tensor.device.type == "cuda":
+    if tensor.is_cuda:
         import cupy
 
         return cupy.from_dlpack(tensor), _to_torch_cuda
@@ -87,7 +88,7 @@ def _from_torch(tensor: Any) -> tuple[Any, Back]:
 def _to_torch(array: Any) -> Any:
     import torch
 
-    if array.dtype.name == "bfloat16":
+    if array.dtype.kind == "V":  # ml_dtypes' bfloat16 (dtype.name costs ~2 us in numpy 2)
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
 
@@ -102,26 +103,3 @@ def _to_jax(array: Any) -> Any:
     import jax.numpy as jnp
 
     return jnp.asarray(array)
-
-
-def same_memory(a: Any, b: Any) -> bool:
-    """Whether two native arrays are views of exactly the same memory (same start, shape, strides)."""
-    if a is b:
-        return True
-    if a is None or b is None or type(a) is not type(b):
-        return False
-    try:
-        return bool(
-            a.shape == b.shape
-            and a.strides == b.strides
-            and a.dtype == b.dtype
-            and _address(a) == _address(b)
-        )
-    except (AttributeError, TypeError):
-        return False
-
-
-def _address(array: Any) -> int:
-    if isinstance(array, np.ndarray):
-        return int(array.__array_interface__["data"][0])
-    return int(array.data.ptr)
