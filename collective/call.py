@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from collective.algorithms.link import Link
-from collective.algorithms.ops import Array, ReduceOp, combine, copy_into
+from collective.algorithms.ops import Array, ReduceOp, array_module, combine, copy_into
 from collective.arrays import CPU, Device, check_array, check_out, flat, same_memory, scale_for_mean
 from collective.errors import InvalidArgumentError
 from collective.signature import Rules, Signature, describe_peers
@@ -35,11 +35,18 @@ Strategies = Callable[[str], Any]  # collective kind -> the strategy configured 
 
 
 def reduce_all(op: ReduceOp, inputs: list[Any], out: Array | None = None) -> Array:
-    """The reduction of ``inputs`` in their order (peer order) into ``out`` (a new array if None)."""
-    result = out if out is not None else inputs[0].copy()
-    if out is not None:
+    """The reduction of ``inputs`` in their order (peer order) into ``out`` (a new array if None).
+
+    ``out`` may be one of the inputs (an in-place collective).
+    """
+    if len(inputs) == 1:
+        if out is None:
+            return inputs[0].copy()
         copy_into(out, inputs[0])
-    for other in inputs[1:]:
+        return out
+    result = out if out is not None else array_module(inputs[0]).empty_like(inputs[0])
+    combine(op, inputs[0], inputs[1], result)
+    for other in inputs[2:]:
         combine(op, result, other, result)
     return result
 

@@ -221,7 +221,8 @@ class ReduceScatter(_Blocked):
 
     def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
         assert agreed.op is not None and dst is not None
-        reduce_all(agreed.op, [blocks(x, len(inputs))[rank] for x in inputs], dst)
+        mine = slice_of(inputs[0].size, len(inputs), rank)  # equal blocks: size is a multiple of n
+        reduce_all(agreed.op, [x[mine] for x in inputs], dst)
 
     def run_link(
         self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None

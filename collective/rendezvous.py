@@ -70,6 +70,7 @@ class Rendezvous:
         self._busy = [threading.Lock() for _ in local]
         self.bells = [Doorbell() for _ in local]  # one per local peer and group: a peer may wait in several
         self._slots: dict[int, _Slot] = {}
+        self._sourced: dict[Signature, Signature] = {}  # the lone peer's sourced calls, as agreed
         self._steps = 0  # slots decided so far (for tests of state growth)
 
     @property
@@ -172,11 +173,17 @@ class Rendezvous:
             number = self._next[0]
             self._next[0] = number + 1
         signature = call.signature
-        if signature.error is None and not call.rules.sourced:  # it agrees with itself
+        agreed = signature if not call.rules.sourced else self._sourced.get(signature)
+        if signature.error is None and agreed is not None:  # it agrees with itself
             label = f"{signature.kind} #{number}"
-            executor = choose(job.site, self.members, self.local, signature, [call], label)
-            return number, Plan(number, label, signature, [call], self.members, executor)
-        return number, self._decide(_Slot(number, {0: call}))
+            executor = choose(job.site, self.members, self.local, agreed, [call], label)
+            return number, Plan(number, label, agreed, [call], self.members, executor)
+        outcome = self._decide(_Slot(number, {0: call}))
+        if isinstance(outcome, Plan) and signature.error is None:  # a broadcast, a scatter
+            if len(self._sourced) >= 32:
+                self._sourced.clear()
+            self._sourced[signature] = outcome.agreed  # the same call agrees the same way next time
+        return number, outcome
 
     def _await(
         self, slot: _Slot, index: int, call: Call, deadline: float, timeout: float

@@ -26,8 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from collective.algorithms.ops import ReduceOp, combine
-from collective.call import slice_of
+from collective.call import reduce_all, slice_of
 from collective.signature import Signature
 from collective.transport.shm_ring import CHUNK_BYTES
 
@@ -45,7 +44,7 @@ class Members(Protocol):
     def wait(self, rank: int, target: int, deadline: float) -> None: ...
 
 
-__all__ = ["ABORT", "ARRIVE", "END", "REDUCING", "Chunks", "at", "reduce_into"]
+__all__ = ["ABORT", "ARRIVE", "END", "REDUCING", "Chunks", "at"]
 
 ARRIVE, ABORT, END = 0, 0xFFFFFFFE, 0xFFFFFFFF  # progress codes of a step (below ABORT: its chunks)
 REDUCING = frozenset(["all_reduce", "reduce", "all_reduce_coalesced"])
@@ -62,16 +61,6 @@ def _in(chunk: int) -> int:
 
 def _red(chunk: int) -> int:
     return ((chunk + 1) << 2) | 2
-
-
-def reduce_into(op: ReduceOp, inputs: list[Any], out: np.ndarray) -> None:
-    """``out`` = inputs[0] op inputs[1] op ... in that order (as collective.call.reduce_all does)."""
-    if len(inputs) == 1:
-        np.copyto(out, inputs[0])
-        return
-    combine(op, inputs[0], inputs[1], out)
-    for other in inputs[2:]:
-        combine(op, out, other, out)
 
 
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
@@ -143,7 +132,7 @@ class Chunks:
             self.post(_in(c))
             self.wait(self.others, _in(c))
             inputs = [piece[mine] if k == me else self.buffer(k, c)[mine] for k in range(n)]
-            reduce_into(op, inputs, buffer[mine])
+            reduce_all(op, inputs, buffer[mine])
             self.post(_red(c))
             if dst is not None:
                 self.wait(self.others, _red(c))
@@ -213,7 +202,7 @@ class Chunks:
             if kind == "reduce_scatter":
                 assert self.agreed.op is not None
                 inputs = [own if k == me else self.buffer(k, c)[mine] for k in range(n)]
-                reduce_into(self.agreed.op, inputs, dst[lo:hi])
+                reduce_all(self.agreed.op, inputs, dst[lo:hi])
             elif kind == "all_to_all":
                 for k in range(n):
                     np.copyto(

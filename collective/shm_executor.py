@@ -34,6 +34,7 @@ import numpy as np
 
 from collective import errors
 from collective.algorithms.ops import Array
+from collective.call import reduce_all
 from collective.calls import rules_of
 from collective.errors import (
     CollectiveError,
@@ -42,7 +43,7 @@ from collective.errors import (
     PeerLostError,
     describe_peers,
 )
-from collective.shm_chunks import ABORT, ARRIVE, END, REDUCING, Chunks, at, reduce_into
+from collective.shm_chunks import ABORT, ARRIVE, END, REDUCING, Chunks, at
 from collective.shm_host import HostRing, SignatureCodec
 from collective.signature import Signature, agree
 from collective.transport.shm_ring import INLINE_BYTES, MESSAGE_BYTES, RingSegment, Waiting
@@ -139,7 +140,7 @@ class ShmGroup:
             Chunks(self, agreed, src, dst, s, deadline).run()
         elif dst is not None and agreed.kind in REDUCING:  # every member reduces in rank order
             assert agreed.op is not None
-            reduce_into(agreed.op, inputs, dst)
+            reduce_all(agreed.op, inputs, dst)
         elif dst is not None:  # this member's share, straight into its result (Call.part)
             call.part(agreed, inputs, None, self.rank, dst)
         if not host:

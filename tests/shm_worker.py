@@ -173,19 +173,19 @@ def crash(peer: int, world: int) -> int:
     every process runs the same collective again (the job stays usable)."""
     import collective.shm_chunks
 
-    kept = collective.shm_chunks.reduce_into
+    kept = collective.shm_chunks.reduce_all
     if peer == 0:
 
         def broken(*args: Any) -> None:
             raise MemoryError("simulated")
 
-        collective.shm_chunks.reduce_into = broken  # type: ignore[assignment]
+        collective.shm_chunks.reduce_all = broken  # type: ignore[assignment]
     x = np.ones(1 << 20, np.float32)
     try:
         col.all_reduce(peer, x)
     except (MemoryError, col.CollectiveError) as exc:
         say(f"ERROR {type(exc).__name__} - {exc}")
-    collective.shm_chunks.reduce_into = kept  # type: ignore[assignment]
+    collective.shm_chunks.reduce_all = kept  # type: ignore[assignment]
     same(col.all_reduce(peer, x), np.full(1 << 20, world, np.float32), "after the failure")
     say("AFTER")
     return 1
