@@ -45,7 +45,8 @@ class Pool:
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """An uninitialised numpy array (a recycled block when it is large)."""
-        dtype = np.dtype(dtype)
+        if not isinstance(dtype, np.dtype):
+            dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         if nbytes < MIN_BYTES or self.limit <= 0:
             return np.empty(shape, dtype)

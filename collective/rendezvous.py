@@ -79,7 +79,7 @@ class Rendezvous:
 
     def run(self, peer: int, device: Device, timeout: float, call: Call) -> Any:
         """Run ``call`` for ``peer``: check it, meet the others, execute the agreed step."""
-        call.prepare(device, self.members, self.members.index(peer))
+        call.prepare(device, self.members, self._ranks[self._index[peer]])
         deadline = time.monotonic() + timeout
         with self.step(peer, call, deadline, timeout) as step:
             return step.run()

@@ -83,6 +83,7 @@ class ShmGroup:
         self.codec = SignatureCodec()
         self._written: list[bytes | None] = [None, None]  # the message in each slot of this channel
         self._channels: list[Any] = []  # every member's channel, by rank (once all were found)
+        self._heads: list[list[Any]] = [[], []]  # every member's slot head, by slot and rank
         self._agreed: dict[tuple[Any, ...], Any] = {}  # (agreed call, inline inputs) by digests and sizes
 
     # -- the step -------------------------------------------------------------------------------
@@ -133,7 +134,7 @@ class ShmGroup:
         self._met = s
         agreed, inputs = self._agree(s, slot, message, digest)
         result = call.new_result(call.device, agreed, self.n, self.rank)
-        target: Any = None if result is None else result.reshape(-1)  # results are C-contiguous
+        target: Any = result if result is None or result.ndim == 1 else result.reshape(-1)  # C-contiguous
         host = target is None or type(target) is np.ndarray
         dst = target if host else np.empty(target.shape, target.dtype)
         if inputs is None:
@@ -191,7 +192,7 @@ class ShmGroup:
         members' digests and input sizes: a group repeats the same few calls.
         """
         channels = self._channels or self._all_channels()
-        heads = [channel.slot_heads[slot] for channel in channels]
+        heads = self._heads[slot]
         key: tuple[Any, ...] = (slot,)
         for rank, head in enumerate(heads):
             if head[0] != s or not 0 <= head[1] <= MESSAGE_BYTES:
@@ -237,6 +238,7 @@ class ShmGroup:
     def _all_channels(self) -> list[Any]:
         channels = [self.mine if rank == self.rank else self._theirs[rank] for rank in range(self.n)]
         self._channels = channels
+        self._heads = [[channel.slot_heads[slot] for channel in channels] for slot in (0, 1)]
         return channels
 
     def _finish_with(self, s: int, error: CollectiveError) -> Any:
