@@ -37,7 +37,7 @@ Strategies = Callable[[str], Any]  # collective kind -> the strategy configured 
 def reduce_all(op: ReduceOp, inputs: list[Any], out: Array | None = None) -> Array:
     """The reduction of ``inputs`` in their order (peer order) into ``out`` (a new array if None).
 
-    ``out`` may be one of the inputs (an in-place collective).
+    ``out`` may be the first or the second input, never a later one (it is written first).
     """
     if len(inputs) == 1:
         if out is None:
