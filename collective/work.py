@@ -80,7 +80,8 @@ class Sequencer:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._cv = threading.Condition(threading.Lock())  # guards every field below
+        self._lock = threading.Lock()  # guards every field below (a plain lock: blocking calls take it)
+        self._cv = threading.Condition(self._lock)  # the parked worker waits on it
         self._queue: deque[tuple[Callable[[], Any], Work]] = deque()
         self._active = False  # a call is running (in its caller's thread or the worker)
         self._parked = False  # the worker thread exists and waits for a hand-off
@@ -89,7 +90,7 @@ class Sequencer:
     def submit(self, call: Callable[[], Any], label: str) -> Work:
         """Queue ``call``; its Work completes when it has run after every earlier call."""
         work = Work(label)
-        with self._cv:
+        with self._lock:
             self._queue.append((call, work))
             if not self._active:
                 self._active = True
@@ -98,7 +99,7 @@ class Sequencer:
 
     def call(self, call: Callable[[], Any], label: str) -> Any:
         """Run ``call`` now in this thread when nothing is queued, else after the queued ones."""
-        with self._cv:
+        with self._lock:
             inline = not self._active
             self._active = True
         if not inline:
@@ -106,7 +107,7 @@ class Sequencer:
         try:
             return call()
         finally:
-            with self._cv:
+            with self._lock:
                 self._active = bool(self._queue)
                 if self._active:
                     self._hand_to_worker()
@@ -121,7 +122,7 @@ class Sequencer:
 
     def _drain(self) -> None:
         while True:
-            with self._cv:
+            with self._lock:
                 while not self._queue:
                     self._active = self._handoff = False
                     self._parked = True

@@ -1,0 +1,68 @@
+"""The Sequencer (collective.work) on its own: order, hand-offs between the caller and its worker,
+and the worker thread's life (parked between bursts of asynchronous calls, gone after LINGER)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from collective.work import Sequencer
+
+WAIT = 10.0  # bound on every wait of these tests
+
+
+def _worker_threads(name: str) -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == f"collective-{name}"]
+
+
+def test_calls_run_in_issue_order_whoever_runs_them() -> None:
+    sequencer = Sequencer("order")
+    ran: list[int] = []
+    gate = threading.Event()
+    first = sequencer.submit(lambda: (gate.wait(WAIT), ran.append(0)), "first")
+    works = [sequencer.submit(lambda i=i: ran.append(i), f"call {i}") for i in range(1, 5)]
+    blocking = threading.Thread(target=lambda: sequencer.call(lambda: ran.append(5), "blocking"))
+    blocking.start()
+    time.sleep(0.05)  # the blocking call is queued behind the four, not run inline
+    assert ran == []
+    gate.set()
+    blocking.join(WAIT)
+    for work in (first, *works):
+        work.wait(WAIT)
+    assert ran == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_parked_worker_is_reused_then_ends_after_linger(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(Sequencer, "LINGER", 0.3)
+    sequencer = Sequencer("linger")
+    seen: list[threading.Thread] = []
+    for _ in range(3):  # bursts a little apart, as a training step's buckets are
+        sequencer.submit(lambda: seen.append(threading.current_thread()), "bucket").wait(WAIT)
+        time.sleep(0.02)
+    assert len(set(seen)) == 1, "each burst woke the parked worker instead of starting a thread"
+    assert seen[0] is not threading.current_thread()
+    deadline = time.monotonic() + WAIT
+    while _worker_threads("linger") and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not _worker_threads("linger"), "the worker outlived LINGER with nothing to do"
+    assert sequencer.submit(lambda: 7, "after").wait(WAIT) == 7  # a new worker starts
+
+
+def test_an_inline_call_hands_queued_work_to_the_parked_worker() -> None:
+    sequencer = Sequencer("handoff")
+    assert sequencer.submit(lambda: 1, "warm").wait(WAIT) == 1  # the worker is now parked
+    later: list[int] = []
+
+    def inline() -> int:
+        later.append(0)
+        works.append(sequencer.submit(lambda: later.append(2), "queued meanwhile"))
+        later.append(1)
+        return 9
+
+    works: list[Any] = []
+    assert sequencer.call(inline, "inline") == 9
+    works[0].wait(WAIT)
+    assert later == [0, 1, 2]  # the queued call ran after the inline one, on the worker
