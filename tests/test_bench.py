@@ -300,3 +300,15 @@ def test_shm_vs_gloo_runs_ours_over_processes_and_checks_every_result(
     rows = [line.split() for line in out.splitlines() if not line.startswith("#")][1:]
     assert len(rows) == 8 and all(row[0] == "2" and float(row[4]) > 0 for row in rows), out
     assert "# wrong result elements: 0" in out
+
+
+def test_coalesced_bench_times_three_variants_and_checks_the_result(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from collective.bench import coalesced
+
+    assert coalesced.main(["--rounds", "1", "--iters", "3"]) == 0
+    out = capsys.readouterr().out
+    (row,) = [line.split() for line in out.splitlines() if line.strip().startswith("0 ")]
+    assert all(float(value) > 0 for value in row[1:4]), out
+    assert "# target coalesced <= 1.2 x one array:" in out and "# target coalesced <= 0.3 x separate:" in out
