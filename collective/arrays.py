@@ -181,10 +181,32 @@ def _owner(array: Array) -> Any:
 
 
 def _distinct_owners(a: Array, b: Array) -> bool:
-    """Whether ``a`` and ``b`` view two different numpy arrays that own their memory (then no byte
-    is shared), decided from the chains of bases alone."""
+    """Whether ``a`` and ``b`` certainly share no byte, decided from what owns their memory: two
+    different numpy arrays that own theirs, or two torch storages (the owners of torch tensors'
+    numpy views) whose byte ranges do not meet."""
     owner_a, owner_b = _owner(a), _owner(b)
-    return owner_a is not owner_b and isinstance(owner_a, np.ndarray) and isinstance(owner_b, np.ndarray)
+    if owner_a is owner_b:
+        return False
+    if isinstance(owner_a, np.ndarray) and isinstance(owner_b, np.ndarray):
+        return True
+    extent_a, extent_b = _storage_extent(owner_a), _storage_extent(owner_b)
+    return (
+        extent_a is not None
+        and extent_b is not None
+        and (extent_a[1] <= extent_b[0] or extent_b[1] <= extent_a[0])
+    )
+
+
+def _storage_extent(owner: Any) -> tuple[int, int] | None:
+    """The bytes [start, end) of a torch tensor's storage (None for anything else)."""
+    if type(owner).__module__.partition(".")[0] != "torch":
+        return None
+    try:
+        storage = owner.untyped_storage()
+        start = int(storage.data_ptr())
+        return start, start + int(storage.nbytes())
+    except (AttributeError, RuntimeError, TypeError):
+        return None
 
 
 def same_memory(a: Any, b: Any) -> bool:

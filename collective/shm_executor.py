@@ -330,12 +330,28 @@ class ShmGroup:
                 continue
             segment = self._segments[rank]
             lost = ring.lost_peer(peer)
+            alive = lost is None and segment.alive()
+            if alive and not segment.closed:
+                continue
+            reason = self._given_up(rank)
+            if reason is not None:  # it gave this step up (and then exited): its reason is the news
+                raise self._theirs_error(rank, reason)
             if lost is not None:
                 raise lost
-            if not segment.alive():
+            if not alive:
                 raise PeerLostError(f"{self._label}: peer {peer} (process {segment.pid}) died", [peer])
-            if segment.closed:
-                raise PeerLostError(f"{self._label}: peer {peer} left the job while others needed it", [peer])
+            raise PeerLostError(f"{self._label}: peer {peer} left the job while others needed it", [peer])
+
+    def _given_up(self, rank: int) -> str | None:
+        """Why member ``rank`` gave up the step in flight, if it recorded that."""
+        channel, s = self._theirs[rank], self._active
+        if channel is None or s is None:
+            return None
+        value = channel.progress[0]
+        if value < at(s, ABORT) or value == at(s, END):
+            return None
+        reason: str | None = channel.record(s)
+        return reason
 
     def _time_out(self, target: int) -> None:
         missing = [

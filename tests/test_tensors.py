@@ -75,6 +75,34 @@ def test_out_tensors_are_written_in_place(rt: col.Runtime, dtype: Any) -> None:
     run_peers(PEERS, body, rt)
 
 
+def test_out_tensors_are_told_apart_by_their_memory(rt: col.Runtime) -> None:
+    """Another tensor over x's very memory is in place; one over part of it is refused on every peer;
+    tensors made from overlapping numpy views (distinct storages, shared bytes) are refused too."""
+
+    def body(peer: int) -> list[str]:
+        register(rt, peer)
+        base = torch.zeros(8)
+        base[:4] = tensor_of(peer, (4,), torch.float32)
+        same = base[:4].view(4)  # another tensor object, exactly x's memory
+        assert rt.all_reduce(peer, base[:4], out=same) is same
+        assert torch.equal(base[:4], total((4,), torch.float32))
+        errors = []
+        for x, out in ((base[:4], base[2:6]), _from_overlapping_numpy()):
+            try:
+                rt.all_reduce(peer, x, out=out)
+            except col.InvalidArgumentError as exc:
+                errors.append(str(exc))
+        return errors
+
+    for errors in run_peers(PEERS, body, rt):
+        assert len(errors) == 2 and all("out overlaps x without being x" in e for e in errors), errors
+
+
+def _from_overlapping_numpy() -> tuple[Any, Any]:
+    memory = np.zeros(8, np.float32)
+    return torch.from_numpy(memory[:4]), torch.from_numpy(memory[2:6])
+
+
 def test_inputs_that_require_grad_are_read_not_recorded(rt: col.Runtime) -> None:
     def body(peer: int) -> Any:
         register(rt, peer)
