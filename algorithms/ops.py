@@ -108,7 +108,7 @@ def copy_into(out: Array, src: Array) -> None:
     if out is src:
         return
     if type(out) is np.ndarray:
-        np.copyto(out, src)
+        out[...] = src  # np.copyto is a Python-level wrapper; the same-dtype copy is the same
         return
     array_module(out).copyto(out, src)
 

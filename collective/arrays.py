@@ -59,7 +59,7 @@ class Device:
             text = value.strip().lower()
             kind, _, index = text.partition(":")
             if text == "cpu":
-                device = cls("cpu")
+                device = CPU
             elif kind == "cuda" and (index == "" or index.isdigit()):
                 device = cls("cuda", int(index or 0))
         if device is None or device.kind not in ("cpu", "cuda"):

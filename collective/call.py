@@ -22,12 +22,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import numpy as np
+
 from collective.algorithms.link import Link
 from collective.algorithms.ops import Array, ReduceOp, array_module, combine, copy_into
 from collective.arrays import CPU, Device, check_array, check_out, flat, same_memory, scale_for_mean
 from collective.errors import InvalidArgumentError
+from collective.pool import pool
 from collective.signature import Rules, Signature, describe_peers
-from collective.tensors import native
+from collective.tensors import identity, native
 
 __all__ = ["Call", "Strategies", "blocks", "reduce_all", "slice_of"]
 
@@ -44,7 +47,8 @@ def reduce_all(op: ReduceOp, inputs: list[Any], out: Array | None = None) -> Arr
             return inputs[0].copy()
         copy_into(out, inputs[0])
         return out
-    result = out if out is not None else array_module(inputs[0]).empty_like(inputs[0])
+    first = inputs[0]
+    result = out if out is not None else array_module(first).empty(first.shape, first.dtype)
     combine(op, inputs[0], inputs[1], result)
     for other in inputs[2:]:
         combine(op, result, other, result)
@@ -81,11 +85,14 @@ class Call:
     alias_safe: ClassVar[bool] = True  # its schedules may write ``out`` while it is also ``x``
 
     def __init__(self, x: Any = None, op: Any = "sum", root: Any = None, out: Any = None) -> None:
-        self.x, self.back = native(x)  # a numpy or CuPy view of x, and how results go back to x's kind
+        # a numpy or CuPy view of x, and how results go back to x's kind
+        self.x: Any
+        self.back: Callable[[Any], Any]
+        self.x, self.back = (x, identity) if type(x) is np.ndarray else native(x)
         self.op_arg = op
         self.root = root
         self.out_given = out
-        self.out, _ = native(out)
+        self.out = None if out is None else native(out)[0]
         if self.out is not None and self.x is not None and (out is x or same_memory(self.out, self.x)):
             self.out = self.x  # out is exactly x's memory: in place
         self.root_peer = root  # the root as the caller named it (a peer id); ``root`` becomes its rank
@@ -104,7 +111,11 @@ class Call:
         given as a peer id; from here on ``root`` is its rank in the group.
         """
         self.device = device
-        op, problem = parse_op(self.op_arg) if self.reduces else (None, None)
+        op, problem = None, None
+        if self.reduces:
+            op = _SPELLED.get(self.op_arg) if type(self.op_arg) is str else None
+            if op is None:
+                op, problem = parse_op(self.op_arg)
         self.op = op
         self.root_peer = self.root
         if self.rooted:
@@ -116,7 +127,7 @@ class Call:
             problem = self.problem or self.check(device, len(members), rank)
         self.signature = self.describe(op, problem)
         if problem is None and self.x is not None:
-            self.src = flat(self.x)
+            self.src = self.x.ravel() if type(self.x) is np.ndarray else flat(self.x)
         return self.signature
 
     def refuse(self, problem: str) -> None:
@@ -150,7 +161,9 @@ class Call:
         shape = self.result_shape(agreed, size, rank)
         if shape is None:
             return None
-        return self.out if self.out is not None else device.empty(shape, agreed.dtype)
+        if self.out is not None:
+            return self.out
+        return pool.empty(shape, agreed.dtype) if device is CPU else device.empty(shape, agreed.dtype)
 
     def finish(self, result: Array | None, agreed: Signature, size: int) -> Any:
         """The result as the caller gets it: mean scaled, in ``out`` or as ``x``'s kind."""
@@ -158,7 +171,9 @@ class Call:
             return None
         if agreed.op is ReduceOp.MEAN:
             scale_for_mean(result, size)
-        return self.out_given if self.out is not None else self.back(result)
+        if self.out is not None:
+            return self.out_given
+        return result if self.back is identity else self.back(result)
 
     # -- the work, by executor ------------------------------------------------------------------
 

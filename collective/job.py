@@ -67,7 +67,7 @@ class LocalJob:
         self.node = node  # multi-node: this process's membership of the global job
         self.exchanges: weakref.WeakSet[Exchange] = weakref.WeakSet()  # live ones, aborted by close()
         self.site = Site(config, fuse_below, share_below, node, self.exchanges)
-        self._guard = _Guard()
+        self.guard = self._guard = _Guard()  # ``with guard:`` holds ``lock``, rings claimed bells after
         self.lock = self._guard.lock
         self._bells: dict[int, Doorbell] = {}
         self._registered: set[int] = set()
@@ -77,10 +77,6 @@ class LocalJob:
         self._registration_failed: CollectiveTimeout | None = None
         self._groups: dict[tuple[int, ...], Rendezvous] = {}
         self._everyone: tuple[int, ...] = ()  # multi-node: every peer id, 0..world-1
-
-    @property
-    def guard(self) -> _Guard:
-        return self._guard
 
     @property
     def active(self) -> bool:

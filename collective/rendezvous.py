@@ -24,7 +24,7 @@ from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError,
 from collective.executors import choose
 from collective.signature import Signature, agree, describe_peers
 from collective.step import Executor, Plan, Site, Step
-from collective.transport.inproc import Doorbell, clone_error
+from collective.transport.inproc import Doorbell, clone_error, ring_claimed
 
 
 class Membership(Protocol):
@@ -135,35 +135,39 @@ class Rendezvous:
     def _arrive(self, index: int, peer: int, call: Call) -> _Slot:
         """Post the call at this peer's next step; the last peer to arrive decides the outcome."""
         job = self.job
-        with job.guard:
-            job.check_member(peer)
-            gone = job.gone_among(self.local)
-            if gone:
-                raise PeerLostError(
-                    f"{describe_peers(gone)} left the job (finish), so peer {peer}'s {call.kind} cannot "
-                    f"complete; finish the remaining peers",
-                    gone,
-                )
-            number = self._next[index]
-            self._next[index] = number + 1
-            slot = self._slots.get(number)
-            if slot is None:
-                slot = self._slots[number] = _Slot(number)
-            slot.calls[index] = call
-            if len(slot.calls) == len(self.local):
-                del self._slots[number]  # nobody else will look for it
-                if slot.outcome is None:
-                    try:
-                        slot.outcome = self._decide(slot)
-                    except BaseException as exc:  # e.g. MemoryError computing a fused result
-                        slot.outcome = PeerLostError(
-                            f"{call.kind} #{number}: peer {peer} failed deciding it: {exc!r}", [peer]
-                        )
-                        raise
-                    finally:
-                        slot.reporter = 0
-                        self.ring()
-            return slot
+        wake: list[Doorbell] = []
+        try:
+            with job.lock:
+                job.check_member(peer)
+                gone = job.gone_among(self.local)
+                if gone:
+                    raise PeerLostError(
+                        f"{describe_peers(gone)} left the job (finish), so peer {peer}'s {call.kind} cannot "
+                        f"complete; finish the remaining peers",
+                        gone,
+                    )
+                number = self._next[index]
+                self._next[index] = number + 1
+                slot = self._slots.get(number)
+                if slot is None:
+                    slot = self._slots[number] = _Slot(number)
+                slot.calls[index] = call
+                if len(slot.calls) == len(self.local):
+                    del self._slots[number]  # nobody else will look for it
+                    if slot.outcome is None:
+                        try:
+                            slot.outcome = self._decide(slot)
+                        except BaseException as exc:  # e.g. MemoryError computing a fused result
+                            slot.outcome = PeerLostError(
+                                f"{call.kind} #{number}: peer {peer} failed deciding it: {exc!r}", [peer]
+                            )
+                            raise
+                        finally:
+                            slot.reporter = 0
+                            wake = [bell for bell in self.bells if bell.claim()]
+                return slot
+        finally:
+            ring_claimed(wake)  # once the lock is released (see transport.inproc.Doorbell)
 
     def _decide_alone(self, peer: int, call: Call) -> tuple[int, Plan | CollectiveError]:
         """The one local peer's step: what ``_arrive`` does, without a slot to meet in."""
@@ -192,13 +196,16 @@ class Rendezvous:
         bell = self.bells[index]
         outcome = slot.outcome
         while outcome is None:
-            with job.guard:
+            with job.lock:
                 outcome = slot.outcome
                 remaining = deadline - time.monotonic()
-                if outcome is None and remaining <= 0:
-                    outcome = self._time_out(slot, call, timeout)
-                elif outcome is None:
+                if outcome is None and remaining > 0:
                     bell.arm()
+            if outcome is None and remaining <= 0:
+                with job.guard:  # the time-out wakes the others: rung once the guard is left
+                    outcome = slot.outcome
+                    if outcome is None:
+                        outcome = self._time_out(slot, call, timeout)
             if outcome is None:
                 bell.wait(remaining, job.lock)
                 outcome = slot.outcome  # set before the ring: no need to take the lock again

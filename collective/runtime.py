@@ -326,7 +326,7 @@ class Runtime:
         if problem is not None:
             call.refuse(problem)
         run = partial(rendezvous.run, member.peer, member.device, seconds, call)
-        sequencer = member.sequencer(members)
+        sequencer = member.sequencers.get(members) or member.sequencer(members)
         return sequencer.submit(run, call.kind) if async_op else sequencer.call(run, call.kind)
 
     def _road(
@@ -336,10 +336,11 @@ class Runtime:
 
         A bad ``timeout`` fails the call on every peer (the config's timeout bounds that step).
         """
-        job = self._member(peer_id)
+        job = self._job
         member = self._peers.get(peer_id)
-        if member is None:
-            member = self._peer(peer_id)  # raises the precise RegistrationError
+        if job is None or member is None:
+            job = self._member(peer_id)  # raise the precise RegistrationError
+            member = self._peer(peer_id)
         members = job.members if group is None else self._members_of(peer_id, job, group)
         if timeout is None:
             return member, members, job.rendezvous(members), job.config.timeout, None
