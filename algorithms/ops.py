@@ -39,6 +39,10 @@ class ReduceOp(enum.Enum):
     MIN = "min"
     PROD = "prod"
 
+    # Members are singletons compared by identity: hash them by identity too, in C (Enum's own
+    # __hash__ is Python code, and ops are dict keys on every call: ufunc tables, signatures).
+    __hash__ = object.__hash__
+
     @classmethod
     def parse(cls, value: ReduceOp | str) -> ReduceOp:
         """``ReduceOp.SUM`` or ``"sum"`` (any case) -> ``ReduceOp.SUM``; raises InvalidArgumentError."""

@@ -69,20 +69,17 @@ def choose(
     return Linked(exchange, site.config.local_strategy)
 
 
-def _target(step: Step, computed: bool = False) -> tuple[Array | None, Array | None, Array | None]:
+def _target(step: Step) -> tuple[Array | None, Array | None, Array | None]:
     """(the result, the flat buffer the work writes, a scratch buffer to copy back from or None).
 
     A scratch stands in for the result when the call's schedule may not write ``out`` while it is
-    also ``x`` (all_to_all reads x's blocks while it writes the result); never for a result that
-    was ``computed`` before (Fused).
+    also ``x`` (all_to_all reads x's blocks while it writes the result).
     """
     call, plan = step.call, step.plan
     result = call.new_result(call.device, plan.agreed, plan.size, step.rank)
     if result is None:
         return None, None, None
     buffer = flat(result)
-    if computed:
-        return result, buffer, None
     if not call.alias_safe and call.x is not None and array_module(buffer).may_share_memory(buffer, call.x):
         scratch = array_module(buffer).empty_like(buffer)
         return result, scratch, scratch
@@ -90,15 +87,17 @@ def _target(step: Step, computed: bool = False) -> tuple[Array | None, Array | N
 
 
 class Fused:
-    """Every peer's result was computed at the rendezvous; each peer copies its own."""
+    """Every peer's result was computed at the rendezvous; each peer copies its own (a result
+    computed before the step needs no scratch, even for all_to_all in place)."""
 
     def __init__(self, results: list[Any]) -> None:
         self.results = results
 
     def run(self, step: Step) -> Array | None:
-        result, buffer, _ = _target(step, computed=True)
-        if buffer is not None:
-            copy_into(buffer, self.results[step.rank])
+        call, plan = step.call, step.plan
+        result = call.new_result(call.device, plan.agreed, plan.size, step.rank)
+        if result is not None:
+            copy_into(result.reshape(-1) if result.ndim != 1 else result, self.results[step.rank])
         return result
 
     def abort(self, error: CollectiveError) -> None:

@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from collective.arrays import Device
@@ -48,12 +47,16 @@ __all__ = ["Rendezvous"]
 log = logging.getLogger(__name__)
 
 
-@dataclass
 class _Slot:
-    number: int
-    calls: dict[int, Call] = field(default_factory=dict)  # by local index
-    outcome: Plan | CollectiveError | None = None
-    reporter: int | None = None  # multi-node: the local index that tells the other nodes it failed
+    """Where the local peers' calls of one step meet (created by the first to arrive)."""
+
+    __slots__ = ("calls", "number", "outcome", "reporter")
+
+    def __init__(self, number: int, calls: dict[int, Call] | None = None) -> None:
+        self.number = number
+        self.calls: dict[int, Call] = {} if calls is None else calls  # by local index
+        self.outcome: Plan | CollectiveError | None = None
+        self.reporter: int | None = None  # multi-node: the local index that tells the other nodes it failed
 
 
 class Rendezvous:
