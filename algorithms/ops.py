@@ -108,7 +108,7 @@ def chunk_bounds(length: int, parts: int) -> list[tuple[int, int]]:
 
 
 def copy_into(out: Array, src: Array) -> None:
-    """out[...] = src, skipped when they are the same buffer (an in-place collective)."""
+    """out[...] = src (same dtype, same shape), skipped when they are the same buffer (in place)."""
     if out is src:
         return
     if type(out) is np.ndarray:

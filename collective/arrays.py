@@ -188,7 +188,7 @@ def _distinct_owners(a: Array, b: Array) -> bool:
     if owner_a is owner_b:
         return False
     if isinstance(owner_a, np.ndarray) and isinstance(owner_b, np.ndarray):
-        return True
+        return bool(owner_a.flags.owndata and owner_b.flags.owndata)  # else memory from elsewhere
     extent_a, extent_b = _storage_extent(owner_a), _storage_extent(owner_b)
     return (
         extent_a is not None

@@ -48,7 +48,7 @@ class Pool:
         if not isinstance(dtype, np.dtype):
             dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes < MIN_BYTES or self.limit <= 0:
+        if nbytes < MIN_BYTES or self.limit <= 0 or dtype.hasobject:  # bytes cannot hold references
             return np.empty(shape, dtype)
         with self._lock:
             blocks = self._blocks.setdefault(nbytes, [])

@@ -785,6 +785,17 @@ def test_a_coalesced_list_with_a_non_array_item_is_invalid_on_every_peer(rt: col
         assert "peer 1: every item of the list must be an array" in str(error)
 
 
+def test_a_large_coalesced_object_array_is_invalid_on_every_peer(rt: col.Runtime) -> None:
+    """Its bucket (past the pool's threshold) cannot come from the pool's byte blocks: the dtype is
+    refused by the call on every peer, not by the pool on one."""
+    errors = run_failing_step(
+        rt, 2, lambda p: rt.all_reduce_coalesced(p, [np.empty(20_000 if p == 0 else 10, object)])
+    )
+    for error in errors:
+        assert isinstance(error, col.InvalidArgumentError), error
+        assert "unsupported dtype object" in str(error)
+
+
 # -- groups ----------------------------------------------------------------------------------------
 
 
