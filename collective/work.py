@@ -86,6 +86,7 @@ class Sequencer:
         self._active = False  # a call is running (in its caller's thread or the worker)
         self._parked = False  # the worker thread exists and waits for a hand-off
         self._handoff = False  # the worker is active again: the queue has work for it
+        self._worker: threading.Thread | None = None
 
     def submit(self, call: Callable[[], Any], label: str) -> Work:
         """Queue ``call``; its Work completes when it has run after every earlier call."""
@@ -114,11 +115,13 @@ class Sequencer:
 
     def _hand_to_worker(self) -> None:
         """Make the worker the active party (lock held): wake it, or start one."""
-        if self._parked:
+        if self._parked and self._worker is not None and self._worker.is_alive():  # not after a fork
             self._handoff = True
             self._cv.notify()
         else:  # a live worker is either parked or active, and it is not active: there is none
-            threading.Thread(target=self._drain, name=f"collective-{self._name}", daemon=True).start()
+            self._parked = False
+            self._worker = threading.Thread(target=self._drain, name=f"collective-{self._name}", daemon=True)
+            self._worker.start()
 
     def _drain(self) -> None:
         while True:

@@ -3,6 +3,7 @@ and the worker thread's life (parked between bursts of asynchronous calls, gone 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -66,3 +67,25 @@ def test_an_inline_call_hands_queued_work_to_the_parked_worker() -> None:
     assert sequencer.call(inline, "inline") == 9
     works[0].wait(WAIT)
     assert later == [0, 1, 2]  # the queued call ran after the inline one, on the worker
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX-only")
+def test_a_forked_child_starts_its_own_worker_instead_of_waking_the_parents() -> None:
+    sequencer = Sequencer("fork")
+    assert sequencer.submit(lambda: 1, "warm").wait(WAIT) == 1  # the parent's worker is now parked
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: the parked worker did not come along
+        try:
+            ok = sequencer.submit(lambda: 2, "in the child").wait(5) == 2
+        except BaseException:
+            ok = False
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as pipe:
+            answer = pipe.read(1)
+    finally:
+        os.waitpid(pid, 0)
+    assert answer == b"1", "the child's call never ran"
