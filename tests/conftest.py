@@ -21,6 +21,20 @@ def runtime() -> Iterator[col.Runtime]:
         yield rt
 
 
+@pytest.fixture(scope="module")
+def orchestrator() -> Iterator[str]:
+    """One orchestrator daemon (a process) per test module: it serves every job of the module, one
+    after another and at once; its address. Modules that need an in-thread one define their own."""
+    from tests.processes import start_orchestrator
+
+    proc, address = start_orchestrator()
+    try:
+        yield address
+    finally:
+        proc.terminate()
+        assert proc.process.returncode == 0, proc.output()
+
+
 @pytest.fixture
 def link_runtime() -> Iterator[col.Runtime]:
     """A Runtime that runs the strategies' algorithms for every size (no in-process fast path)."""

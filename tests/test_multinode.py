@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,17 +26,6 @@ from tests.processes import (
 
 pytestmark = pytest.mark.timeout(180)
 _jobs = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def orchestrator() -> Iterator[str]:
-    """One orchestrator daemon for the module: it serves many jobs, one after another and at once."""
-    proc, address = start_orchestrator()
-    try:
-        yield address
-    finally:
-        proc.terminate()
-        assert proc.process.returncode == 0, proc.output()
 
 
 def job_name() -> str:

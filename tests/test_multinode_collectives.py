@@ -10,28 +10,16 @@ move over the ZeroMQ link with the global strategy under test.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
 from tests.node_worker import collective_set_count
-from tests.processes import finish_all, start_nodes, start_orchestrator
+from tests.processes import finish_all, start_nodes
 
 pytestmark = pytest.mark.timeout(180)
 _jobs = itertools.count()
 NEW_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "gather", "scatter")
-
-
-@pytest.fixture(scope="module")
-def orchestrator() -> Iterator[str]:
-    """One orchestrator daemon for the module: it serves every job of these tests."""
-    proc, address = start_orchestrator()
-    try:
-        yield address
-    finally:
-        proc.terminate()
-        assert proc.process.returncode == 0, proc.output()
 
 
 def run_job(orchestrator: str, nodes: int, devices: int, parts: list[str], **extra: Any) -> None:

@@ -10,25 +10,15 @@ import itertools
 import os
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.processes import Proc, finish_all, node_env, start_orchestrator
+from tests.processes import Proc, finish_all, node_env
 
 pytestmark = pytest.mark.timeout(120)
 WORKER = str(Path(__file__).with_name("shm_worker.py"))
 _jobs = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def orchestrator() -> Iterator[str]:
-    proc, address = start_orchestrator()
-    try:
-        yield address
-    finally:
-        proc.terminate()
 
 
 def start(address: str, processes: int, *argv: str, **extra: object) -> list[Proc]:
