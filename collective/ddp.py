@@ -53,8 +53,7 @@ class _Bucket:
     sends: list[Any]  # ready() copies each gradient in here ...
     recvs: list[Any]  # ... and the synced ones come back here (persistent: no allocation per step)
     views: dict[str, tuple[Any, Any]]  # name -> its views of sends and recvs, in the parameter's shape
-    grads: dict[str, Any] = field(default_factory=dict)  # handed to ready() this step
-    arrays: dict[str, Any] = field(default_factory=dict)  # ... and the numpy/CuPy views of them
+    grads: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # ready() this step: (grad, its view)
     works: list[Work] = field(default_factory=list)
 
 
@@ -159,8 +158,7 @@ class GradientSync:
         held = self._accumulated.pop(name, None)
         if held is not None:
             send += held
-        bucket.grads[name] = grad
-        bucket.arrays[name] = array
+        bucket.grads[name] = (grad, array)
         self._start_ready_buckets()
 
     def _accumulate(self, name: str, array: Any) -> None:
@@ -219,19 +217,19 @@ class GradientSync:
         self, buckets: list[_Bucket], timeout: float | None, in_place: bool, run: _Bucket | None = None
     ) -> dict[str, Any]:
         """Wait for each bucket (``run``: reduce it here first) and hand out its results."""
-        steps = [(bucket, bucket.grads, bucket.arrays, bucket.works) for bucket in buckets]
+        steps = [(bucket, bucket.grads, bucket.works) for bucket in buckets]
         for bucket in buckets:  # free for the next step, whatever happens below
-            bucket.grads, bucket.arrays, bucket.works = {}, {}, []
+            bucket.grads, bucket.works = {}, []
         synced: dict[str, Any] = {}
-        for bucket, grads, arrays, works in steps:
+        for bucket, grads, works in steps:
             if bucket is run:
                 self._reduce(bucket, async_op=False)
             for work in works:
                 work.wait(timeout)
-            for name, grad in grads.items():
+            for name, (grad, array) in grads.items():
                 _, result = bucket.views[name]
                 if in_place:
-                    arrays[name][...] = result
+                    array[...] = result
                     synced[name] = grad
                 else:
                     synced[name] = result.copy()
