@@ -22,8 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import numpy as np
-
 from collective.algorithms.link import Link
 from collective.algorithms.ops import Array, ReduceOp, array_module, combine, copy_into
 from collective.arrays import CPU, Device, check_array, check_out, flat, same_memory, scale_for_mean
@@ -85,10 +83,7 @@ class Call:
     alias_safe: ClassVar[bool] = True  # its schedules may write ``out`` while it is also ``x``
 
     def __init__(self, x: Any = None, op: Any = "sum", root: Any = None, out: Any = None) -> None:
-        # a numpy or CuPy view of x, and how results go back to x's kind
-        self.x: Any
-        self.back: Callable[[Any], Any]
-        self.x, self.back = (x, identity) if type(x) is np.ndarray else native(x)
+        self.x, self.back = native(x)  # a numpy or CuPy view of x, and how results go back to x's kind
         self.op_arg = op
         self.root = root
         self.out_given = out
@@ -111,11 +106,7 @@ class Call:
         given as a peer id; from here on ``root`` is its rank in the group.
         """
         self.device = device
-        op, problem = None, None
-        if self.reduces:
-            op = _SPELLED.get(self.op_arg) if type(self.op_arg) is str else None
-            if op is None:
-                op, problem = parse_op(self.op_arg)
+        op, problem = parse_op(self.op_arg) if self.reduces else (None, None)
         self.op = op
         self.root_peer = self.root
         if self.rooted:
@@ -127,7 +118,7 @@ class Call:
             problem = self.problem or self.check(device, len(members), rank)
         self.signature = self.describe(op, problem)
         if problem is None and self.x is not None:
-            self.src = self.x.ravel() if type(self.x) is np.ndarray else flat(self.x)
+            self.src = flat(self.x)
         return self.signature
 
     def refuse(self, problem: str) -> None:

@@ -97,7 +97,7 @@ class Fused:
         call, plan = step.call, step.plan
         result = call.new_result(call.device, plan.agreed, plan.size, step.rank)
         if result is not None:
-            copy_into(result.reshape(-1) if result.ndim != 1 else result, self.results[step.rank])
+            copy_into(flat(result), self.results[step.rank])
         return result
 
     def abort(self, error: CollectiveError) -> None:
