@@ -67,3 +67,20 @@ def test_results_without_out_reuse_the_previous_results_memory() -> None:
             thread.join(30)
     assert not errors, errors
     assert pool.reused - before >= 8
+
+
+def test_coalesced_buckets_come_from_the_pool_and_stay_while_their_results_live() -> None:
+    """One peer, all_reduce_coalesced of arrays past the threshold in a loop: the bucket's memory is
+    recycled once the last results are dropped, never while they are held."""
+    with Runtime() as runtime:
+        runtime.register(0, "cpu", CollectiveConfig(num_devices=1, timeout=30))
+        arrays = [np.full(ELEMENTS, 1.0, np.float32), np.full(ELEMENTS // 2, 2.0, np.float32)]
+        held = runtime.all_reduce_coalesced(0, arrays)
+        before = pool.reused
+        for i in range(3):
+            results = runtime.all_reduce_coalesced(0, [a + i for a in arrays])
+            assert (results[0] == 1 + i).all() and (results[1] == 2 + i).all()
+            assert not np.shares_memory(results[0], held[0])  # the held results' bucket is not reused
+            del results
+        assert (held[0] == 1).all() and (held[1] == 2).all()
+        assert pool.reused - before >= 2  # each later call took the bucket the one before dropped
