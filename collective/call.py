@@ -121,6 +121,15 @@ class Call:
             self.src = flat(self.x)
         return self.signature
 
+    def source(self) -> Array | None:
+        """This peer's flat input, as executors read it (a call may build it on demand)."""
+        return self.src
+
+    def unpacked(self) -> list[Array] | None:
+        """This peer's flat input as consecutive flat numpy arrays when it is kept unpacked, so an
+        executor able to read pieces skips the packing copy (None: read ``source()``)."""
+        return None
+
     def refuse(self, problem: str) -> None:
         """Fail this call on every peer with ``problem`` (a bad argument found outside the call)."""
         self.problem = problem

@@ -344,10 +344,27 @@ class Coalesced(AllReduce):
     rules = Rules(("op", "parts", "shape", "dtype"))
 
     def __init__(
-        self, bucket: Any, op: Any, parts: tuple[tuple[tuple[int, ...], str], ...], out: Any = None
+        self,
+        bucket: Any,
+        op: Any,
+        parts: tuple[tuple[tuple[int, ...], str], ...],
+        out: Any = None,
+        pieces: list[np.ndarray] | None = None,
     ) -> None:
         super().__init__(bucket, op, out=out)
         self.parts = parts
+        self.pieces = pieces  # flat arrays still to be packed into ``bucket`` (None: it holds them)
+
+    def source(self) -> Array | None:
+        """The bucket, packed on the first read (a step is agreed before any executor reads it,
+        and one thread at a time does: the rendezvous orders them)."""
+        if self.pieces is not None and self.src is not None:
+            np.concatenate(self.pieces, out=self.src)
+            self.pieces = None
+        return self.src
+
+    def unpacked(self) -> list[Array] | None:
+        return self.pieces if self.src is not None else None
 
     def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:
         return super().describe(op, problem)._replace(parts=self.parts)

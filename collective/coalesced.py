@@ -10,6 +10,7 @@ usual case) is one rendezvous and one schedule, whatever the number of arrays.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,8 @@ from collective.tensors import native
 
 __all__ = ["coalesced_all_reduce"]
 
+_SHAPE, _DTYPE, _SIZE = (operator.attrgetter(name) for name in ("shape", "dtype", "size"))
+
 
 def coalesced_all_reduce(
     xs: Sequence[Array], op: Any, out: Sequence[Array] | None, execute: Callable[[Coalesced], Array]
@@ -31,32 +34,42 @@ def coalesced_all_reduce(
     A list that cannot be used (empty, not arrays, ``out`` of another length) still takes one step,
     whose call carries the problem: every peer gets the InvalidArgumentError and stays in step.
     """
-    converted = [native(x) for x in xs] if isinstance(xs, list | tuple) else []
-    arrays = [array for array, _ in converted]
-    problem = _problem(xs, arrays, out)
+    if not isinstance(xs, list | tuple):
+        xs = ()
+    if set(map(type, xs)) == {np.ndarray}:  # the usual case, without a frame per array
+        arrays, backs = list(xs), None
+    else:
+        converted = [native(x) for x in xs]
+        arrays, backs = [array for array, _ in converted], [back for _, back in converted]
+    problem = _problem(xs, arrays, out) if backs is not None or out is not None or not xs else None
     if problem is not None:
         refused = Coalesced(np.zeros(0, np.float32), op, ())
         refused.refuse(problem)
         execute(refused)  # raises the problem on every peer
         raise AssertionError("unreachable: a refused call raises")
-    parts = tuple([(tuple(x.shape), _name(x.dtype)) for x in arrays])
-    by_dtype: dict[Any, list[int]] = {}
-    for index, x in enumerate(arrays):
-        by_dtype.setdefault(x.dtype, []).append(index)
+    dtypes = list(map(_DTYPE, arrays))
+    parts = tuple(zip(map(_SHAPE, arrays), map(_name, dtypes), strict=True))
+    if len(set(dtypes)) == 1:
+        by_dtype = [list(range(len(arrays)))]
+    else:
+        groups: dict[Any, list[int]] = {}
+        for index, x in enumerate(arrays):
+            groups.setdefault(x.dtype, []).append(index)
+        by_dtype = list(groups.values())
     results: list[Array] = [None] * len(arrays)
-    for indices in by_dtype.values():
+    for indices in by_dtype:
         reduced = execute(_bucket([arrays[i] for i in indices], op, parts))
         offset = 0
         for i in indices:
-            shape = arrays[i].shape
-            size = arrays[i].size
-            view = reduced[offset : offset + size].reshape(shape)
+            x = arrays[i]
+            size = x.size
+            view = reduced[offset : offset + size].reshape(x.shape)
             offset += size
             if out is not None:
                 native(out[i])[0][...] = view
                 results[i] = out[i]
             else:
-                results[i] = converted[i][1](view)
+                results[i] = view if backs is None else backs[i](view)
     return results
 
 
@@ -64,15 +77,17 @@ def _bucket(arrays: list[Array], op: Any, parts: Any) -> Coalesced:
     """The call reducing ``arrays`` (one dtype) as one flat bucket, in place.
 
     A numpy bucket comes from the result pool (collective.pool): a fresh one per call would pay
-    its page faults every time. The results are views of the bucket, reduced in place.
+    its page faults every time. The results are views of the bucket. It is packed only when an
+    executor reads the call's ``source()``; the shared-memory executor reads the arrays themselves
+    (``unpacked()``) and writes the reduction straight into the bucket, one copy fewer.
     """
-    pieces = [array.reshape(-1) for array in arrays]
     if type(arrays[0]) is np.ndarray:
-        bucket = pool.empty((sum([piece.size for piece in pieces]),), arrays[0].dtype)
-        np.concatenate(pieces, out=bucket)
-    else:
-        xp = array_module(arrays[0])
-        bucket = xp.concatenate(pieces) if len(pieces) > 1 else xp.ascontiguousarray(pieces[0]).copy()
+        pieces = list(map(np.ndarray.ravel, arrays))  # views (copies of non-contiguous arrays)
+        bucket = pool.empty((sum(map(_SIZE, pieces)),), arrays[0].dtype)
+        return Coalesced(bucket, op, parts, out=bucket, pieces=pieces)
+    pieces = [array.reshape(-1) for array in arrays]
+    xp = array_module(arrays[0])  # CuPy: packed on the device at once
+    bucket = xp.concatenate(pieces) if len(pieces) > 1 else xp.ascontiguousarray(pieces[0]).copy()
     return Coalesced(bucket, op, parts, out=bucket)
 
 

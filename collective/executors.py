@@ -59,7 +59,7 @@ def choose(
         from collective.three_phase import ThreePhase
 
         return ThreePhase(site, members, local, label)
-    inputs = [call.src for call in calls]
+    inputs = [call.source() for call in calls]
     if site.fuse_below and _numpy_within(inputs, site.fuse_below):
         return Fused(type(calls[0]).fuse(agreed, inputs))
     exchange = Exchange(members, label)
@@ -136,7 +136,7 @@ class Linked:
     def run(self, step: Step) -> Array | None:
         result, buffer, scratch = _target(step)
         link = InProcessLink(self.exchange, step.index, step.deadline)
-        step.call.run_link(self.strategy_for, link, step.plan.agreed, step.call.src, buffer)
+        step.call.run_link(self.strategy_for, link, step.plan.agreed, step.call.source(), buffer)
         link.flush()
         if scratch is not None:
             copy_into(flat(result), scratch)

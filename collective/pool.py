@@ -12,7 +12,8 @@ the block): while any of them lives, the block's reference count is above the po
 references and the block is not reused. Never a buffer still referenced, then.
 
 Idle blocks (nothing else refers to them) are kept up to ``limit`` bytes in all (the least
-recently used are dropped first); ``COLLECTIVE_POOL_BYTES`` sets it (0: no pooling). A pooled
+recently used are dropped first, as results die; the block of the result dropped last stays until
+the pool trims again); ``COLLECTIVE_POOL_BYTES`` sets it (0: no pooling). A pooled
 result does not own its memory (``flags.owndata`` is False, so ``ndarray.resize`` refuses it).
 """
 
@@ -41,6 +42,7 @@ class Pool:
         self.limit = limit
         self._lock = threading.Lock()
         self._blocks: dict[int, list[np.ndarray]] = {}  # nbytes -> blocks, least recently handed out first
+        self._held = 0  # bytes of every block the pool keeps, idle or handed out
         self.reused = 0  # blocks handed out again (for tests)
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -52,21 +54,28 @@ class Pool:
             return np.empty(shape, dtype)
         with self._lock:
             blocks = self._blocks.setdefault(nbytes, [])
-            found = next((block for block in blocks if sys.getrefcount(block) <= _OWN), None)
-            if found is None:
-                found = np.empty(nbytes, np.uint8)
-            else:
-                del blocks[next(i for i, b in enumerate(blocks) if b is found)]
+            i = 0
+            for block in blocks:  # (not enumerate: its cached tuple would hold one more reference)
+                if sys.getrefcount(block) <= _OWN:
+                    break
+                i += 1
+            if i < len(blocks):
+                del blocks[i]
                 self.reused += 1
-            blocks.append(found)
-            self._trim()
-        result: np.ndarray = found.view(dtype).reshape(shape)
+            else:
+                block = np.empty(nbytes, np.uint8)
+                self._held += nbytes
+                if self._held > self.limit:
+                    self._trim()
+            blocks.append(block)
+        result: np.ndarray = block.view(dtype).reshape(shape)
         weakref.finalize(result, self.trim)  # bound what stays idle once results are dropped
         return result
 
     def trim(self) -> None:
-        with self._lock:
-            self._trim()
+        if self._held > self.limit:  # else idle blocks cannot exceed the limit
+            with self._lock:
+                self._trim()
 
     def _trim(self) -> None:
         """Drop idle blocks, least recently handed out first, until at most ``limit`` bytes idle."""
@@ -81,6 +90,7 @@ class Pool:
             if excess <= 0:
                 break
             self._blocks[size] = [b for b in self._blocks[size] if b is not block]
+            self._held -= size
             excess -= size
         for size in [size for size, blocks in self._blocks.items() if not blocks]:
             del self._blocks[size]

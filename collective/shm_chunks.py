@@ -22,6 +22,8 @@ and the same bits as the small path.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from typing import Any, Protocol
 
 import numpy as np
@@ -44,7 +46,7 @@ class Members(Protocol):
     def wait(self, rank: int, target: int, deadline: float) -> None: ...
 
 
-__all__ = ["ABORT", "ARRIVE", "END", "REDUCING", "Chunks", "at"]
+__all__ = ["ABORT", "ARRIVE", "END", "REDUCING", "Chunks", "Pieces", "at"]
 
 ARRIVE, ABORT, END = 0, 0xFFFFFFFE, 0xFFFFFFFF  # progress codes of a step (below ABORT: its chunks)
 REDUCING = frozenset(["all_reduce", "reduce", "all_reduce_coalesced"])
@@ -68,21 +70,53 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.size == b.size)
 
 
+class Pieces:
+    """A flat input kept as consecutive flat arrays (all_reduce_coalesced's, never packed)."""
+
+    def __init__(self, arrays: list[np.ndarray]) -> None:
+        self.arrays = arrays
+        self.starts = list(itertools.accumulate([array.size for array in arrays], initial=0))
+
+    def segments(self, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
+        """Elements ``lo`` to ``hi`` of the concatenation: (offset from ``lo``, a view) per array."""
+        found = []
+        starts, arrays = self.starts, self.arrays
+        i = bisect.bisect_right(starts, lo) - 1
+        at = lo
+        while at < hi:
+            end = min(hi, starts[i + 1])
+            if end > at:
+                found.append((at - lo, arrays[i][at - starts[i] : end - starts[i]]))
+                at = end
+            i += 1
+        return found
+
+    def copy(self, lo: int, hi: int, out: np.ndarray) -> None:
+        """``out[: hi - lo]`` = elements ``lo`` to ``hi`` of the concatenation."""
+        views = [view for _, view in self.segments(lo, hi)]
+        if len(views) == 1:
+            np.copyto(out[: hi - lo], views[0])
+        elif views:
+            np.concatenate(views, out=out[: hi - lo])
+
+
 class Chunks:
-    """One member's large step: ``src`` and ``dst`` are flat host arrays (either may be None)."""
+    """One member's large step: ``src`` and ``dst`` are flat host arrays (either may be None); a
+    reduction's ``src`` may be Pieces."""
 
     def __init__(
         self,
         group: Members,
         agreed: Signature,
-        src: np.ndarray | None,
+        src: np.ndarray | Pieces | None,
         dst: np.ndarray | None,
         step: int,
         deadline: float,
     ) -> None:
         self.group = group
         self.agreed = agreed
-        self.src = src
+        self.pieces = src if isinstance(src, Pieces) else None
+        self.src = None if isinstance(src, Pieces) else src
         self.dst = dst
         self.step = step
         self.deadline = deadline
@@ -119,20 +153,30 @@ class Chunks:
     # -- the collectives ------------------------------------------------------------------------
 
     def _reduction(self) -> None:
-        src, dst, n, me = self.src, self.dst, self.n, self.me
-        assert src is not None and self.agreed.op is not None
+        dst, n, me = self.dst, self.n, self.me
+        assert self.agreed.op is not None
         op = self.agreed.op
+        source = self.pieces
+        if source is None:
+            assert self.src is not None
+            source = Pieces([self.src])
         for c, lo in enumerate(range(0, self.total, self.cap)):
             hi = min(self.total, lo + self.cap)
             length = hi - lo
-            piece, mine, buffer = src[lo:hi], slice_of(hi - lo, n, me), self.buffer(me, c)
+            mine, buffer = slice_of(hi - lo, n, me), self.buffer(me, c)
             # readers of chunk c - 2 are done: their IN(c - 1) was awaited in the last round
-            np.copyto(buffer[: mine.start], piece[: mine.start])
-            np.copyto(buffer[mine.stop : length], piece[mine.stop :])
+            source.copy(lo, lo + mine.start, buffer[: mine.start])
+            source.copy(lo + mine.stop, hi, buffer[mine.stop : length])
             self.post(_in(c))
             self.wait(self.others, _in(c))
-            inputs = [piece[mine] if k == me else self.buffer(k, c)[mine] for k in range(n)]
-            reduce_all(op, inputs, buffer[mine])
+            segments = source.segments(lo + mine.start, lo + mine.stop)
+            if len(segments) > 1 and me < 2:  # gathered first: one reduction of my slice, in place
+                source.copy(lo + mine.start, lo + mine.stop, buffer[mine])  # (out may be input 0 or 1)
+                segments = [(0, buffer[mine])]
+            theirs = [self.buffer(k, c) for k in range(n)]
+            for offset, own in segments:  # my slice of every member's chunk, reduced in rank order
+                part = slice(mine.start + offset, mine.start + offset + own.size)
+                reduce_all(op, [own if k == me else theirs[k][part] for k in range(n)], buffer[part])
             self.post(_red(c))
             if dst is not None:
                 self.wait(self.others, _red(c))

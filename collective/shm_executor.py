@@ -43,7 +43,7 @@ from collective.errors import (
     PeerLostError,
     describe_peers,
 )
-from collective.shm_chunks import ABORT, ARRIVE, END, REDUCING, Chunks, at
+from collective.shm_chunks import ABORT, ARRIVE, END, REDUCING, Chunks, Pieces, at
 from collective.shm_host import HostRing, SignatureCodec
 from collective.signature import Signature, agree
 from collective.transport.shm_ring import INLINE_BYTES, MESSAGE_BYTES, RingSegment, Waiting
@@ -121,9 +121,15 @@ class ShmGroup:
         slot = s & 1
         if s >= 2 and self._met != s - 1:
             self._wait_all(at(s - 2, ABORT), deadline, False)  # all left step s-2: slot s % 2 is free
-        src = call.src
-        if src is not None and type(src) is not np.ndarray:
-            src = src.get()  # a CuPy input: through the host
+        pieces = call.unpacked()
+        source: np.ndarray | Pieces | None
+        if pieces is not None and call.x.nbytes > INLINE_BYTES:
+            src, source = None, Pieces(pieces)  # read in place by the chunks, never packed
+        else:
+            src = call.source()
+            if src is not None and type(src) is not np.ndarray:
+                src = src.get()  # a CuPy input: through the host
+            source = src
         message, digest = self.codec.encode(call.signature)
         self._publish(
             s, slot, message, digest, src if src is not None and src.nbytes <= INLINE_BYTES else None
@@ -138,7 +144,7 @@ class ShmGroup:
         host = target is None or type(target) is np.ndarray
         dst = target if host else np.empty(target.shape, target.dtype)
         if inputs is None:
-            Chunks(self, agreed, src, dst, s, deadline).run()
+            Chunks(self, agreed, source, dst, s, deadline).run()
         elif dst is not None and agreed.kind in REDUCING:  # every member reduces in rank order
             assert agreed.op is not None
             reduce_all(agreed.op, inputs, dst)

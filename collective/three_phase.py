@@ -185,7 +185,7 @@ class ThreePhase:
         plan, call, node = step.plan, step.call, self.node
         kind = plan.agreed.kind
         ranks = [self.members.index(peer) for peer in self.local]
-        srcs = [None if c.src is None else _host(c.src) for c in plan.calls]
+        srcs = [_host(c.source()) for c in plan.calls]
         contribution = _contribution(kind, plan.agreed, srcs, ranks, layout)
         attach = contribution if contribution is not None and contribution.nbytes <= SMALL_BYTES else None
         with node.giving_up(self.members, plan.number):
@@ -214,8 +214,8 @@ class ThreePhase:
         return agreed, product, result
 
 
-def _host(array: Array) -> np.ndarray:
-    return array if isinstance(array, np.ndarray) else array.get()
+def _host(array: Array | None) -> np.ndarray | None:
+    return array if array is None or isinstance(array, np.ndarray) else array.get()
 
 
 def _payload(payload: Any, agreed: Signature, size: int) -> Any:

@@ -90,12 +90,23 @@ def every(peer: int, world: int) -> int:
             rows = data(root, (world, 3, k), dtype, salt + 1)
             same(col.scatter(peer, rows if peer == root else None, root=root), rows[peer], "scatter")
             count += 5
-    parts = [data(peer, shape, "float32", 5) for shape in [(3,), (4, 5), (), (70_000,)]]
-    everyone = [[data(p, a.shape, "float32", 5) for a in parts] for p in range(world)]
-    for got, index in zip(col.all_reduce_coalesced(peer, parts), range(len(parts)), strict=True):
-        same(got, reduced([e[index] for e in everyone], "sum"), "all_reduce_coalesced")
+    # read in pieces, never packed: every rank's slice of a chunk spans several arrays, more than
+    # one chunk, two dtypes (two buckets), a non-contiguous array
+    shapes = [(3,), (4, 5), (), (70_000,)] + [(5_003,), (7,), (40, 33)] * 60
+    dtypes = ["float32"] * 4 + ["float32", "int32", "float32"] * 60
+    for op in ("sum", "max"):
+        everyone = [[data(p, s, d, 5) for s, d in zip(shapes, dtypes, strict=True)] for p in range(world)]
+        parts = [a.T if a.ndim == 2 else a for a in everyone[peer]]
+        results = col.all_reduce_coalesced(peer, parts, op)
+        for index, got in enumerate(results):
+            expected = reduced([e[index] for e in everyone], op)
+            same(got, expected.T if expected.ndim == 2 else expected, f"all_reduce_coalesced {op} {index}")
+        floats = np.concatenate([a.reshape(-1) for a, d in zip(parts, dtypes, strict=True) if d == "float32"])
+        whole = col.all_reduce(peer, floats, op)  # the same bytes as one array: the same bits
+        got = np.concatenate([r.reshape(-1) for r, d in zip(results, dtypes, strict=True) if d == "float32"])
+        same(got, whole, f"all_reduce_coalesced {op} vs one array")
     col.barrier(peer)
-    return count + 2
+    return count + 5
 
 
 def groups(peer: int, world: int) -> int:

@@ -34,9 +34,15 @@ def test_small_arrays_are_not_pooled_and_idle_blocks_are_bounded() -> None:
     blocks = Pool(3 * MIN_BYTES)
     assert blocks.empty((10,), np.float32).base is None
     arrays = [blocks.empty((ELEMENTS,), np.float32) for _ in range(6)]
-    del arrays
+    assert blocks.idle_bytes() == 0
+    del arrays  # past the limit, results trim the pool as they die (the block of the one dropped last: later)
+    assert blocks.idle_bytes() <= 4 * MIN_BYTES
     blocks.trim()
     assert blocks.idle_bytes() <= 3 * MIN_BYTES
+    kept = [blocks.empty((ELEMENTS,), np.float32) for _ in range(3)]
+    assert blocks.reused == 3  # the idle blocks left are handed out again
+    del kept
+    assert blocks.idle_bytes() == 3 * MIN_BYTES
     assert Pool(0).empty((ELEMENTS,), np.float32).base is None  # a limit of 0: no pooling
 
 

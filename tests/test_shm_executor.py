@@ -12,8 +12,10 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from collective.shm_chunks import Pieces
 from tests.processes import Proc, finish_all, node_env
 
 pytestmark = pytest.mark.timeout(120)
@@ -156,3 +158,20 @@ def test_segments_are_private_and_gone_after_finish_and_after_sigkill_once_the_n
     _rings(procs)
     assert finish_all(procs, 60) == [0, 0]
     assert not any(ring.exists() for ring in rings), "the next job removed them"
+
+
+def test_pieces_read_any_range_of_their_concatenation_without_packing_it() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(500):
+        arrays = [rng.standard_normal(int(k)) for k in rng.integers(0, 6, int(rng.integers(1, 6)))]
+        whole = np.concatenate(arrays)
+        pieces = Pieces(arrays)
+        lo = int(rng.integers(0, whole.size + 1))
+        hi = int(rng.integers(lo, whole.size + 1))
+        out = np.full(hi - lo, np.nan)
+        pieces.copy(lo, hi, out)
+        assert np.array_equal(out, whole[lo:hi])
+        segments = pieces.segments(lo, hi)
+        assert all(view.size and any(np.shares_memory(view, a) for a in arrays) for _, view in segments)
+        offsets = [offset for offset, _ in segments]
+        assert offsets == [sum(view.size for _, view in segments[:i]) for i in range(len(segments))]
