@@ -25,7 +25,7 @@ import shutil
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from collective.bench.multinode import collect_lines
@@ -64,9 +64,15 @@ def _worker(system: str, plan: str) -> list[str]:
 
 
 def run_system(
-    system: str, world: int, cases: list[tuple[str, int]], budget: float, timeout: float
+    system: str,
+    world: int,
+    cases: list[tuple[str, int]],
+    budget: float,
+    timeout: float,
+    rank_env: Callable[[int], dict[str, str]] | None = None,
 ) -> list[Any]:
-    """One run of ``system`` with ``world`` processes over ``cases``: the rows rank 0 printed."""
+    """One run of ``system`` with ``world`` processes over ``cases``: the rows rank 0 printed.
+    ``rank_env(rank)``: more environment variables of our rank ``rank`` (e.g. its host's name)."""
     plan = json.dumps({"cases": cases, "budget": budget, "warmup": 3})
     env = dict(os.environ, OMP_NUM_THREADS="1")
     processes: list[subprocess.Popen[str]] = []
@@ -77,6 +83,7 @@ def run_system(
             job = f"shm-bench-{os.getpid()}-{world}"
             for rank in range(world):
                 environment = node_environment(address, job, rank, world, 1, env)
+                environment.update(rank_env(rank) if rank_env is not None else {})
                 processes.append(_spawn(_worker(system, plan), environment))
         elif system == "gloo":
             port = str(free_port())

@@ -81,6 +81,7 @@ class Call:
     reduces: ClassVar[bool] = True  # takes an op
     rooted: ClassVar[bool] = False  # takes a root
     alias_safe: ClassVar[bool] = True  # its schedules may write ``out`` while it is also ``x``
+    source_elsewhere: ClassVar[bool] = False  # a sourced call may find its source outside the group
 
     def __init__(self, x: Any = None, op: Any = "sum", root: Any = None, out: Any = None) -> None:
         self.x, self.back = native(x)  # a numpy or CuPy view of x, and how results go back to x's kind
@@ -129,6 +130,11 @@ class Call:
         """This peer's flat input as consecutive flat numpy arrays when it is kept unpacked, so an
         executor able to read pieces skips the packing copy (None: read ``source()``)."""
         return None
+
+    def moved(self, agreed: Signature) -> Signature:
+        """The collective whose data the Shm executor moves for ``agreed``: the call's own (the host
+        tier's first phase agrees on a collective but moves its inputs to the host's leader)."""
+        return agreed
 
     def refuse(self, problem: str) -> None:
         """Fail this call on every peer with ``problem`` (a bad argument found outside the call)."""

@@ -58,7 +58,7 @@ def choose(
             return shm
         from collective.three_phase import ThreePhase
 
-        return ThreePhase(site, members, local, label)
+        return ThreePhase(site, members, local, label, site.node.tier(members))
     inputs = [call.source() for call in calls]
     if site.fuse_below and _numpy_within(inputs, site.fuse_below):
         return Fused(type(calls[0]).fuse(agreed, inputs))

@@ -24,9 +24,17 @@ import zmq
 from collective import errors
 from collective.calls import rules_of
 from collective.config import CollectiveConfig
-from collective.errors import CollectiveError, MismatchError, PeerLostError
+from collective.errors import CollectiveError, CollectiveTimeout, MismatchError, PeerLostError
+from collective.host_tier import HostTier
 from collective.layout import Layout
-from collective.protocol import CallMessage, P2PMessage, VerdictMessage, check_fields, decode_call
+from collective.protocol import (
+    VERDICT_GRACE,
+    CallMessage,
+    P2PMessage,
+    VerdictMessage,
+    check_fields,
+    decode_call,
+)
 from collective.shm_executor import ShmGroup
 from collective.shm_host import HostRing
 from collective.signature import Signature, agree
@@ -42,7 +50,6 @@ __all__ = ["NodeJob"]
 log = logging.getLogger(__name__)
 
 LEFT_GRACE = 1.0  # a node that left cleanly may still have data in flight: wait this long for it
-VERDICT_GRACE = 1.0  # a node whose local step failed reports it just as its own deadline passes
 
 
 class NodeJob:
@@ -82,6 +89,7 @@ class NodeJob:
         self._ring_segment = RingSegment.create() if shm else None
         self._ring: HostRing | None = None
         self._shm_groups: dict[tuple[int, ...], ShmGroup | None] = {}
+        self._tiers: dict[tuple[int, ...], HostTier | None] = {}
 
     # -- membership -----------------------------------------------------------------------------
 
@@ -233,36 +241,76 @@ class NodeJob:
 
     def _shm_group(self, members: tuple[int, ...]) -> ShmGroup | None:
         assert self.topology is not None
-        topology, me = self.topology, self.topology.index
+        me = self.topology.index
         nodes = [self._node_of[peer] for peer in members]
-        mine = topology.infos[me] if me < len(topology.infos) else {}
-        fits = (
+        if not self._one_process_each(nodes) or me not in nodes:
+            return None
+        if any(self._host_of(node) != self._host_of(me) for node in nodes):
+            return None
+        return ShmGroup(self._host_ring(), members, members[nodes.index(me)])
+
+    def tier(self, members: tuple[int, ...]) -> HostTier | None:
+        """The host tier of the group ``members`` (collective.host_tier), or None where it does not
+        apply: it applies when every peer of the group is the only one of its process in the
+        group, every process has a ring segment, the group spans several hosts and some host runs
+        several of its processes. Every process of the group decides the same from the topology."""
+        if members not in self._tiers:
+            with self._join_lock:
+                if members not in self._tiers:
+                    self._tiers[members] = self._tier(members)
+        return self._tiers[members]
+
+    def _tier(self, members: tuple[int, ...]) -> HostTier | None:
+        assert self.topology is not None
+        me = self.topology.index
+        nodes = [self._node_of[peer] for peer in members]
+        if not self._one_process_each(nodes) or me not in nodes:
+            return None
+        hosts = [self._host_of(node) for node in nodes]
+        if len(set(hosts)) < 2 or max(hosts.count(host) for host in set(hosts)) < 2:
+            return None
+        leader_of = {host: nodes[hosts.index(host)] for host in set(hosts)}  # its lowest rank's node
+        mine = self._host_of(me)
+        here = tuple(peer for peer, host in zip(members, hosts, strict=True) if host == mine)
+        node_of = {peer: leader_of[host] for peer, host in zip(members, hosts, strict=True)}
+        layout = Layout.of(members, node_of, leader_of[mine])
+        me_peer = members[nodes.index(me)]
+        group = ShmGroup(self._host_ring(), here, me_peer, "host tier") if len(here) > 1 else None
+        return HostTier(group, here, members, layout)
+
+    def _one_process_each(self, nodes: list[int]) -> bool:
+        """Whether these nodes are distinct processes that each have a ring segment."""
+        assert self.topology is not None
+        infos = self.topology.infos
+        return (
             self._ring_segment is not None
             and len(set(nodes)) == len(nodes)
-            and me in nodes
-            and all(
-                isinstance(topology.infos[node].get("ring"), str)
-                and topology.infos[node].get("host") == mine.get("host")
-                and topology.infos[node].get("uid") == mine.get("uid")
-                for node in nodes
-            )
+            and all(node < len(infos) and isinstance(infos[node].get("ring"), str) for node in nodes)
         )
-        group = None
-        if fits:
-            assert self._ring_segment is not None
-            if self._ring is None:
-                rings = {node: info.get("ring") for node, info in enumerate(topology.infos)}
-                here = sum(info.get("host") == mine.get("host") for info in topology.infos)
-                self._ring = HostRing(self._ring_segment, rings, self._node_of, self.lost_peer, here)  # type: ignore[arg-type]
-            group = ShmGroup(self._ring, members, members[nodes.index(me)])
-        return group
+
+    def _host_of(self, node: int) -> tuple[Any, Any]:
+        """What tells node ``node``'s host: its host identity and user (one /dev/shm to share)."""
+        assert self.topology is not None
+        info = self.topology.infos[node] if node < len(self.topology.infos) else {}
+        return info.get("host"), info.get("uid")
+
+    def _host_ring(self) -> HostRing:
+        assert self.topology is not None and self._ring_segment is not None
+        if self._ring is None:
+            infos, mine = self.topology.infos, self._host_of(self.topology.index)
+            rings = {node: info.get("ring") for node, info in enumerate(infos)}
+            here = sum(self._host_of(node) == mine for node in range(len(infos)))
+            self._ring = HostRing(self._ring_segment, rings, self._node_of, self.lost_peer, here)  # type: ignore[arg-type]
+        return self._ring
 
     def layout(self, members: tuple[int, ...]) -> Layout:
         """Where the group's ranks live (cached per group)."""
         found = self._layouts.get(members)
         if found is None:
             assert self.topology is not None
-            found = self._layouts[members] = Layout.of(members, self._node_of, self.topology.index)
+            tier = self.tier(members)  # hosts as nodes, or nodes
+            found = tier.layout if tier else Layout.of(members, self._node_of, self.topology.index)
+            self._layouts[members] = found
         return found
 
     def link(self, members: tuple[int, ...], step: int, agreed: Signature, deadline: float) -> ZmqLink:
@@ -302,9 +350,13 @@ class NodeJob:
         for position, other in enumerate(layout.nodes):
             if other == me:
                 continue
-            theirs, _ = network.receive(
-                other, step, deadline + VERDICT_GRACE, f"the call of {self._describe(other)}", channel
-            )
+            try:
+                theirs, _ = network.receive(
+                    other, step, deadline + VERDICT_GRACE, f"the call of {self._describe(other)}", channel
+                )
+            except CollectiveTimeout as exc:  # name the group's peers there (transport knows no peers)
+                there = [peer for rank, peer in enumerate(members) if layout.position[rank] == position]
+                raise CollectiveTimeout(str(exc), there) from None
             try:
                 decoded = decode_call(theirs)
             except WireError as exc:
@@ -338,5 +390,11 @@ def _verdict_error(
     cls = getattr(errors, verdicts[0][1].error_class, None)
     if not (isinstance(cls, type) and issubclass(cls, CollectiveError)):
         cls = CollectiveError
-    text = "; ".join(f"{describe(node)}: {verdict.message}" for node, verdict in verdicts)
-    return cls(f"step {step} failed: {text}")
+    text = f"step {step} failed: " + "; ".join(
+        f"{describe(node)}: {verdict.message}" for node, verdict in verdicts
+    )
+    peers = sorted({peer for _, verdict in verdicts for peer in verdict.peers})
+    if cls is CollectiveTimeout or cls is PeerLostError:
+        return cls(text, peers)
+    error: CollectiveError = cls(text)
+    return error

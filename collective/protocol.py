@@ -25,7 +25,9 @@ from collective.errors import CollectiveError
 from collective.signature import Signature
 from collective.transport.wire import WireError, dtype_from_name
 
-__all__ = ["CallMessage", "P2PMessage", "VerdictMessage", "check_fields", "decode_call"]
+__all__ = ["VERDICT_GRACE", "CallMessage", "P2PMessage", "VerdictMessage", "check_fields", "decode_call"]
+
+VERDICT_GRACE = 1.0  # a node whose step failed reports it as its deadline passes: others wait this long more
 
 _KINDS = frozenset(
     ["all_reduce", "reduce", "broadcast", "all_gather", "gather", "reduce_scatter", "all_to_all", "scatter",
@@ -111,19 +113,27 @@ class VerdictMessage:
     seq: int
     error_class: str
     message: str
+    peers: tuple[int, ...] = ()  # the peers it names (a timeout's missing ones, a lost one)
 
     @classmethod
     def of(cls, seq: int, error: CollectiveError) -> VerdictMessage:
-        return cls(seq, type(error).__name__, str(error)[:2000])
+        peers = getattr(error, "missing", None) or getattr(error, "peers", None) or ()
+        return cls(seq, type(error).__name__, str(error)[:2000], tuple(peers)[:64])
 
     def encode(self) -> dict[str, Any]:
-        return {"t": "verdict", "seq": self.seq, "class": self.error_class, "message": self.message}
+        return {"t": "verdict", "seq": self.seq, "class": self.error_class, "message": self.message,
+                "peers": list(self.peers)}  # fmt: skip
 
 
 def decode_call(header: dict[str, Any]) -> CallMessage | VerdictMessage:
     """A ``call`` or ``verdict`` header as its message; WireError for anything else."""
     if header.get("t") == "verdict":
-        return VerdictMessage(header["seq"], str(header.get("class")), str(header.get("message")))
+        peers = header.get("peers") or []
+        if not isinstance(peers, list) or not all(_is_int(p) for p in peers):
+            raise WireError("invalid peers of a verdict")
+        return VerdictMessage(
+            header["seq"], str(header.get("class")), str(header.get("message")), tuple(peers)
+        )
     if header.get("t") != "call":
         raise WireError(f"expected a call, got a {header.get('t')!r} message")
     small = header.get("small")

@@ -39,6 +39,8 @@ from collective.calls import rules_of
 from collective.errors import (
     CollectiveError,
     CollectiveTimeout,
+    InvalidArgumentError,
+    JobClosedError,
     MismatchError,
     PeerLostError,
     describe_peers,
@@ -59,15 +61,14 @@ STEPS: Counter[str] = Counter()  # steps this process ran through shared memory,
 class ShmGroup:
     """The executor of one group's steps through shared memory (one per group, reused every step)."""
 
-    def __init__(self, ring: HostRing, members: tuple[int, ...], me: int) -> None:
+    def __init__(self, ring: HostRing, members: tuple[int, ...], me: int, purpose: str = "") -> None:
         self.ring = ring
         self._segment = ring.segment  # this process's own
         self.members = members
         self.n = len(members)
         self.rank = members.index(me)
-        self.key = (
-            int.from_bytes(hashlib.blake2b(repr(members).encode(), digest_size=8).digest(), "little") | 1
-        )
+        named = repr((purpose, members) if purpose else members)  # a purpose: another channel, same peers
+        self.key = int.from_bytes(hashlib.blake2b(named.encode(), digest_size=8).digest(), "little") | 1
         self.index: int | None = None
         self.busy = False
         self.last = -1  # the last step this process ran in the group
@@ -85,6 +86,7 @@ class ShmGroup:
         self._channels: list[Any] = []  # every member's channel, by rank (once all were found)
         self._heads: list[list[Any]] = [[], []]  # every member's slot head, by slot and rank
         self._agreed: dict[tuple[Any, ...], Any] = {}  # (agreed call, inline inputs) by digests and sizes
+        self._inputs: list[Any] | None = None  # the inline inputs of the step in flight
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -121,6 +123,8 @@ class ShmGroup:
         slot = s & 1
         if s >= 2 and self._met != s - 1:
             self._wait_all(at(s - 2, ABORT), deadline, False)  # all left step s-2: slot s % 2 is free
+        if call is None:  # this process fails the step before publishing (collective.host_tier)
+            raise plan.error  # recorded for the others by run(): they raise its class
         pieces = call.unpacked()
         source: np.ndarray | Pieces | None
         if pieces is not None and call.x.nbytes > INLINE_BYTES:
@@ -138,7 +142,8 @@ class ShmGroup:
             raise plan.error  # recorded for the others by run()
         self._wait_all(at(s, ARRIVE), deadline)
         self._met = s
-        agreed, inputs = self._agree(s, slot, message, digest)
+        agreed = call.moved(self._agree(s, slot, message, digest, call))
+        inputs = self._inputs
         result = call.new_result(call.device, agreed, self.n, self.rank)
         target: Any = result if result is None or result.ndim == 1 else result.reshape(-1)  # C-contiguous
         host = target is None or type(target) is np.ndarray
@@ -189,8 +194,9 @@ class ShmGroup:
         head[0] = s
         self.post((s << 32) | ARRIVE)
 
-    def _agree(self, s: int, slot: int, message: bytes, digest: int) -> tuple[Signature, list[Any] | None]:
-        """The agreed call and, for a small step, every member's inline input (None for a large one).
+    def _agree(self, s: int, slot: int, message: bytes, digest: int, call: Any) -> Signature:
+        """The agreed call; ``_inputs`` becomes every member's inline input for a small step (None
+        for a large one), sized for the data the call moves (``Call.moved``).
 
         When every member published the digest of this process's message and the call has neither
         a problem nor a source to find, that is the agreed call; otherwise every message is decoded
@@ -207,14 +213,15 @@ class ShmGroup:
             key += (head[3], head[2])
         found = self._agreed.get(key)
         if found is None:
-            found = self._agreed_anew(s, slot, message, digest, channels, heads)
+            found = self._agreed_anew(s, slot, message, digest, channels, heads, call)
             if len(self._agreed) > 32:
                 self._agreed.clear()
             self._agreed[key] = found
-        return found
+        agreed, self._inputs = found
+        return agreed
 
     def _agreed_anew(
-        self, s: int, slot: int, message: bytes, digest: int, channels: list[Any], heads: list[Any]
+        self, s: int, slot: int, message: bytes, digest: int, channels: list[Any], heads: list[Any], call: Any
     ) -> tuple[Signature, list[Any] | None]:
         try:
             agreed = self.codec.decode(message)
@@ -222,15 +229,17 @@ class ShmGroup:
             if not same or agreed.error is not None or rules_of(agreed.kind).sourced:
                 messages = [bytes(c.messages[slot][: h[1]]) for c, h in zip(channels, heads, strict=True)]
                 specs = {rank: self.codec.decode(message) for rank, message in enumerate(messages)}
-                agreed = agree(specs, f"#{s}", rules_of, who=self._who)
+                elsewhere = call.source_elsewhere
+                agreed = agree(specs, f"#{s}", rules_of, who=self._who, source_elsewhere=elsewhere)
         except WireError as exc:
             self._finish_with(s, MismatchError(f"{self._label}: a member published an unusable call: {exc}"))
         except CollectiveError as exc:
             self._finish_with(s, exc)
-        if agreed.kind == "barrier":
+        moved = call.moved(agreed)
+        if moved.kind == "barrier":
             return agreed, [None] * self.n
-        count = math.prod(agreed.shape or ()) * (self.n if agreed.kind == "scatter" else 1)
-        nbytes = count * agreed.dtype.itemsize
+        count = math.prod(moved.shape or ()) * (self.n if moved.kind == "scatter" else 1)
+        nbytes = count * moved.dtype.itemsize
         if nbytes > INLINE_BYTES:
             return agreed, None
         inputs: list[Any] = []
@@ -238,7 +247,7 @@ class ShmGroup:
             if head[2] >= 0 and head[2] != nbytes:
                 problem = f"{self._label}: {self._who([rank])} published {head[2]} bytes, not {nbytes}"
                 self._finish_with(s, MismatchError(problem))
-            inputs.append(None if head[2] < 0 else channel.slots[slot][:nbytes].view(agreed.dtype))
+            inputs.append(None if head[2] < 0 else channel.slots[slot][:nbytes].view(moved.dtype))
         return agreed, inputs
 
     def _all_channels(self) -> list[Any]:
@@ -381,12 +390,16 @@ class ShmGroup:
         self.post(at(s, ABORT))
 
     def _theirs_error(self, rank: int, reason: str) -> CollectiveError:
+        """The error a member recorded when it gave a step up, as its class (a lost peer by default)."""
         name, peers_text, message = [*reason.split("|", 2), "", ""][:3]
         peers = [int(p) for p in peers_text.split(",") if p.strip().lstrip("-").isdigit()]
         cls = getattr(errors, name, None)
         text = f"{self._label}: peer {self.members[rank]} gave up: {message}"
         if cls is CollectiveTimeout:
             return CollectiveTimeout(text, peers)
+        if cls in (MismatchError, InvalidArgumentError, JobClosedError):
+            verdict: CollectiveError = cls(text)  # reached elsewhere (the host tier's leader passes it on)
+            return verdict
         return PeerLostError(text, peers or [self.members[rank]])
 
     def _who(self, ranks: list[int]) -> str:

@@ -19,6 +19,7 @@ on equal blocks, and phase 3 picks every rank's block from its (node, local inde
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -28,17 +29,17 @@ from collective.arrays import flat
 from collective.call import reduce_all
 from collective.errors import CollectiveError, MismatchError
 from collective.layout import Layout
+from collective.protocol import VERDICT_GRACE
 from collective.signature import Signature
 from collective.transport.inproc import Exchange
 from collective.transport.wire import SMALL_BYTES
 
 if TYPE_CHECKING:
+    from collective.host_tier import HostTier
     from collective.node import NodeJob
     from collective.step import Site, Step
 
 __all__ = ["ThreePhase"]
-
-VERDICT_GRACE = 1.0  # local peers wait this much longer than their leader for its announcement
 
 
 def _rows(array: Array, rows: int) -> Array:
@@ -133,12 +134,20 @@ def _contribution_size(kind: str, agreed: Signature, layout: Layout) -> int:
 class ThreePhase:
     """One step of a group whose peers live on several nodes (or a multi-node job's any step)."""
 
-    def __init__(self, site: Site, members: tuple[int, ...], local: tuple[int, ...], label: str) -> None:
+    def __init__(
+        self,
+        site: Site,
+        members: tuple[int, ...],
+        local: tuple[int, ...],
+        label: str,
+        tier: HostTier | None = None,
+    ) -> None:
         assert site.node is not None
         self.node: NodeJob = site.node
         self.config = site.config
         self.members = members
         self.local = local  # the group's peers in this process
+        self.tier = tier  # hosts as nodes: this host's processes of the group (NodeJob.tier)
         self.exchange = Exchange(local, label) if len(local) > 1 else None
         if self.exchange is not None:
             site.exchanges.add(self.exchange)
@@ -146,16 +155,22 @@ class ThreePhase:
     def abort(self, error: CollectiveError) -> None:
         if self.exchange is not None:
             self.exchange.abort(error)
+        if self.tier is not None and self.tier.group is not None:
+            self.tier.group.abort(error)
 
     def run(self, step: Step) -> Array | None:
-        plan, call = step.plan, step.call
+        plan, tier = step.plan, self.tier
+        layout = self.node.layout(self.members)
+        if tier is not None and tier.group is not None:
+            return self._tiered(step, layout, tier)
         if plan.error is not None:  # this peer tells the other nodes the step failed here
             self.node.agree(self.members, plan.number, plan.error, None, step.deadline)
             raise plan.error  # not reached: agree() raises the shared verdict
-        layout = self.node.layout(self.members)
         if step.index == 0:
+            srcs = [_host(c.source()) for c in plan.calls]
+            ranks = [self.members.index(peer) for peer in self.local]
             try:
-                agreed, product, result = self._lead(step, layout)
+                agreed, product, result = self._lead(step, layout, plan.agreed, srcs, ranks)
             except CollectiveError as exc:
                 self.abort(exc)
                 raise
@@ -168,28 +183,42 @@ class ThreePhase:
             agreed, product = self.exchange.announcement(
                 step.index, step.deadline + 2 * VERDICT_GRACE, f"the leader of {plan.label}"
             )
-        result = call.new_result(call.device, agreed, plan.size, step.rank)
-        if result is not None and product is not None:
-            target = flat(result)
-            if isinstance(target, np.ndarray):
-                _take(agreed.kind, product, step.rank, layout, target)
-            else:  # a CuPy result: take on the host, then copy over once
-                staged = np.empty(target.shape, target.dtype)
-                _take(agreed.kind, product, step.rank, layout, staged)
-                target.set(staged)
-        return result
+        return _result(step, agreed, product, layout)
 
-    def _lead(self, step: Step, layout: Layout) -> tuple[Signature, Any, Array | None]:
-        """Phases 1 and 2 on the leader: (the globally agreed call, the node's product, and this
-        peer's result when the product was written straight into it)."""
+    def _tiered(self, step: Step, layout: Layout, tier: HostTier) -> Array | None:
+        """The three phases with this host's processes as the node's local peers (host_tier)."""
+        try:
+            with self.node.giving_up(self.members, step.plan.number) if tier.leader else nullcontext():
+                local, srcs = tier.collect(step)  # (giving_up: any other failure, told to the other hosts)
+        except CollectiveError as exc:
+            if tier.leader:  # the other hosts hear of it (agree raises the shared verdict)
+                self.node.agree(self.members, step.plan.number, exc, None, step.deadline)
+            raise
+        if tier.leader:
+            try:
+                agreed, product, result = self._lead(step, layout, local, srcs, tier.ranks)
+            except CollectiveError as exc:
+                tier.fail(step, exc)
+                raise
+            tier.send(step, agreed, product)
+        else:
+            agreed, product, result = tier.receive(step)
+        if result is not None or product is None:
+            return result
+        return _result(step, agreed, product.reshape(-1), layout)
+
+    def _lead(
+        self, step: Step, layout: Layout, local: Signature, srcs: list[Any], ranks: list[int]
+    ) -> tuple[Signature, Any, Array | None]:
+        """Phases 1 and 2 on the leader, from its node's agreed call ``local`` and its local peers'
+        inputs ``srcs`` (group ranks ``ranks``): (the globally agreed call, the node's product, and
+        this peer's result when the product was written straight into it)."""
         plan, call, node = step.plan, step.call, self.node
-        kind = plan.agreed.kind
-        ranks = [self.members.index(peer) for peer in self.local]
-        srcs = [_host(c.source()) for c in plan.calls]
-        contribution = _contribution(kind, plan.agreed, srcs, ranks, layout)
+        kind = local.kind
+        contribution = _contribution(kind, local, srcs, ranks, layout)
         attach = contribution if contribution is not None and contribution.nbytes <= SMALL_BYTES else None
         with node.giving_up(self.members, plan.number):
-            agreed, payloads = node.agree(self.members, plan.number, plan.agreed, attach, step.deadline)
+            agreed, payloads = node.agree(self.members, plan.number, local, attach, step.deadline)
             root = None if agreed.root is None else layout.position[agreed.root]
             node_sig = agreed._replace(root=root)
             size = _contribution_size(kind, agreed, layout)
@@ -212,6 +241,21 @@ class ThreePhase:
             call.run_link(self.config.global_strategy, link, node_sig, contribution, product)
             link.flush()
         return agreed, product, result
+
+
+def _result(step: Step, agreed: Signature, product: Any, layout: Layout) -> Array | None:
+    """Phase 3 for one peer: its result taken from its node's product."""
+    call, plan = step.call, step.plan
+    result = call.new_result(call.device, agreed, plan.size, step.rank)
+    if result is not None and product is not None:
+        target = flat(result)
+        if isinstance(target, np.ndarray):
+            _take(agreed.kind, product, step.rank, layout, target)
+        else:  # a CuPy result: take on the host, then copy over once
+            staged = np.empty(target.shape, target.dtype)
+            _take(agreed.kind, product, step.rank, layout, staged)
+            target.set(staged)
+    return result
 
 
 def _host(array: Array | None) -> np.ndarray | None:

@@ -137,6 +137,7 @@ class NodeNetwork:
         self._queues: dict[tuple[int, int], deque[tuple[dict[str, Any], Any, int]]] = {}
         self._aborted: dict[Step, tuple[int, str]] = {}  # steps another node gave up: (node, why)
         self._lock = threading.Lock()
+        self._sending = threading.Lock()  # a socket is not thread-safe: one multipart send at a time
         self._step: dict[int, int] = {}  # channel -> the step this node is at (earlier ones are over)
         self._budgets: dict[Step, int] = {}  # bytes one node may have queued for a step
         self._queued: dict[tuple[int, int, int], int] = {}  # (node, channel, step) -> bytes queued
@@ -216,9 +217,10 @@ class NodeNetwork:
             frames.append(payload)
         large = payload is not None and payload.nbytes > zmq.COPY_THRESHOLD
         try:  # never blocks: SNDHWM=0 queues everything while a connection exists or is being made
-            tracker: zmq.MessageTracker | None = self._dealers[dst].send_multipart(
-                frames, zmq.NOBLOCK, copy=not large, track=large
-            )
+            with self._sending:  # (groups run from several threads: their frames must not interleave)
+                tracker: zmq.MessageTracker | None = self._dealers[dst].send_multipart(
+                    frames, zmq.NOBLOCK, copy=not large, track=large
+                )
         except zmq.Again:  # ZeroMQ dropped the connection for good: its handshake was refused
             raise PeerLostError(
                 f"node {self.index} cannot send to node {dst}: its data service at {self._addresses[dst]} "

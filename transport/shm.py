@@ -41,7 +41,14 @@ _NAME = re.compile(r"collective-[0-9]{1,10}-[0-9a-f]{12}")
 
 
 def host_identity() -> str:
-    """Names this machine (and boot): nodes with equal identities share /dev/shm."""
+    """Names this machine (and boot): nodes with equal identities share /dev/shm.
+
+    ``COLLECTIVE_HOST_ID`` overrides it (as NCCL_HOSTID does NCCL's): processes that must not
+    share memory though they could (separate containers on one host, a test of several hosts).
+    """
+    named = os.environ.get("COLLECTIVE_HOST_ID", "").strip()
+    if named:
+        return named
     boot = ""
     with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as handle:
         boot = handle.read().strip()

@@ -39,7 +39,6 @@ CHUNK_BYTES = 4 << 20  # large arrays travel in chunks of this size: ZeroMQ move
 SMALL_BYTES = 64 << 10  # arrays up to this size travel inside the call header (one frame, one round)
 MAX_HEADER_BYTES = SMALL_BYTES + (16 << 10)
 MAX_MESSAGE_BYTES = CHUNK_BYTES + MAX_HEADER_BYTES  # socket-level limit (ZMQ_MAXMSGSIZE)
-_MAX_DIMS = 32
 
 _DTYPE_NAMES = frozenset(
     ["float16", "float32", "float64", "bfloat16", "complex64", "complex128",
@@ -65,7 +64,7 @@ def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
             raw=False,
             max_str_len=4096,
             max_bin_len=SMALL_BYTES,
-            max_array_len=_MAX_DIMS,
+            max_array_len=MAX_HEADER_BYTES,  # bounded by the header's size (a coalesced call's list)
             max_map_len=32,
         )
     except Exception as exc:  # msgpack raises several types for malformed input

@@ -74,7 +74,8 @@ class ZmqLink:
             if slot is not None:  # in shared memory: only the header travels
                 self._network.send(dst, {**header, "shm": slot})
                 continue
-            tracker = self._network.send(dst, header, piece)
+            # as bytes: a bfloat16 array has no buffer format ZeroMQ could read
+            tracker = self._network.send(dst, header, piece.view(np.uint8))
             if tracker is not None:
                 self._trackers.append(tracker)
 

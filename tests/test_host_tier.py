@@ -1,0 +1,134 @@
+"""The host tier: a multi-node job whose hosts each run several of its processes (one peer each).
+
+Real processes on 127.0.0.1 (tests/shm_worker.py), with ``COLLECTIVE_HOST_ID`` naming the host each
+one runs on: processes of one named host meet in shared memory, the hosts' leaders over ZeroMQ.
+Every worker checks its results bit for bit and reports its shared-memory steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.processes import Proc, finish_all, node_env
+
+pytestmark = pytest.mark.timeout(120)
+WORKER = str(Path(__file__).with_name("shm_worker.py"))
+_jobs = itertools.count()
+
+
+def start(address: str, hosts: str, *argv: str) -> list[Proc]:
+    """One process per letter of ``hosts`` ("aab": two on host a, one on host b)."""
+    job = f"tier-{os.getpid()}-{next(_jobs)}"
+    return [
+        Proc([sys.executable, WORKER, *argv], node_env(address, job, rank, len(hosts), 1, host_id=host))
+        for rank, host in enumerate(hosts)
+    ]
+
+
+def errors_of(proc: Proc) -> list[str]:
+    return [line for _, line in proc.lines if line.startswith("ERROR")]
+
+
+@pytest.mark.parametrize("hosts", ["aabb", "abab", "aaab", "baacc"])
+def test_every_collective_matches_its_reference_across_hosts(orchestrator: str, hosts: str) -> None:
+    """Each collective is two shared-memory steps on a host with several processes, none on a
+    host with one (its process is its own leader)."""
+    procs = start(orchestrator, hosts, "every")
+    for proc, code, host in zip(procs, finish_all(procs, 100), hosts, strict=True):
+        assert code == 0, proc.output()
+        _, line = proc.wait_for("OK", 1)
+        _, count, _, steps = line.split()
+        assert int(count) > 400, line
+        if hosts.count(host) > 1:  # (a coalesced call of two dtypes is two collectives, counted once)
+            assert 2 * int(count) <= int(steps) <= 2 * int(count) + 10, line
+        else:
+            assert int(steps) == 0, line
+
+
+@pytest.mark.parametrize("hosts", ["aab", "abb", "abc"])
+def test_groups_on_several_hosts_run_at_once_from_two_threads(orchestrator: str, hosts: str) -> None:
+    """The whole job and the pair of peers 0 and 1 at once, from two threads of each process."""
+    procs = start(orchestrator, hosts, "concurrent")
+    for proc, code in zip(procs, finish_all(procs, 100), strict=True):
+        assert code == 0, proc.output()
+
+
+@pytest.mark.parametrize("hosts", ["aab", "abb"])
+@pytest.mark.parametrize(
+    ("how", "kind", "expected"),
+    [
+        ("shape", "MismatchError", "shape: "),
+        ("collective", "MismatchError", "peers called different collectives"),
+        ("broadcast", "MismatchError", "exactly one peer (the root) must pass an array"),
+        ("root", "MismatchError", "root: "),
+        ("invalid", "InvalidArgumentError", "peer 0: unsupported dtype bool"),
+    ],
+)
+def test_a_mismatch_on_one_host_or_between_hosts_fails_every_process_and_the_job_goes_on(
+    orchestrator: str, hosts: str, how: str, kind: str, expected: str
+) -> None:
+    """Peer 0 differs: found on its own host (aab) or only among the hosts' leaders (abb)."""
+    procs = start(orchestrator, hosts, "mismatch", how)
+    for proc, code in zip(procs, finish_all(procs, 60), strict=True):
+        (line,) = errors_of(proc)
+        assert code == 3 and line.startswith(f"ERROR {kind}") and expected in line, proc.output()
+        assert re.search(r"peers? 0\b", line), line  # names the one that differs
+        proc.wait_for("AFTER", 1)  # the next collective ran, and was right
+
+
+@pytest.mark.parametrize("victim", [1, 2, 3])
+def test_a_killed_process_is_a_peer_lost_error_on_every_host_within_seconds(
+    orchestrator: str, victim: int
+) -> None:
+    """Peer 1: a host's other process; 2: the other host's leader; 3: its other process."""
+    procs = start(orchestrator, "aabb", "loop")
+    try:
+        procs[0].wait_for("READY", 60)
+        time.sleep(0.2)
+        procs[victim].kill()
+        killed = time.monotonic()
+        for rank, survivor in enumerate(procs):
+            if rank == victim:
+                continue
+            when, line = survivor.wait_for("ERROR", 15)
+            assert line.startswith("ERROR PeerLostError"), survivor.output()
+            assert when - killed < 3.0, f"peer {rank} noticed after {when - killed:.1f}s"
+            assert survivor.wait(30) == 3
+    finally:
+        finish_all(procs, 30)
+
+
+def test_a_leader_failing_in_shared_memory_fails_the_other_hosts_at_once_and_the_job_goes_on(
+    orchestrator: str,
+) -> None:
+    """Peer 0 (host a's leader) raises MemoryError inside its host's step; its host's other
+    process and the other host hear of it without waiting for their 60 s timeout."""
+    procs = start(orchestrator, "aab", "crash")
+    started = time.monotonic()
+    codes = finish_all(procs, 60)
+    assert time.monotonic() - started < 30
+    assert codes == [0, 0, 0], [p.output() for p in procs]
+    assert errors_of(procs[0]) == ["ERROR MemoryError - simulated"]
+    for proc in procs[1:]:
+        (line,) = errors_of(proc)
+        assert line.startswith("ERROR PeerLostError") and "MemoryError" in line, line
+    assert all("AFTER" in proc.output() for proc in procs)
+
+
+@pytest.mark.parametrize("hosts", ["aab", "abb"])
+def test_a_late_process_is_named_by_the_timeout_on_every_other_process(orchestrator: str, hosts: str) -> None:
+    """Peer 2 comes 2 s late to a call with a 1 s timeout: the others' CollectiveTimeout names it,
+    on its host (found in shared memory) and on the other (found by the leaders)."""
+    procs = start(orchestrator, hosts, "late")
+    for rank, (proc, code) in enumerate(zip(procs, finish_all(procs, 60), strict=True)):
+        assert code == 0, proc.output()
+        if rank < 2:
+            _, line = proc.wait_for("TIMEOUT", 1)
+            assert line.startswith("TIMEOUT [2]") and "peer 2" in line, line
