@@ -312,3 +312,14 @@ def test_coalesced_bench_times_three_variants_and_checks_the_result(
     (row,) = [line.split() for line in out.splitlines() if line.strip().startswith("0 ")]
     assert all(float(value) > 0 for value in row[1:4]), out
     assert "# target coalesced <= 1.2 x one array:" in out and "# target coalesced <= 0.3 x separate:" in out
+
+
+def test_host_tier_bench_times_the_tier_beside_the_flat_path(capsys: pytest.CaptureFixture[str]) -> None:
+    from collective.bench import host_tier
+
+    argv = ["--hosts", "aab", "--ops", "all_reduce", "--sizes", "8", "--repeats", "1", "--budget", "0.05"]
+    assert host_tier.main(argv) == 0
+    out = capsys.readouterr().out
+    (row,) = [line.split() for line in out.splitlines() if line.strip().startswith("all_reduce")]
+    assert float(row[3]) > 0 and float(row[5]) > 0 and row[-1].endswith("x"), out  # tier, flat, a ratio
+    assert "# wrong result elements: 0" in out
