@@ -32,6 +32,7 @@ from collective.protocol import (
     CallMessage,
     P2PMessage,
     VerdictMessage,
+    as_sent,
     check_fields,
     decode_call,
 )
@@ -377,7 +378,7 @@ class NodeJob:
         if verdicts:
             raise _verdict_error(step, verdicts, self._describe)
         assert not isinstance(mine, CollectiveError)
-        calls[me] = mine
+        calls[me] = as_sent(mine)  # (a long list of parts travels as its digest)
         agreed = agree(calls, f"#{step}", rules_of, who=self._who)
         self._agreed[channel] = step
         return agreed, payloads

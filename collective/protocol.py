@@ -17,6 +17,7 @@ fields every data chunk repeats so a receiver can compare them with its own.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -25,8 +26,19 @@ from collective.errors import CollectiveError
 from collective.signature import Signature
 from collective.transport.wire import WireError, dtype_from_name
 
-__all__ = ["VERDICT_GRACE", "CallMessage", "P2PMessage", "VerdictMessage", "check_fields", "decode_call"]
+__all__ = [
+    "MANY_PARTS",
+    "as_sent",
+    "VERDICT_GRACE",
+    "CallMessage",
+    "P2PMessage",
+    "VerdictMessage",
+    "check_fields",
+    "decode_call",
+    "digested",
+]
 
+MANY_PARTS = 256  # a call listing more arrays than this sends their digest (``digested``)
 VERDICT_GRACE = 1.0  # a node whose step failed reports it as its deadline passes: others wait this long more
 
 _KINDS = frozenset(
@@ -43,6 +55,19 @@ def _shape(value: Any) -> tuple[int, ...]:
     if not isinstance(value, list | tuple) or not all(_is_int(d) for d in value):
         raise WireError(f"invalid shape {value!r}")
     return tuple(value)
+
+
+def digested(signature: Signature) -> Signature:
+    """A signature whose long list of parts is cut to its first 4 and a digest of them all (a
+    coalesced call of thousands of arrays still fits a message; lists that differ still differ)."""
+    digest = hashlib.blake2b(repr(signature.parts).encode(), digest_size=6).digest()
+    tail = ((len(signature.parts), *digest), "uint8")
+    return signature._replace(parts=(*signature.parts[:4], tail))
+
+
+def as_sent(signature: Signature) -> Signature:
+    """The signature as a call message carries it (compare a node's own call in this form)."""
+    return digested(signature) if len(signature.parts) > MANY_PARTS else signature
 
 
 def signature_fields(spec: Signature) -> dict[str, Any]:
@@ -102,7 +127,7 @@ class CallMessage:
     small: bytes | None = None
 
     def encode(self) -> dict[str, Any]:
-        header = {"t": "call", "seq": self.seq, **signature_fields(self.signature)}
+        header = {"t": "call", "seq": self.seq, **signature_fields(as_sent(self.signature))}
         if self.small is not None:
             header["small"] = self.small
         return header

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import msgpack
 
 from collective.errors import CollectiveError, JobClosedError, describe_peers
-from collective.protocol import signature_fields, signature_from_fields
+from collective.protocol import digested, signature_fields, signature_from_fields
 from collective.shm_chunks import at
 from collective.signature import Signature
 from collective.transport.shm_ring import CHANNELS, MESSAGE_BYTES, RingSegment
@@ -123,7 +123,7 @@ class SignatureCodec:
         if found is None:
             message = msgpack.packb(signature_fields(signature), use_bin_type=True)
             if len(message) > MESSAGE_BYTES:
-                message = msgpack.packb(signature_fields(_digested(signature)), use_bin_type=True)
+                message = msgpack.packb(signature_fields(digested(signature)), use_bin_type=True)
             digest = hashlib.blake2b(message, digest_size=8).digest()
             found = (message, int.from_bytes(digest, "little") >> 1)
             if len(self._encoded) > 64:
@@ -146,10 +146,3 @@ class SignatureCodec:
                 self._decoded.clear()
             self._decoded[message] = found
         return found
-
-
-def _digested(signature: Signature) -> Signature:
-    """A signature whose long list of parts is cut to its first 4 and a digest of them all."""
-    digest = hashlib.blake2b(repr(signature.parts).encode(), digest_size=6).digest()
-    tail = ((len(signature.parts), *digest), "uint8")
-    return signature._replace(parts=(*signature.parts[:4], tail))

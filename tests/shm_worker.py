@@ -226,8 +226,25 @@ def crowded(peer: int, world: int, calls: str = "300") -> int:
     return int(calls)
 
 
-MODES = {"every": every, "groups": groups, "concurrent": concurrent, "mismatch": mismatch, "loop": loop,
-         "crash": crash, "late": late, "crowded": crowded}  # fmt: skip
+def many(peer: int, world: int, how: str = "same") -> int:
+    """all_reduce_coalesced of 3000 arrays (their list travels as a digest); with "differ", peer
+    0's array 1000 has another shape: a MismatchError everywhere, then the job goes on."""
+    shapes = [(3,)] * 3000
+    if how == "differ" and peer == 0:
+        shapes[1000] = (4,)
+    xs = [np.full(shape, peer + 1, np.float32) for shape in shapes]
+    try:
+        results = col.all_reduce_coalesced(peer, xs)
+    except col.MismatchError as exc:
+        say(f"MISMATCH {exc}")
+        results = col.all_reduce_coalesced(peer, [np.full(3, peer + 1, np.float32)] * 3000)
+    expected = np.full(3, world * (world + 1) / 2, np.float32)
+    assert len(results) == 3000 and all(np.array_equal(r, expected) for r in results)
+    return 1
+
+
+MODES = {"every": every, "many": many, "groups": groups, "concurrent": concurrent, "mismatch": mismatch,
+         "loop": loop, "crash": crash, "late": late, "crowded": crowded}  # fmt: skip
 
 
 def main() -> int:

@@ -132,3 +132,18 @@ def test_a_late_process_is_named_by_the_timeout_on_every_other_process(orchestra
         if rank < 2:
             _, line = proc.wait_for("TIMEOUT", 1)
             assert line.startswith("TIMEOUT [2]") and "peer 2" in line, line
+
+
+@pytest.mark.parametrize("hosts", ["ab", "aabb"])
+@pytest.mark.parametrize("how", ["same", "differ"])
+def test_a_coalesced_call_of_thousands_of_arrays_is_checked_across_hosts(
+    orchestrator: str, hosts: str, how: str
+) -> None:
+    """3000 arrays: their list travels between hosts as its first 4 and a digest of all, so a
+    difference deep in the list is still a MismatchError everywhere."""
+    procs = start(orchestrator, hosts, "many", how)
+    for proc, code in zip(procs, finish_all(procs, 60), strict=True):
+        assert code == 0, proc.output()
+        mismatch = [line for _, line in proc.lines if line.startswith("MISMATCH")]
+        assert len(mismatch) == (1 if how == "differ" else 0), proc.output()
+        assert how == "same" or "parts: " in mismatch[0], mismatch
