@@ -148,6 +148,7 @@ class HostTier:
         self.ranks = [members.index(peer) for peer in host]  # group ranks of the host's peers
         self.layout = layout  # hosts are its nodes (each named by its leader's node)
         self.leader = group is None or group.rank == 0
+        self._out = -1  # the last phase-3 step this process entered
 
     def host_rank(self, rank: int | None) -> int | None:
         """Group rank ``rank``'s rank on this host (None where it runs elsewhere)."""
@@ -187,7 +188,6 @@ class HostTier:
         """Phase 3 on the leader: the host's product to the others (nothing to do when alone)."""
         if self.group is None:
             return
-        phase = _Phase(2 * step.plan.number + 1, step.plan.label, None)
         if not self._product_here(agreed):
             out: Call = Barrier()
         else:
@@ -198,13 +198,21 @@ class HostTier:
                 shaped = product.reshape(self.layout.width, *agreed.shape)
             out = Broadcast(shaped, out=shaped)
         out.prepare(CPU, self.host, 0)
-        self.group.run(_Sub(phase, out, step.deadline, step.timeout))
+        self.group.run(_Sub(self._enter(step), out, step.deadline, step.timeout))
+
+    def _enter(self, step: Any) -> _Phase:
+        number = 2 * step.plan.number + 1
+        self._out = number
+        return _Phase(number, step.plan.label, None)
 
     def fail(self, step: Any, error: CollectiveError) -> None:
-        """Phase 3 on a leader whose phase 2 failed: the host's others raise ``error``'s class."""
-        if self.group is None:
+        """Phase 3 for a process that failed after phase 1 (a leader whose phase 2 failed, say):
+        the host's others raise ``error``'s class at once. Nothing to do once phase 3 was entered
+        (the shared-memory step tells the others itself)."""
+        if self.group is None or self._out == 2 * step.plan.number + 1:
             return
-        phase = _Phase(2 * step.plan.number + 1, step.plan.label, error)
+        phase = self._enter(step)
+        phase.error = error
         with contextlib.suppress(CollectiveError):  # ``error`` itself, recorded for the others
             self.group.run(_Sub(phase, None, step.deadline, step.timeout))
 
@@ -213,13 +221,12 @@ class HostTier:
         result when the product went straight into it)."""
         assert self.group is not None
         call, agreed = step.call, step.plan.agreed
-        phase = _Phase(2 * step.plan.number + 1, step.plan.label, None)
         # the leader may wait for the other hosts until its deadline and a grace: then tells why
         deadline = step.deadline + 2 * VERDICT_GRACE
         if not self._product_here(agreed):
             barrier = Barrier()
             barrier.prepare(CPU, self.host, self.group.rank)
-            self.group.run(_Sub(phase, barrier, deadline, step.timeout))
+            self.group.run(_Sub(self._enter(step), barrier, deadline, step.timeout))
             return agreed, None, None
         kind = agreed.kind
         into = None
@@ -229,7 +236,7 @@ class HostTier:
                 into = None  # a CuPy result: received on the host, then copied over
         inward = Broadcast(None, out=into)
         inward.prepare(CPU, self.host, self.group.rank)
-        product = self.group.run(_Sub(phase, inward, deadline, step.timeout))
+        product = self.group.run(_Sub(self._enter(step), inward, deadline, step.timeout))
         assert product is not None  # every process of the host receives the product
         if kind == "broadcast":
             agreed = agreed._replace(shape=tuple(product.shape), dtype=product.dtype)

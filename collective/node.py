@@ -276,7 +276,8 @@ class NodeJob:
         node_of = {peer: leader_of[host] for peer, host in zip(members, hosts, strict=True)}
         layout = Layout.of(members, node_of, leader_of[mine])
         me_peer = members[nodes.index(me)]
-        group = ShmGroup(self._host_ring(), here, me_peer, "host tier") if len(here) > 1 else None
+        purpose = f"host tier of {members}"  # another group with these processes here: another channel
+        group = ShmGroup(self._host_ring(), here, me_peer, purpose) if len(here) > 1 else None
         return HostTier(group, here, members, layout)
 
     def _one_process_each(self, nodes: list[int]) -> bool:

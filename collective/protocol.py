@@ -66,8 +66,12 @@ def digested(signature: Signature) -> Signature:
 
 
 def as_sent(signature: Signature) -> Signature:
-    """The signature as a call message carries it (compare a node's own call in this form)."""
-    return digested(signature) if len(signature.parts) > MANY_PARTS else signature
+    """The signature as a message carries it (between nodes, and through shared memory): a long
+    list of parts as its digest. Compare a node's own call in this form."""
+    parts = signature.parts
+    if len(parts) > MANY_PARTS or sum([len(shape) for shape, _ in parts]) > 4 * MANY_PARTS:
+        return digested(signature)
+    return signature
 
 
 def signature_fields(spec: Signature) -> dict[str, Any]:

@@ -40,7 +40,6 @@ from collective.errors import (
     CollectiveError,
     CollectiveTimeout,
     InvalidArgumentError,
-    JobClosedError,
     MismatchError,
     PeerLostError,
     describe_peers,
@@ -397,10 +396,10 @@ class ShmGroup:
         text = f"{self._label}: peer {self.members[rank]} gave up: {message}"
         if cls is CollectiveTimeout:
             return CollectiveTimeout(text, peers)
-        if cls in (MismatchError, InvalidArgumentError, JobClosedError):
+        if cls in (MismatchError, InvalidArgumentError, CollectiveError):
             verdict: CollectiveError = cls(text)  # reached elsewhere (the host tier's leader passes it on)
             return verdict
-        return PeerLostError(text, peers or [self.members[rank]])
+        return PeerLostError(text, peers or [self.members[rank]])  # (its job closed: lost to the others)
 
     def _who(self, ranks: list[int]) -> str:
         return describe_peers([self.members[rank] for rank in ranks])

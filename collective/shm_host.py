@@ -20,7 +20,7 @@ from typing import Any, Protocol
 import msgpack
 
 from collective.errors import CollectiveError, JobClosedError, describe_peers
-from collective.protocol import digested, signature_fields, signature_from_fields
+from collective.protocol import as_sent, digested, signature_fields, signature_from_fields
 from collective.shm_chunks import at
 from collective.signature import Signature
 from collective.transport.shm_ring import CHANNELS, MESSAGE_BYTES, RingSegment
@@ -121,8 +121,8 @@ class SignatureCodec:
     def encode(self, signature: Signature) -> tuple[bytes, int]:
         found = self._encoded.get(signature)
         if found is None:
-            message = msgpack.packb(signature_fields(signature), use_bin_type=True)
-            if len(message) > MESSAGE_BYTES:
+            message = msgpack.packb(signature_fields(as_sent(signature)), use_bin_type=True)
+            if len(message) > MESSAGE_BYTES:  # (shapes of absurdly many dimensions)
                 message = msgpack.packb(signature_fields(digested(signature)), use_bin_type=True)
             digest = hashlib.blake2b(message, digest_size=8).digest()
             found = (message, int.from_bytes(digest, "little") >> 1)

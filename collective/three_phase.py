@@ -27,7 +27,7 @@ import numpy as np
 from collective.algorithms.ops import Array, array_module
 from collective.arrays import flat
 from collective.call import reduce_all
-from collective.errors import CollectiveError, MismatchError
+from collective.errors import CollectiveError, MismatchError, PeerLostError
 from collective.layout import Layout
 from collective.protocol import VERDICT_GRACE
 from collective.signature import Signature
@@ -194,15 +194,17 @@ class ThreePhase:
             if tier.leader:  # the other hosts hear of it (agree raises the shared verdict)
                 self.node.agree(self.members, step.plan.number, exc, None, step.deadline)
             raise
-        if tier.leader:
-            try:
+        try:
+            if tier.leader:
                 agreed, product, result = self._lead(step, layout, local, srcs, tier.ranks)
-            except CollectiveError as exc:
-                tier.fail(step, exc)
-                raise
-            tier.send(step, agreed, product)
-        else:
-            agreed, product, result = tier.receive(step)
+                tier.send(step, agreed, product)
+            else:
+                agreed, product, result = tier.receive(step)
+        except BaseException as exc:  # the host's others, waiting in phase 3, raise it at once
+            if not isinstance(exc, CollectiveError):
+                exc = PeerLostError(f"{step.plan.label}: peer {step.peer} failed: {exc!r}", [step.peer])
+            tier.fail(step, exc)
+            raise
         if result is not None or product is None:
             return result
         return _result(step, agreed, product.reshape(-1), layout)
@@ -215,9 +217,9 @@ class ThreePhase:
         this peer's result when the product was written straight into it)."""
         plan, call, node = step.plan, step.call, self.node
         kind = local.kind
-        contribution = _contribution(kind, local, srcs, ranks, layout)
-        attach = contribution if contribution is not None and contribution.nbytes <= SMALL_BYTES else None
         with node.giving_up(self.members, plan.number):
+            contribution = _contribution(kind, local, srcs, ranks, layout)
+            attach = contribution if contribution is not None and contribution.nbytes <= SMALL_BYTES else None
             agreed, payloads = node.agree(self.members, plan.number, local, attach, step.deadline)
             root = None if agreed.root is None else layout.position[agreed.root]
             node_sig = agreed._replace(root=root)

@@ -243,8 +243,54 @@ def many(peer: int, world: int, how: str = "same") -> int:
     return 1
 
 
-MODES = {"every": every, "many": many, "groups": groups, "concurrent": concurrent, "mismatch": mismatch,
-         "loop": loop, "crash": crash, "late": late, "crowded": crowded}  # fmt: skip
+def overlap(peer: int, world: int) -> int:
+    """The whole job and the group of peers 0-2 take turns: on a host of peers 0 and 1 both
+    groups' host tiers hold the same processes (each its own channel, never the other's data)."""
+    trio = col.new_group([0, 1, 2])
+    count = 0
+    for i in range(20):
+        x = data(peer, 5 + i % 3, "float32", i)
+        same(
+            col.all_reduce(peer, x),
+            reduced([data(p, x.shape, "float32", i) for p in range(world)], "sum"),
+            "job",
+        )
+        count += 1
+        if peer < 3:
+            y = data(peer, 7, "float64", 100 + i)
+            expected = reduced([data(p, 7, "float64", 100 + i) for p in range(3)], "sum")
+            same(col.all_reduce(peer, y, group=trio), expected, "group")
+            count += 1
+    return count
+
+
+def lead_fails(peer: int, world: int) -> int:
+    """Peer 0 (its host's leader) fails with a plain exception in its global phase, after its
+    host's shared-memory step: every process hears at once; then the job goes on."""
+    import collective.three_phase
+
+    kept = collective.three_phase._contribution
+    if peer == 0:
+
+        def broken(*args: Any) -> None:
+            raise MemoryError("simulated")
+
+        collective.three_phase._contribution = broken  # type: ignore[assignment]
+    try:
+        col.all_reduce(peer, np.ones(4, np.float32), timeout=30)
+    except (MemoryError, col.CollectiveError) as exc:
+        say(f"ERROR {type(exc).__name__} - {exc}")
+    collective.three_phase._contribution = kept  # type: ignore[assignment]
+    same(col.all_reduce(peer, np.ones(4, np.float32)), np.full(4, world, np.float32), "after the failure")
+    say("AFTER")
+    return 1
+
+
+MODES = {
+    "every": every, "many": many, "overlap": overlap, "lead_fails": lead_fails, "groups": groups,
+    "concurrent": concurrent, "mismatch": mismatch, "loop": loop, "crash": crash, "late": late,
+    "crowded": crowded,
+}  # fmt: skip
 
 
 def main() -> int:

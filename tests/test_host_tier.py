@@ -147,3 +147,25 @@ def test_a_coalesced_call_of_thousands_of_arrays_is_checked_across_hosts(
         mismatch = [line for _, line in proc.lines if line.startswith("MISMATCH")]
         assert len(mismatch) == (1 if how == "differ" else 0), proc.output()
         assert how == "same" or "parts: " in mismatch[0], mismatch
+
+
+def test_groups_whose_host_tiers_hold_the_same_processes_keep_apart(orchestrator: str) -> None:
+    """Hosts aabb: the job and the group of peers 0-2 both meet peers 0 and 1 in shared memory."""
+    procs = start(orchestrator, "aabb", "overlap")
+    for proc, code in zip(procs, finish_all(procs, 60), strict=True):
+        assert code == 0, proc.output()
+
+
+def test_a_leader_failing_in_its_global_phase_fails_every_host_at_once_and_the_job_goes_on(
+    orchestrator: str,
+) -> None:
+    procs = start(orchestrator, "aabb", "lead_fails")
+    started = time.monotonic()
+    codes = finish_all(procs, 60)
+    assert time.monotonic() - started < 20, "nobody may wait for its 30 s timeout"
+    assert codes == [0, 0, 0, 0], [p.output() for p in procs]
+    assert errors_of(procs[0]) == ["ERROR MemoryError - simulated"]
+    for proc in procs[1:]:
+        (line,) = errors_of(proc)
+        assert line.startswith("ERROR PeerLostError") and "MemoryError" in line, line
+    assert all("AFTER" in proc.output() for proc in procs)

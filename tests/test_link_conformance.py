@@ -183,6 +183,20 @@ def test_a_zmq_abort_fails_the_other_nodes_waits_at_once() -> None:
         mesh.close()
 
 
+def test_an_abort_wins_over_what_the_aborting_node_sent_for_its_next_step() -> None:
+    """Node 1 gives up step 0 and goes on to step 1 at once: a node still waiting in step 0 gets
+    the abort, not node 1's next message taken for its step-0 data."""
+    mesh = ZmqMesh(2, shared=False)
+    try:
+        mesh.networks[1].abort(0, "MemoryError: simulated")
+        mesh.networks[1].send(0, {"t": "data", "ch": 0, "seq": 1, "off": 0, "n": 0})
+        time.sleep(0.2)  # both have arrived before node 0 looks
+        with pytest.raises(PeerLostError, match="node 1 gave up step 0"):
+            mesh.links[0].recv_into(1, np.empty(1))
+    finally:
+        mesh.close()
+
+
 def test_a_receive_that_never_completes_times_out_and_aborts_every_peer() -> None:
     links = inproc_links(3, timeout=0.3)
     outcomes: list[Any] = [None] * 3

@@ -258,10 +258,13 @@ class NodeNetwork:
         while True:
             with self._lock:
                 self._enter_step(channel, seq)
-                if queue:
+                aborted = self._aborted.get((channel, seq))  # (before what that node sent next)
+                if queue and aborted is None:
                     header, payload = self._pop(src, queue)
                     return header, payload
                 overflow = self._overflowed.get((src, channel, seq))
+            if aborted is not None:
+                raise PeerLostError(f"node {aborted[0]} gave up step {seq}: {aborted[1]}", ())
             if overflow is not None:
                 raise MismatchError(overflow)
             error = self._lost(src)
