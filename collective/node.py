@@ -9,6 +9,7 @@ and a ZeroMQ Link among the group's nodes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -358,7 +359,13 @@ class NodeJob:
                 )
             except CollectiveTimeout as exc:  # name the group's peers there (transport knows no peers)
                 there = [peer for rank, peer in enumerate(members) if layout.position[rank] == position]
-                raise CollectiveTimeout(str(exc), there) from None
+                error = CollectiveTimeout(str(exc), there)
+                verdict = {**VerdictMessage.of(step, error).encode(), "ch": channel}
+                for node in layout.nodes:  # a late node must not complete the step the others gave up
+                    if node != me:
+                        with contextlib.suppress(PeerLostError):
+                            network.send(node, verdict)
+                raise error from None
             try:
                 decoded = decode_call(theirs)
             except WireError as exc:
@@ -376,6 +383,12 @@ class NodeJob:
                 continue
             calls[other] = decoded.signature
             payloads[position] = decoded.small
+        if not verdicts:  # a node that timed out waiting for this one said so, after its call
+            others = [node for node in layout.nodes if node != me]
+            for other, found in network.queued(others, step, "verdict", channel):
+                told = decode_call(found)
+                if isinstance(told, VerdictMessage):
+                    verdicts.append((other, told))
         if verdicts:
             raise _verdict_error(step, verdicts, self._describe)
         assert not isinstance(mine, CollectiveError)

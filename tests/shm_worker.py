@@ -202,10 +202,11 @@ def crash(peer: int, world: int) -> int:
     return 1
 
 
-def late(peer: int, world: int) -> int:
-    """The last peer comes late: the others time out naming it, so does it; then all go on."""
+def late(peer: int, world: int, delay: str = "2") -> int:
+    """The last peer comes ``delay`` s late: the others time out naming it, so does it; then all
+    go on."""
     if peer == world - 1:
-        time.sleep(2.0)
+        time.sleep(float(delay))
     try:
         col.all_reduce(peer, np.ones(3), timeout=1.0)
     except col.CollectiveTimeout as exc:

@@ -122,16 +122,18 @@ def test_a_leader_failing_in_shared_memory_fails_the_other_hosts_at_once_and_the
     assert all("AFTER" in proc.output() for proc in procs)
 
 
-@pytest.mark.parametrize("hosts", ["aab", "abb"])
-def test_a_late_process_is_named_by_the_timeout_on_every_other_process(orchestrator: str, hosts: str) -> None:
-    """Peer 2 comes 2 s late to a call with a 1 s timeout: the others' CollectiveTimeout names it,
-    on its host (found in shared memory) and on the other (found by the leaders)."""
-    procs = start(orchestrator, hosts, "late")
-    for rank, (proc, code) in enumerate(zip(procs, finish_all(procs, 60), strict=True)):
+@pytest.mark.parametrize("hosts", ["aab", "abb", "abc"])
+def test_a_late_process_is_named_by_the_timeout_everywhere_itself_included(
+    orchestrator: str, hosts: str
+) -> None:
+    """Peer 2 comes 3 s late to a call with a 1 s timeout (past the others' 1 s grace): every
+    process's CollectiveTimeout names it, on its host (found in shared memory), on the others
+    (found by the leaders), and its own when it comes (the others' verdict is waiting for it)."""
+    procs = start(orchestrator, hosts, "late", "3")
+    for proc, code in zip(procs, finish_all(procs, 60), strict=True):
         assert code == 0, proc.output()
-        if rank < 2:
-            _, line = proc.wait_for("TIMEOUT", 1)
-            assert line.startswith("TIMEOUT [2]") and "peer 2" in line, line
+        _, line = proc.wait_for("TIMEOUT", 1)
+        assert line.startswith("TIMEOUT [2]") and "peer 2" in line, line
 
 
 @pytest.mark.parametrize("hosts", ["ab", "aabb"])

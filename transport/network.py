@@ -293,6 +293,21 @@ class NodeNetwork:
         finally:
             self._lock.release()
 
+    def queued(
+        self, sources: list[int], seq: int, kind: str, channel: int = 0
+    ) -> list[tuple[int, dict[str, Any]]]:
+        """The messages of type ``kind`` for step ``seq`` that these nodes already sent and that
+        are here now, without waiting (e.g. a verdict behind a call): (node, header) each."""
+        with self._lock:
+            if self._router.poll(0):
+                self._drain()
+            return [
+                (src, header)
+                for src in sources
+                for header, _, _ in self._queues.get((src, channel), ())
+                if header["seq"] == seq and header["t"] == kind
+            ]
+
     def _pop(self, src: int, queue: deque[tuple[dict[str, Any], Any, int]]) -> Received:
         header, payload, size = queue.popleft()
         key = (src, header.get("ch", 0), header["seq"])
