@@ -8,11 +8,12 @@ way torchrun, Slurm and ``collective launch`` start jobs), the ThreePhase execut
    per collective). They agree on the call by the collective's own rules, and their inputs reach
    the host's leader (its lowest rank) the way the collective needs them: reduced (all_reduce,
    reduce, reduce_scatter, coalesced), gathered (all_gather, gather, all_to_all), the root's array
-   (broadcast, scatter: when the root runs on this host), or not at all (barrier);
+   (broadcast, scatter: when the root runs on this host and is not the leader), or not at all;
 2. the leaders run the global phase among hosts over ZeroMQ, as ThreePhase does among nodes, each
    with its host's inputs as a node's local peers' inputs;
-3. **out**: the leader broadcasts the host's product through shared memory (a barrier when the host
-   gets no result: a reduce or gather rooted elsewhere), and every process takes its result.
+3. **out**: the leader broadcasts the host's product through shared memory (a barrier when no other
+   process of the host gets a result: a reduce or gather rooted elsewhere or at the leader), and
+   every process takes its result.
 
 An error of phase 2 (a mismatch between hosts, a lost host) reaches the host's other processes in
 phase 3 as the same class; an error of phase 1 is every host process's verdict, and the leader
@@ -109,10 +110,10 @@ class _Inward:
             return Signature("reduce", agreed.op, 0, (total,), agreed.dtype)
         if kind in _GATHERED:
             return Signature("gather", None, 0, (total,), agreed.dtype)
-        if kind in ("broadcast", "scatter") and agreed.has_data and root is not None:
+        if kind in ("broadcast", "scatter") and agreed.has_data and root is not None and root != 0:
             size = total * (len(tier.members) if kind == "scatter" else 1)
             return Signature("broadcast", None, root, (size,), agreed.dtype)
-        return Signature("barrier")
+        return Signature("barrier")  # (a root that leads its host has its source already)
 
     def new_result(self, device: Device, moved: Signature, size: int, rank: int) -> Array | None:
         if moved.kind == "barrier" or (moved.kind != "broadcast" and rank != 0):
@@ -170,6 +171,9 @@ class HostTier:
         phase = _Phase(2 * plan.number, plan.label, plan.error)
         result = self.group.run(_Sub(phase, inward, step.deadline, step.timeout))
         assert inward.outer is not None and inward.movement is not None
+        if self.leader and inward.movement.kind == "barrier":  # a broadcast or scatter from here
+            src = call.source()
+            return inward.outer, [] if src is None else [src if type(src) is np.ndarray else src.get()]
         if not self.leader or result is None:
             return inward.outer, []
         if inward.movement.kind == "gather":
@@ -182,7 +186,9 @@ class HostTier:
         """Whether the host's processes take a product in phase 3 (else they meet at a barrier)."""
         if agreed.kind == "barrier":
             return False
-        return agreed.kind not in ("reduce", "gather") or agreed.root in self.ranks
+        if agreed.kind in ("reduce", "gather"):  # for the root only: none when it leads the host
+            return agreed.root in self.ranks[1:]
+        return True
 
     def send(self, step: Any, agreed: Signature, product: Any) -> None:
         """Phase 3 on the leader: the host's product to the others (nothing to do when alone)."""
