@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import zmq
 
-from collective import errors
 from collective.calls import rules_of
 from collective.config import CollectiveConfig
 from collective.errors import CollectiveError, CollectiveTimeout, MismatchError, PeerLostError
@@ -36,6 +35,7 @@ from collective.protocol import (
     as_sent,
     check_fields,
     decode_call,
+    verdict_error,
 )
 from collective.shm_executor import ShmGroup
 from collective.shm_host import HostRing
@@ -390,26 +390,9 @@ class NodeJob:
                 if isinstance(told, VerdictMessage):
                     verdicts.append((other, told))
         if verdicts:
-            raise _verdict_error(step, verdicts, self._describe)
+            raise verdict_error(step, verdicts, self._describe)
         assert not isinstance(mine, CollectiveError)
         calls[me] = as_sent(mine)  # (a long list of parts travels as its digest)
         agreed = agree(calls, f"#{step}", rules_of, who=self._who)
         self._agreed[channel] = step
         return agreed, payloads
-
-
-def _verdict_error(
-    step: int, verdicts: list[tuple[int, VerdictMessage]], describe: Callable[[int], str]
-) -> CollectiveError:
-    """The error of a step that failed locally on some node: its class, every node's message."""
-    cls = getattr(errors, verdicts[0][1].error_class, None)
-    if not (isinstance(cls, type) and issubclass(cls, CollectiveError)):
-        cls = CollectiveError
-    text = f"step {step} failed: " + "; ".join(
-        f"{describe(node)}: {verdict.message}" for node, verdict in verdicts
-    )
-    peers = sorted({peer for _, verdict in verdicts for peer in verdict.peers})
-    if cls is CollectiveTimeout or cls is PeerLostError:
-        return cls(text, peers)
-    error: CollectiveError = cls(text)
-    return error

@@ -18,11 +18,13 @@ fields every data chunk repeats so a receiver can compare them with its own.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
+from collective import errors
 from collective.algorithms.ops import ReduceOp
-from collective.errors import CollectiveError
+from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError
 from collective.signature import Signature
 from collective.transport.wire import WireError, dtype_from_name
 
@@ -36,6 +38,7 @@ __all__ = [
     "check_fields",
     "decode_call",
     "digested",
+    "verdict_error",
 ]
 
 MANY_PARTS = 256  # a call listing more arrays than this sends their digest (``digested``)
@@ -191,3 +194,20 @@ class P2PMessage:
         return cls(
             sender, receiver, tag, _shape(header.get("shape")), str(dtype_from_name(header.get("dtype")))
         )
+
+
+def verdict_error(
+    step: int, verdicts: list[tuple[int, VerdictMessage]], describe: Callable[[int], str]
+) -> CollectiveError:
+    """The error of a step that failed locally on some node: its class, every node's message."""
+    cls = getattr(errors, verdicts[0][1].error_class, None)
+    if not (isinstance(cls, type) and issubclass(cls, CollectiveError)):
+        cls = CollectiveError
+    text = f"step {step} failed: " + "; ".join(
+        f"{describe(node)}: {verdict.message}" for node, verdict in verdicts
+    )
+    peers = sorted({peer for _, verdict in verdicts for peer in verdict.peers})
+    if cls is CollectiveTimeout or cls is PeerLostError:
+        return cls(text, peers)
+    error: CollectiveError = cls(text)
+    return error
