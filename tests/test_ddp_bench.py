@@ -30,3 +30,11 @@ def test_report_checks_each_target_on_the_medians() -> None:
     assert any(line.startswith("target overlap (1024 rows)") and line.endswith("1.10x met") for line in lines)
     assert any(line.startswith("target idle (0.5 ms") and line.endswith("2.20x NOT met") for line in lines)
     assert any(line.startswith("mlp26") and "0.29x" in line for line in lines)  # none / gloo-ddp
+
+
+def test_hosts_names_one_host_per_process() -> None:
+    from collective.bench.ddp_bench import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["--hosts", "abc"])
+    assert refused.value.code == 2
