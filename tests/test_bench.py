@@ -323,3 +323,17 @@ def test_host_tier_bench_times_the_tier_beside_the_flat_path(capsys: pytest.Capt
     (row,) = [line.split() for line in out.splitlines() if line.strip().startswith("all_reduce")]
     assert float(row[3]) > 0 and float(row[5]) > 0 and row[-1].endswith("x"), out  # tier, flat, a ratio
     assert "# wrong result elements: 0" in out
+
+
+def test_thread_floor_bench_times_the_floor_the_baseline_and_ours(capsys: pytest.CaptureFixture[str]) -> None:
+    from collective.bench import thread_floor
+
+    assert thread_floor.main(["--peers", "2", "--calls", "50", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    rows = {
+        line.split()[0]: line.split()[1:]
+        for line in out.splitlines()
+        if line.split()[:1] in (["floor"], ["trivial"], ["ours"])
+    }
+    assert set(rows) == {"floor", "trivial", "ours"}, out
+    assert all(float(wall) > 0 and float(cpu) > 0 for wall, cpu, _ in rows.values()), out

@@ -1,0 +1,159 @@
+"""What a small collective among thread peers costs here, against the least any could cost.
+
+    python -m collective.bench.thread_floor [--peers 4] [--calls 3000] [--rounds 3]
+
+``--peers`` threads of this process call an 8 B float32 all_reduce back to back, three ways, and
+each reports wall and CPU time (``time.thread_time``) per call, the slowest peer's:
+
+* ``floor``: the least a one-wake-up collective can do in Python: a counter under a lock; the
+  last peer to arrive sums the inputs and releases one lock per waiting peer (one wake-up each);
+* ``trivial``: the reference baseline's schedule (../shared/reference-bench): two
+  ``threading.Barrier`` waits per call;
+* ``ours``: ``Runtime.all_reduce`` with ``out=`` (the Fused executor: one wake-up per waiting peer).
+
+The gap between ``ours`` and ``floor`` is the part of our time that is neither numpy nor the
+wake-ups themselves: the per-call Python path, which every GIL hand-off between peers waits for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from collective.config import CollectiveConfig
+from collective.runtime import Runtime
+
+__all__ = ["main", "measure"]
+
+Loop = Callable[[int], None]
+
+
+def _timed(peers: int, loop: Loop, setup: Loop | None = None) -> tuple[float, float]:
+    """(wall, CPU) seconds of the slowest peer's ``loop(rank)``, after every ``setup(rank)``."""
+    times: dict[int, tuple[float, float]] = {}
+    start = threading.Barrier(peers)
+
+    def run(rank: int) -> None:
+        if setup is not None:
+            setup(rank)
+        start.wait()
+        cpu, wall = time.thread_time(), time.perf_counter()
+        loop(rank)
+        times[rank] = (time.perf_counter() - wall, time.thread_time() - cpu)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(peers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return max(w for w, _ in times.values()), max(c for _, c in times.values())
+
+
+def floor(peers: int, calls: int) -> tuple[float, float]:
+    lock, bells = threading.Lock(), [threading.Lock() for _ in range(peers)]
+    for bell in bells:
+        bell.acquire()
+    arrived = [0]
+    inputs = [np.ones(2, np.float32) for _ in range(peers)]
+    outputs = [np.empty(2, np.float32) for _ in range(peers)]
+    results: list[np.ndarray] = [inputs[0]] * peers
+
+    def loop(rank: int) -> None:
+        for _ in range(calls):
+            with lock:
+                arrived[0] += 1
+                last = arrived[0] == peers
+                if last:
+                    arrived[0] = 0
+                    total = inputs[0].copy()
+                    for other in inputs[1:]:
+                        total += other
+                    results[:] = [total] * peers
+            if last:
+                for other, bell in enumerate(bells):
+                    if other != rank:
+                        bell.release()
+            else:
+                bells[rank].acquire()
+            outputs[rank][...] = results[rank]
+
+    wall, cpu = _timed(peers, loop)
+    return wall / calls * 1e6, cpu / calls * 1e6
+
+
+def trivial(peers: int, calls: int) -> tuple[float, float]:
+    barrier = threading.Barrier(peers)
+    inputs = [np.ones(2, np.float32) for _ in range(peers)]
+    outputs = [np.empty(2, np.float32) for _ in range(peers)]
+    result = np.empty(2, np.float32)
+
+    def loop(rank: int) -> None:
+        for _ in range(calls):
+            barrier.wait()
+            if rank == 0:
+                np.copyto(result, inputs[0])
+                for other in inputs[1:]:
+                    np.add(result, other, out=result)
+            barrier.wait()
+            np.copyto(outputs[rank], result)
+
+    wall, cpu = _timed(peers, loop)
+    return wall / calls * 1e6, cpu / calls * 1e6
+
+
+def ours(peers: int, calls: int) -> tuple[float, float]:
+    with Runtime() as runtime:
+        config = CollectiveConfig(num_devices=peers, timeout=120)
+        x, out = np.ones(2, np.float32), [np.empty(2, np.float32) for _ in range(peers)]
+
+        def setup(rank: int) -> None:
+            runtime.register(rank, "cpu", config)  # (returns once every peer registered)
+            for _ in range(20):
+                runtime.all_reduce(rank, x, out=out[rank])
+
+        def loop(rank: int) -> None:
+            for _ in range(calls):
+                runtime.all_reduce(rank, x, out=out[rank])
+
+        wall, cpu = _timed(peers, loop, setup)
+    return wall / calls * 1e6, cpu / calls * 1e6
+
+
+WAYS = {"floor": floor, "trivial": trivial, "ours": ours}
+
+
+def measure(peers: int, calls: int, rounds: int) -> dict[str, list[tuple[float, float]]]:
+    """Per way, one (wall, CPU) figure per round; the ways take turns."""
+    found: dict[str, list[tuple[float, float]]] = {name: [] for name in WAYS}
+    for _ in range(rounds):
+        for name, way in WAYS.items():
+            found[name].append(way(peers, calls))
+    return found
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--calls", type=int, default=3000, help="calls per round and way")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    found = measure(args.peers, args.calls, args.rounds)
+    print(f"# {args.peers} thread peers, 8 B all_reduce back to back; medians of {args.rounds} rounds")
+    print(f"{'way':>8} {'wall us':>9} {'CPU us':>8} {'x floor':>8}")
+    base = statistics.median(w for w, _ in found["floor"])
+    for name, figures in found.items():
+        wall, cpu = statistics.median(w for w, _ in figures), statistics.median(c for _, c in figures)
+        print(f"{name:>8} {wall:>9.1f} {cpu:>8.1f} {wall / base:>7.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
