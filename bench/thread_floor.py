@@ -73,7 +73,7 @@ def floor(peers: int, calls: int) -> tuple[float, float]:
                     arrived[0] = 0
                     total = inputs[0].copy()
                     for other in inputs[1:]:
-                        total += other
+                        np.add(total, other, out=total)
                     results[:] = [total] * peers
             if last:
                 for other, bell in enumerate(bells):
