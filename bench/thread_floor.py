@@ -76,8 +76,8 @@ def floor(peers: int, calls: int) -> tuple[float, float]:
                         np.add(total, other, out=total)
                     results[:] = [total] * peers
             if last:
-                for other, bell in enumerate(bells):
-                    if other != rank:
+                for waiter, bell in enumerate(bells):
+                    if waiter != rank:
                         bell.release()
             else:
                 bells[rank].acquire()
