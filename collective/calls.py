@@ -18,8 +18,8 @@ from collective.call import Call, Strategies, blocks, reduce_all, slice_of
 from collective.signature import Rules, Signature
 
 __all__ = [
-    "CALLS", "RULES", "AllGather", "AllReduce", "AllToAll", "Barrier", "Broadcast", "Coalesced", "Gather",
-    "Reduce", "ReduceScatter", "Scatter", "rules_of",
+    "CALLS", "RULES", "WHOLE", "AllGather", "AllReduce", "AllToAll", "Barrier", "Broadcast", "Coalesced",
+    "Gather", "Reduce", "ReduceScatter", "Scatter", "rules_of",
 ]  # fmt: skip
 
 
@@ -369,6 +369,9 @@ class Coalesced(AllReduce):
     def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:
         return super().describe(op, problem)._replace(parts=self.parts)
 
+
+# kinds whose result is the whole array every rank that gets one gets (a node's product is it)
+WHOLE = frozenset(["all_reduce", "reduce", "broadcast", "all_reduce_coalesced"])
 
 CALLS: dict[str, type[Call]] = {
     cls.kind: cls for cls in (AllReduce, Reduce, Broadcast, AllGather, Gather, ReduceScatter, AllToAll,

@@ -32,7 +32,7 @@ import numpy as np
 from collective.algorithms.ops import Array, copy_into
 from collective.arrays import CPU, Device
 from collective.call import Call
-from collective.calls import Barrier, Broadcast
+from collective.calls import WHOLE, Barrier, Broadcast
 from collective.errors import CollectiveError
 from collective.layout import Layout
 from collective.pool import pool
@@ -45,7 +45,6 @@ __all__ = ["HostTier"]
 
 
 _GATHERED = frozenset(["all_gather", "gather", "all_to_all"])
-_WHOLE = frozenset(["all_reduce", "reduce", "broadcast", "all_reduce_coalesced"])  # product == result
 
 
 class _Phase:
@@ -198,7 +197,7 @@ class HostTier:
             out: Call = Barrier()
         else:
             shaped = product
-            if agreed.kind in _WHOLE and agreed.shape is not None:
+            if agreed.kind in WHOLE and agreed.shape is not None:
                 shaped = product.reshape(agreed.shape)
             elif agreed.kind == "scatter" and agreed.shape is not None:
                 shaped = product.reshape(self.layout.width, *agreed.shape)
@@ -236,7 +235,7 @@ class HostTier:
             return agreed, None, None
         kind = agreed.kind
         into = None
-        if kind in _WHOLE and agreed.shape is not None and (kind != "reduce" or agreed.root == step.rank):
+        if kind in WHOLE and agreed.shape is not None and (kind != "reduce" or agreed.root == step.rank):
             into = call.new_result(call.device, agreed, step.plan.size, step.rank)
             if into is not None and type(into) is not np.ndarray:
                 into = None  # a CuPy result: received on the host, then copied over

@@ -27,6 +27,7 @@ import numpy as np
 from collective.algorithms.ops import Array, array_module
 from collective.arrays import flat
 from collective.call import reduce_all
+from collective.calls import WHOLE
 from collective.errors import CollectiveError, MismatchError, PeerLostError
 from collective.layout import Layout
 from collective.protocol import VERDICT_GRACE
@@ -112,9 +113,6 @@ def _take(kind: str, product: Any, rank: int, layout: Layout, dst: Array) -> Non
         _rows(dst, n)[...] = grid[np.asarray(layout.position), np.asarray(layout.local), layout.local[rank]]
     else:
         dst[...] = product
-
-
-_WHOLE = frozenset(["all_reduce", "reduce", "broadcast", "all_reduce_coalesced"])  # product == result
 
 
 def _contribution_size(kind: str, agreed: Signature, layout: Layout) -> int:
@@ -231,7 +229,7 @@ class ThreePhase:
             result = None
             if kind in ("reduce", "gather") and root != layout.me:
                 product = None
-            elif kind in _WHOLE and self.exchange is None and call.out is not call.x:
+            elif kind in WHOLE and self.exchange is None and call.out is not call.x:
                 result = call.new_result(call.device, agreed, plan.size, step.rank)
                 host = None if result is None else flat(result)
                 product = host if isinstance(host, np.ndarray) else np.empty(size, agreed.dtype)
