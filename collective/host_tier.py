@@ -134,6 +134,12 @@ class _Inward:
             copy_into(dst, inputs[moved.root])
 
 
+def _own(call: Call) -> list[Any]:
+    """This process's input as the leader's inputs (in host memory), or none."""
+    src = call.source()
+    return [] if src is None else [CPU.adopt(src)]
+
+
 class HostTier:
     """This process's part of a group spanning hosts: the group's processes on its host (one peer
     each, by group rank), their ShmGroup (None when this is the host's only one), the layout of
@@ -164,15 +170,13 @@ class HostTier:
         """
         plan, call = step.plan, step.call
         if self.group is None:
-            src = call.source()
-            return plan.agreed, [] if src is None else [src if type(src) is np.ndarray else src.get()]
+            return plan.agreed, _own(call)
         inward = _Inward(call, self)
         phase = _Phase(2 * plan.number, plan.label, plan.error)
         result = self.group.run(_Sub(phase, inward, step.deadline, step.timeout))
         assert inward.outer is not None and inward.movement is not None
         if self.leader and inward.movement.kind == "barrier":  # a broadcast or scatter from here
-            src = call.source()
-            return inward.outer, [] if src is None else [src if type(src) is np.ndarray else src.get()]
+            return inward.outer, _own(call)
         if not self.leader or result is None:
             return inward.outer, []
         if inward.movement.kind == "gather":

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import zmq
@@ -48,6 +48,8 @@ from collective.transport.wire import WireError, dtype_from_name
 from collective.transport.zmq_link import ZmqLink
 
 __all__ = ["NodeJob"]
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -234,12 +236,7 @@ class NodeJob:
         every one of those processes runs on this host (the same host identity and user) with a ring
         segment: a rule every process of the group evaluates the same way from the topology.
         """
-        if members in self._shm_groups:
-            return self._shm_groups[members]
-        with self._join_lock:
-            if members not in self._shm_groups:
-                self._shm_groups[members] = self._shm_group(members)
-            return self._shm_groups[members]
+        return self._once(self._shm_groups, members, self._shm_group)
 
     def _shm_group(self, members: tuple[int, ...]) -> ShmGroup | None:
         assert self.topology is not None
@@ -256,11 +253,17 @@ class NodeJob:
         apply: it applies when every peer of the group is the only one of its process in the
         group, every process has a ring segment, the group spans several hosts and some host runs
         several of its processes. Every process of the group decides the same from the topology."""
-        if members not in self._tiers:
+        return self._once(self._tiers, members, self._tier)
+
+    def _once(
+        self, table: dict[tuple[int, ...], T], members: tuple[int, ...], make: Callable[[tuple[int, ...]], T]
+    ) -> T:
+        """``table[members]``, made by ``make(members)`` the first time (once, under the join lock)."""
+        if members not in table:
             with self._join_lock:
-                if members not in self._tiers:
-                    self._tiers[members] = self._tier(members)
-        return self._tiers[members]
+                if members not in table:
+                    table[members] = make(members)
+        return table[members]
 
     def _tier(self, members: tuple[int, ...]) -> HostTier | None:
         assert self.topology is not None

@@ -34,6 +34,7 @@ import numpy as np
 
 from collective import errors
 from collective.algorithms.ops import Array
+from collective.arrays import CPU
 from collective.call import reduce_all
 from collective.calls import rules_of
 from collective.errors import (
@@ -85,7 +86,6 @@ class ShmGroup:
         self._channels: list[Any] = []  # every member's channel, by rank (once all were found)
         self._heads: list[list[Any]] = [[], []]  # every member's slot head, by slot and rank
         self._agreed: dict[tuple[Any, ...], Any] = {}  # (agreed call, inline inputs) by digests and sizes
-        self._inputs: list[Any] | None = None  # the inline inputs of the step in flight
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -130,8 +130,8 @@ class ShmGroup:
             src, source = None, Pieces(pieces)  # read in place by the chunks, never packed
         else:
             src = call.source()
-            if src is not None and type(src) is not np.ndarray:
-                src = src.get()  # a CuPy input: through the host
+            if src is not None:
+                src = CPU.adopt(src)  # a CuPy input: through the host
             source = src
         message, digest = self.codec.encode(call.signature)
         self._publish(
@@ -141,8 +141,8 @@ class ShmGroup:
             raise plan.error  # recorded for the others by run()
         self._wait_all(at(s, ARRIVE), deadline)
         self._met = s
-        agreed = call.moved(self._agree(s, slot, message, digest, call))
-        inputs = self._inputs
+        agreed, inputs = self._agree(s, slot, message, digest, call)
+        agreed = call.moved(agreed)
         result = call.new_result(call.device, agreed, self.n, self.rank)
         target: Any = result if result is None or result.ndim == 1 else result.reshape(-1)  # C-contiguous
         host = target is None or type(target) is np.ndarray
@@ -193,9 +193,11 @@ class ShmGroup:
         head[0] = s
         self.post((s << 32) | ARRIVE)
 
-    def _agree(self, s: int, slot: int, message: bytes, digest: int, call: Any) -> Signature:
-        """The agreed call; ``_inputs`` becomes every member's inline input for a small step (None
-        for a large one), sized for the data the call moves (``Call.moved``).
+    def _agree(
+        self, s: int, slot: int, message: bytes, digest: int, call: Any
+    ) -> tuple[Signature, list[Any] | None]:
+        """The agreed call and every member's inline input for a small step (None for a large one),
+        sized for the data the call moves (``Call.moved``).
 
         When every member published the digest of this process's message and the call has neither
         a problem nor a source to find, that is the agreed call; otherwise every message is decoded
@@ -216,8 +218,7 @@ class ShmGroup:
             if len(self._agreed) > 32:
                 self._agreed.clear()
             self._agreed[key] = found
-        agreed, self._inputs = found
-        return agreed
+        return found
 
     def _agreed_anew(
         self, s: int, slot: int, message: bytes, digest: int, channels: list[Any], heads: list[Any], call: Any

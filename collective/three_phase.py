@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from collective.algorithms.ops import Array, array_module
-from collective.arrays import flat
+from collective.arrays import CPU, flat
 from collective.call import reduce_all
 from collective.calls import WHOLE
 from collective.errors import CollectiveError, MismatchError, PeerLostError
@@ -259,7 +259,7 @@ def _result(step: Step, agreed: Signature, product: Any, layout: Layout) -> Arra
 
 
 def _host(array: Array | None) -> np.ndarray | None:
-    return array if array is None or isinstance(array, np.ndarray) else array.get()
+    return None if array is None else CPU.adopt(array)
 
 
 def _payload(payload: Any, agreed: Signature, size: int) -> Any:
