@@ -127,6 +127,7 @@ def _worker(backend: str, steps: int, out: str) -> int:
     if rank == 0:
         with open(out, "w") as handle:
             json.dump(record, handle)
+    dist.barrier()  # leave together: gloo aborted a rank torn down while its peer was still busy
     dist.destroy_process_group()
     return 0
 
