@@ -18,6 +18,7 @@ from collective.errors import InvalidArgumentError
 Array = Any  # numpy.ndarray or cupy.ndarray: both expose the array API used here
 
 __all__ = [
+    "NUMPY_UFUNCS",
     "Array",
     "ReduceOp",
     "array_module",
@@ -72,7 +73,7 @@ _UFUNC_NAMES = {
 }
 
 
-_NUMPY_UFUNCS = {op: getattr(np, name) for op, name in _UFUNC_NAMES.items()}
+NUMPY_UFUNCS = {op: getattr(np, name) for op, name in _UFUNC_NAMES.items()}
 
 
 def array_module(array: Array) -> types.ModuleType:
@@ -90,7 +91,7 @@ def array_module(array: Array) -> types.ModuleType:
 def combine(op: ReduceOp, a: Array, b: Array, out: Array) -> None:
     """out = op(a, b) elementwise; ``out`` may be ``a`` or ``b``. Commutative, so bit-identical either way."""
     if type(out) is np.ndarray:
-        _NUMPY_UFUNCS[op](a, b, out=out)
+        NUMPY_UFUNCS[op](a, b, out=out)
         return
     ufunc = getattr(array_module(out), op.ufunc_name)
     ufunc(a, b, out=out)

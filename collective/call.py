@@ -22,13 +22,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
+import numpy as np
+
 from collective.algorithms.link import Link
-from collective.algorithms.ops import Array, ReduceOp, array_module, combine, copy_into
+from collective.algorithms.ops import NUMPY_UFUNCS, Array, ReduceOp, array_module, combine, copy_into
 from collective.arrays import CPU, Device, check_array, check_out, flat, same_memory, scale_for_mean
 from collective.errors import InvalidArgumentError
 from collective.pool import pool
 from collective.signature import Rules, Signature, describe_peers
-from collective.tensors import identity, native
+from collective.tensors import Back, identity, native
 
 __all__ = ["Call", "Strategies", "blocks", "reduce_all", "slice_of"]
 
@@ -46,8 +48,15 @@ def reduce_all(op: ReduceOp, inputs: list[Any], out: Array | None = None) -> Arr
         copy_into(out, inputs[0])
         return out
     first = inputs[0]
+    if type(first) is np.ndarray:  # the ufunc itself: this runs on every small step
+        ufunc = NUMPY_UFUNCS[op]
+        result = out if out is not None else np.empty(first.shape, first.dtype)
+        ufunc(first, inputs[1], out=result)
+        for other in inputs[2:]:
+            ufunc(result, other, out=result)
+        return result
     result = out if out is not None else array_module(first).empty(first.shape, first.dtype)
-    combine(op, inputs[0], inputs[1], result)
+    combine(op, first, inputs[1], result)
     for other in inputs[2:]:
         combine(op, result, other, result)
     return result
@@ -83,8 +92,15 @@ class Call:
     alias_safe: ClassVar[bool] = True  # its schedules may write ``out`` while it is also ``x``
     source_elsewhere: ClassVar[bool] = False  # a sourced call may find its source outside the group
 
+    __slots__ = (
+        "back", "device", "op", "op_arg", "out", "out_given", "problem", "root", "root_peer", "signature",
+        "src", "x",
+    )  # fmt: skip
+
     def __init__(self, x: Any = None, op: Any = "sum", root: Any = None, out: Any = None) -> None:
-        self.x, self.back = native(x)  # a numpy or CuPy view of x, and how results go back to x's kind
+        viewed, back = (x, identity) if type(x) is np.ndarray else native(x)
+        self.x: Any = viewed  # a numpy or CuPy view of x
+        self.back: Back = back  # how results go back to x's kind
         self.op_arg = op
         self.root = root
         self.out_given = out
@@ -107,7 +123,13 @@ class Call:
         given as a peer id; from here on ``root`` is its rank in the group.
         """
         self.device = device
-        op, problem = parse_op(self.op_arg) if self.reduces else (None, None)
+        op: ReduceOp | None = None
+        problem: str | None = None
+        if self.reduces:
+            op_arg = self.op_arg
+            op = _SPELLED.get(op_arg) if type(op_arg) is str or type(op_arg) is ReduceOp else None
+            if op is None:
+                op, problem = parse_op(op_arg)
         self.op = op
         self.root_peer = self.root
         if self.rooted:
@@ -119,7 +141,8 @@ class Call:
             problem = self.problem or self.check(device, len(members), rank)
         self.signature = self.describe(op, problem)
         if problem is None and self.x is not None:
-            self.src = flat(self.x)
+            x = self.x
+            self.src = x.ravel() if type(x) is np.ndarray else flat(x)
         return self.signature
 
     def source(self) -> Array | None:

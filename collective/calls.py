@@ -24,6 +24,7 @@ __all__ = [
 
 
 class AllReduce(Call):
+    __slots__ = ()
     kind = "all_reduce"
 
     @classmethod
@@ -52,6 +53,7 @@ class AllReduce(Call):
 
 
 class Reduce(AllReduce):
+    __slots__ = ()
     kind = "reduce"
     rules = Rules(("op", "root", "shape", "dtype"))
     rooted = True
@@ -85,6 +87,7 @@ class Reduce(AllReduce):
 class Broadcast(Call):
     """The one peer that passes an array is the root; the others pass None (and maybe ``out``)."""
 
+    __slots__ = ()
     kind = "broadcast"
     rules = Rules((), sourced=True, stated=("shape", "dtype"))
     reduces = False
@@ -123,6 +126,7 @@ class Broadcast(Call):
 class AllGather(Call):
     """Result (group size, *x.shape): block i is rank i's x."""
 
+    __slots__ = ()
     kind = "all_gather"
     rules = Rules(("shape", "dtype"))
     reduces = False
@@ -155,6 +159,7 @@ class AllGather(Call):
 class Gather(AllGather):
     """All-gather onto the root only."""
 
+    __slots__ = ()
     kind = "gather"
     rules = Rules(("root", "shape", "dtype"))
     rooted = True
@@ -188,6 +193,8 @@ class Gather(AllGather):
 class _Blocked(Call):
     """A call whose x.shape[0] is the group size times k (reduce_scatter, all_to_all)."""
 
+    __slots__ = ()
+
     def check(self, device: Device, size: int, rank: int) -> str | None:
         problem = check_array(self.x, device, None)
         if problem is None and (self.x.ndim == 0 or self.x.shape[0] % size):
@@ -202,6 +209,7 @@ class _Blocked(Call):
 class ReduceScatter(_Blocked):
     """Rank i gets op over every rank of rows i*k..(i+1)*k of x (x.shape[0] = size*k)."""
 
+    __slots__ = ()
     kind = "reduce_scatter"
 
     def own_shape(self, size: int) -> tuple[int, ...]:
@@ -234,6 +242,7 @@ class ReduceScatter(_Blocked):
 class AllToAll(_Blocked):
     """Block j of x goes to rank j; block i of the result came from rank i."""
 
+    __slots__ = ()
     kind = "all_to_all"
     rules = Rules(("shape", "dtype"))
     reduces = False
@@ -262,6 +271,7 @@ class AllToAll(_Blocked):
 class Scatter(Call):
     """The root passes (group size, *shape); rank i gets row i. The others pass None."""
 
+    __slots__ = ()
     kind = "scatter"
     rules = Rules(("root",), sourced=True, stated=("shape", "dtype"))
     reduces = False
@@ -313,6 +323,7 @@ class Scatter(Call):
 class Barrier(Call):
     """No data: every peer returns once every peer has entered."""
 
+    __slots__ = ()
     kind = "barrier"
     rules = Rules(())
     reduces = False
@@ -340,6 +351,7 @@ class Coalesced(AllReduce):
     """One dtype's bucket of an all_reduce_coalesced (collective.coalesced); ``parts`` lists the
     shape and dtype of every array of the whole list, so peers whose lists differ disagree."""
 
+    __slots__ = ("parts", "pieces")
     kind = "all_reduce_coalesced"
     rules = Rules(("op", "parts", "shape", "dtype"))
 

@@ -1,7 +1,7 @@
 """Executors: the ways one agreed collective runs, behind one interface, chosen in one place.
 
 * ``Fused``: small numpy arrays in one process. The last peer at the rendezvous computes every
-  peer's result (``Call.fuse``); each peer copies its own. One wake-up per peer.
+  peer's result (``Call.fuse``) and writes it where that peer gets it. One wake-up per peer.
 * ``Shared``: mid-size numpy arrays in one process. Every peer reads the others' inputs directly
   and does its share (``Call.part``: e.g. its slice of a reduction), all meet at one barrier, then
   each finishes (``Call.after``: e.g. copies the shared result out).
@@ -61,7 +61,7 @@ def choose(
         return ThreePhase(site, members, local, label, site.node.tier(members))
     inputs = [call.source() for call in calls]
     if site.fuse_below and _numpy_within(inputs, site.fuse_below):
-        return Fused(type(calls[0]).fuse(agreed, inputs))
+        return Fused(agreed, calls, type(calls[0]).fuse(agreed, inputs))
     exchange = Exchange(members, label)
     site.exchanges.add(exchange)
     if site.share_below and _numpy_within(inputs, site.share_below):
@@ -87,18 +87,26 @@ def _target(step: Step) -> tuple[Array | None, Array | None, Array | None]:
 
 
 class Fused:
-    """Every peer's result was computed at the rendezvous; each peer copies its own (a result
-    computed before the step needs no scratch, even for all_to_all in place)."""
+    """The last peer at the rendezvous computed every peer's result and wrote it into that peer's
+    ``out`` or a new array, so a woken peer only returns it: a woken peer with work left would queue
+    for the GIL behind the others (measured: the slower the path after the wake-up, the more
+    wake-ups wait for the GIL). In one process every member is local, so local index = rank.
 
-    def __init__(self, results: list[Any]) -> None:
-        self.results = results
+    ``fused`` holds fresh arrays (never views of an input), so writing a result into ``out = x``
+    cannot change what another rank reads, even for all_to_all in place.
+    """
+
+    def __init__(self, agreed: Signature, calls: list[Call], fused: list[Any]) -> None:
+        size = len(calls)
+        self.results: list[Array | None] = []
+        for rank, call in enumerate(calls):
+            result = call.new_result(call.device, agreed, size, rank)
+            if result is not None:
+                result.reshape(-1)[...] = fused[rank]  # results are C-contiguous numpy arrays
+            self.results.append(result)
 
     def run(self, step: Step) -> Array | None:
-        call, plan = step.call, step.plan
-        result = call.new_result(call.device, plan.agreed, plan.size, step.rank)
-        if result is not None:
-            copy_into(flat(result), self.results[step.rank])
-        return result
+        return self.results[step.rank]
 
     def abort(self, error: CollectiveError) -> None:
         """Nobody waits for anybody on this path."""

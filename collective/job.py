@@ -72,7 +72,7 @@ class LocalJob:
         self._bells: dict[int, Doorbell] = {}
         self._registered: set[int] = set()
         self._active = False
-        self._left: set[int] = set()
+        self.left: set[int] = set()
         self._closed: JobClosedError | None = None
         self._registration_failed: CollectiveTimeout | None = None
         self._groups: dict[tuple[int, ...], Rendezvous] = {}
@@ -112,7 +112,7 @@ class LocalJob:
         """Claim ``peer``'s place in this job, or raise RegistrationError and change nothing."""
         with self._guard:
             self._raise_if_closed()
-            if peer in self._left:
+            if peer in self.left:
                 raise RegistrationError(
                     f"peer {peer} already finished this job; it cannot rejoin it. Once peers "
                     f"{sorted(self._registered)} have called finish(), register again to start a new job"
@@ -162,7 +162,7 @@ class LocalJob:
         with self._guard:
             self.check_member(peer)
             self._registered.discard(peer)
-            self._left.add(peer)
+            self.left.add(peer)
             for rendezvous in self._groups.values():
                 if peer in rendezvous.local:
                     rendezvous.fail_open(
@@ -188,14 +188,14 @@ class LocalJob:
         """Raise RegistrationError (or JobClosedError) unless ``peer`` is registered (lock held)."""
         if self._closed is not None:
             raise clone_error(self._closed)
-        if peer in self._left:
+        if peer in self.left:
             raise RegistrationError(f"peer {peer} has finished; call register() to start a new job")
         if peer not in self._registered:
             raise RegistrationError(f"peer {peer} is not registered: call register() first")
 
     def gone_among(self, peers: tuple[int, ...]) -> list[int]:
         """The peers of ``peers`` that left the job (lock held)."""
-        return sorted(self._left.intersection(peers)) if self._left else []
+        return sorted(self.left.intersection(peers)) if self.left else []
 
     # -- groups -------------------------------------------------------------------------------
 

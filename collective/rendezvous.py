@@ -4,8 +4,8 @@ Each local peer of a group counts its own calls on the group (its steps); the i-
 peer meets in slot i. The last peer to arrive runs the agreement over every peer's signature and
 asks ``executors.choose`` how the step runs; every waiting peer wakes with the same verdict, a
 ``Step`` or the same error. Because steps are counted per peer, after a timeout or a mismatch all
-peers move on together: the group stays usable. Groups are independent: each has its own steps,
-its own busy state per peer and its own slots, so calls on different groups run concurrently.
+peers move on together: the group stays usable. Groups are independent: each has its own steps
+and its own slots, so calls on different groups run concurrently.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any, Protocol
 from collective.arrays import Device
 from collective.call import Call
 from collective.calls import rules_of
-from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError, RegistrationError
+from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError
 from collective.executors import choose
-from collective.signature import Signature, agree, describe_peers
+from collective.signature import Signature, agree, describe_peers, unanimous
 from collective.step import Executor, Plan, Site, Step
 from collective.transport.inproc import Doorbell, clone_error, ring_claimed
 
@@ -31,6 +31,7 @@ class Membership(Protocol):
 
     site: Site
     lock: threading.Lock
+    left: set[int]  # peers that left the job (finish)
 
     @property
     def guard(self) -> AbstractContextManager[None]: ...
@@ -70,7 +71,6 @@ class Rendezvous:
         self._ranks = [members.index(peer) for peer in local]
         self._alone = len(local) == 1  # one local peer: nobody to meet here, it decides at once
         self._next = [0] * len(local)
-        self._busy = [threading.Lock() for _ in local]
         self.bells = [Doorbell() for _ in local]  # one per local peer and group: a peer may wait in several
         self._slots: dict[int, _Slot] = {}
         self._sourced: dict[Signature, Signature] = {}  # the lone peer's sourced calls, as agreed
@@ -82,41 +82,29 @@ class Rendezvous:
 
     def run(self, peer: int, device: Device, timeout: float, call: Call) -> Any:
         """Run ``call`` for ``peer``: check it, meet the others, execute the agreed step."""
-        call.prepare(device, self.members, self._ranks[self._index[peer]])
+        index = self._index[peer]
+        call.prepare(device, self.members, self._ranks[index])
         deadline = time.monotonic() + timeout
-        with self.step(peer, call, deadline, timeout) as step:
-            return step.run()
+        return self.step(peer, index, call, deadline, timeout).run()
 
-    def step(self, peer: int, call: Call, deadline: float, timeout: float) -> Step:
+    def step(self, peer: int, index: int, call: Call, deadline: float, timeout: float) -> Step:
         """Post ``call`` at this peer's next step and wait for the verdict: a Step, or the shared error.
 
         Raises MismatchError, InvalidArgumentError, CollectiveTimeout (naming the peers that never
-        arrived), PeerLostError, JobClosedError, and RegistrationError for a peer already inside a
-        collective of this group.
+        arrived), PeerLostError and JobClosedError.
         """
-        index = self._index[peer]
-        busy = self._busy[index]
-        if not busy.acquire(blocking=False):
-            raise RegistrationError(
-                f"peer {peer} is already inside a collective of this group: drive each peer's calls on a "
-                f"group from one thread, or use async_op=True"
-            )
-        try:
-            reporter: int | None = 0
-            if self._alone:
-                number, outcome = self._decide_alone(peer, call)
-            else:
-                slot = self._arrive(index, peer, call)
-                outcome = self._await(slot, index, call, deadline, timeout)
-                number, reporter = slot.number, slot.reporter
-            if isinstance(outcome, CollectiveError):
-                if reporter == index and self.job.site.node is not None:
-                    return self._reporting(number, peer, index, call, outcome, deadline, timeout, busy)
-                raise clone_error(outcome)
-        except BaseException:
-            busy.release()
-            raise
-        return Step(outcome, peer, index, self._ranks[index], call, deadline, timeout, busy)
+        reporter: int | None = 0
+        if self._alone:
+            number, outcome = self._decide_alone(peer, call)
+        else:
+            slot, verdict = self._arrive(index, peer, call)
+            outcome = verdict if verdict is not None else self._await(slot, index, call, deadline, timeout)
+            number, reporter = slot.number, slot.reporter
+        if isinstance(outcome, CollectiveError):
+            if reporter == index and self.job.site.node is not None:
+                return self._reporting(number, peer, index, call, outcome, deadline, timeout)
+            raise clone_error(outcome)
+        return Step(outcome, peer, index, self._ranks[index], call, deadline, timeout)
 
     def _reporting(
         self,
@@ -127,50 +115,62 @@ class Rendezvous:
         error: CollectiveError,
         deadline: float,
         timeout: float,
-        busy: threading.Lock,
     ) -> Step:
         """Multi-node: the one local peer that tells the other nodes this step failed here."""
         label = f"{call.kind} #{number}"
         executor = choose(self.job.site, self.members, self.local, call.signature, [], label)
         plan = Plan(number, label, call.signature, [call], self.members, executor, clone_error(error))
-        return Step(plan, peer, index, self._ranks[index], call, deadline, timeout, busy)
+        return Step(plan, peer, index, self._ranks[index], call, deadline, timeout)
 
-    def _arrive(self, index: int, peer: int, call: Call) -> _Slot:
-        """Post the call at this peer's next step; the last peer to arrive decides the outcome."""
+    def _arrive(self, index: int, peer: int, call: Call) -> tuple[_Slot, Plan | CollectiveError | None]:
+        """Post the call at this peer's next step; the last peer to arrive decides the outcome.
+
+        Returns the slot and its verdict, or None: then this peer's bell is armed, and rung with it.
+        """
         job = self.job
         wake: list[Doorbell] = []
         try:
             with job.lock:
                 job.check_member(peer)
-                gone = job.gone_among(self.local)
-                if gone:
-                    raise PeerLostError(
-                        f"{describe_peers(gone)} left the job (finish), so peer {peer}'s {call.kind} cannot "
-                        f"complete; finish the remaining peers",
-                        gone,
-                    )
+                if job.left:
+                    self._raise_gone(peer, call)
                 number = self._next[index]
                 self._next[index] = number + 1
                 slot = self._slots.get(number)
                 if slot is None:
                     slot = self._slots[number] = _Slot(number)
-                slot.calls[index] = call
-                if len(slot.calls) == len(self.local):
-                    del self._slots[number]  # nobody else will look for it
+                calls = slot.calls
+                calls[index] = call
+                if len(calls) < len(self.local) or slot.outcome is not None:
                     if slot.outcome is None:
-                        try:
-                            slot.outcome = self._decide(slot)
-                        except BaseException as exc:  # e.g. MemoryError computing a fused result
-                            slot.outcome = PeerLostError(
-                                f"{call.kind} #{number}: peer {peer} failed deciding it: {exc!r}", [peer]
-                            )
-                            raise
-                        finally:
-                            slot.reporter = 0
-                            wake = [bell for bell in self.bells if bell.claim()]
-                return slot
+                        self.bells[index].arm()
+                    elif len(calls) == len(self.local):
+                        del self._slots[number]
+                    return slot, slot.outcome
+                del self._slots[number]  # nobody else will look for it
+                try:
+                    slot.outcome = self._decide(slot)
+                except BaseException as exc:  # e.g. MemoryError computing a fused result
+                    slot.outcome = PeerLostError(
+                        f"{call.kind} #{number}: peer {peer} failed deciding it: {exc!r}", [peer]
+                    )
+                    raise
+                finally:
+                    slot.reporter = 0
+                    wake = [bell for bell in self.bells if bell.claim()]
+                return slot, slot.outcome
         finally:
-            ring_claimed(wake)  # once the lock is released (see transport.inproc.Doorbell)
+            if wake:
+                ring_claimed(wake)  # once the lock is released (see transport.inproc.Doorbell)
+
+    def _raise_gone(self, peer: int, call: Call) -> None:
+        gone = self.job.gone_among(self.local)
+        if gone:
+            raise PeerLostError(
+                f"{describe_peers(gone)} left the job (finish), so peer {peer}'s {call.kind} cannot "
+                f"complete; finish the remaining peers",
+                gone,
+            )
 
     def _decide_alone(self, peer: int, call: Call) -> tuple[int, Plan | CollectiveError]:
         """The one local peer's step: what ``_arrive`` does, without a slot to meet in."""
@@ -195,23 +195,21 @@ class Rendezvous:
     def _await(
         self, slot: _Slot, index: int, call: Call, deadline: float, timeout: float
     ) -> Plan | CollectiveError:
+        """Wait on this peer's armed bell for the verdict; time the step out at the deadline."""
         job = self.job
         bell = self.bells[index]
-        outcome = slot.outcome
-        while outcome is None:
-            with job.lock:
+        bell.wait(deadline - time.monotonic(), job.lock)
+        outcome = slot.outcome  # set before the ring: no need to take the lock again
+        while outcome is None:  # the wait timed out (the bell is disarmed again)
+            with job.guard:  # a time-out wakes the others: rung once the guard is left
                 outcome = slot.outcome
-                remaining = deadline - time.monotonic()
-                if outcome is None and remaining > 0:
+                if outcome is None and deadline - time.monotonic() <= 0:
+                    outcome = self._time_out(slot, call, timeout)
+                elif outcome is None:
                     bell.arm()
-            if outcome is None and remaining <= 0:
-                with job.guard:  # the time-out wakes the others: rung once the guard is left
-                    outcome = slot.outcome
-                    if outcome is None:
-                        outcome = self._time_out(slot, call, timeout)
             if outcome is None:
-                bell.wait(remaining, job.lock)
-                outcome = slot.outcome  # set before the ring: no need to take the lock again
+                bell.wait(deadline - time.monotonic(), job.lock)
+                outcome = slot.outcome
         return outcome
 
     def _time_out(self, slot: _Slot, call: Call, timeout: float) -> CollectiveTimeout:
@@ -239,20 +237,20 @@ class Rendezvous:
         self.ring()
 
     def _decide(self, slot: _Slot) -> Plan | CollectiveError:
-        label = f"#{slot.number}"
-        specs: dict[int, Signature] = {i: call.signature for i, call in slot.calls.items()}
-        ranks = self._ranks
-        try:
-            agreed = agree(
-                {ranks[i]: spec for i, spec in specs.items()},
-                label,
-                rules_of,
-                who=self._who,
-                source_elsewhere=self.job.site.node is not None,
-            )
-        except CollectiveError as exc:
-            return exc
         calls = [slot.calls[i] for i in range(len(self.local))]
+        agreed = unanimous([call.signature for call in calls], calls[0].rules)
+        if agreed is None:
+            ranks = self._ranks
+            try:
+                agreed = agree(
+                    {ranks[i]: call.signature for i, call in enumerate(calls)},
+                    f"#{slot.number}",
+                    rules_of,
+                    who=self._who,
+                    source_elsewhere=self.job.site.node is not None,
+                )
+            except CollectiveError as exc:
+                return exc
         label = f"{agreed.kind} #{slot.number}"
         executor: Executor = choose(self.job.site, self.members, self.local, agreed, calls, label)
         self._steps += 1

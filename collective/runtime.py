@@ -55,19 +55,24 @@ Op = ReduceOp | str
 
 
 class _Peer:
-    """This process's record of one registered peer: its device and its sequencers per group."""
+    """This process's record of one registered peer: its device and its road to each group."""
 
     def __init__(self, peer: int, device: Device) -> None:
         self.peer = peer
         self.device = device
         self.sequencers: dict[tuple[int, ...], Sequencer] = {}
+        self.routes: dict[tuple[int, ...] | None, tuple[Rendezvous, Sequencer]] = {}  # None: the whole job
         self.lock = threading.Lock()
 
-    def sequencer(self, members: tuple[int, ...]) -> Sequencer:
-        found = self.sequencers.get(members)
+    def route(
+        self, job: LocalJob, members: tuple[int, ...], key: tuple[int, ...] | None
+    ) -> tuple[Rendezvous, Sequencer]:
+        """The group's rendezvous and this peer's sequencer for it (found once, then kept under ``key``)."""
+        found = self.routes.get(key)
         if found is None:
             with self.lock:
-                found = self.sequencers.setdefault(members, Sequencer(f"peer{self.peer}"))
+                sequencer = self.sequencers.setdefault(members, Sequencer(f"peer{self.peer}"))
+                found = self.routes.setdefault(key, (job.rendezvous(members), sequencer))
         return found
 
 
@@ -289,17 +294,17 @@ class Runtime:
         timeout: float | None = None, async_op: bool = False, out: Sequence[Array] | None = None,
     ) -> Any:  # fmt: skip
         """One all_reduce over many arrays (one agreement, one schedule per dtype): a list back."""
-        member, members, rendezvous, seconds, problem = self._road(peer_id, group, timeout)
+        member, (rendezvous, sequencer), seconds, problem = self._road(peer_id, group, timeout)
 
         def execute(call: Call) -> Any:
             if problem is not None:
                 call.refuse(problem)
             return rendezvous.run(member.peer, member.device, seconds, call)
 
-        run = partial(coalesced_all_reduce, xs, op, out, execute)
-        sequencer = member.sequencer(members)
         label = "all_reduce_coalesced"
-        return sequencer.submit(run, label) if async_op else sequencer.call(run, label)
+        if async_op:
+            return sequencer.submit(partial(coalesced_all_reduce, xs, op, out, execute), label)
+        return sequencer.call(coalesced_all_reduce, label, xs, op, out, execute)
 
     # -- point to point -------------------------------------------------------------------------
 
@@ -322,32 +327,37 @@ class Runtime:
     def _start(
         self, peer_id: int, call: Call, group: Group | None, timeout: float | None, async_op: bool
     ) -> Any:
-        member, members, rendezvous, seconds, problem = self._road(peer_id, group, timeout)
+        member, (rendezvous, sequencer), seconds, problem = self._road(peer_id, group, timeout)
         if problem is not None:
             call.refuse(problem)
-        run = partial(rendezvous.run, member.peer, member.device, seconds, call)
-        sequencer = member.sequencers.get(members) or member.sequencer(members)
-        return sequencer.submit(run, call.kind) if async_op else sequencer.call(run, call.kind)
+        if async_op:
+            return sequencer.submit(
+                partial(rendezvous.run, member.peer, member.device, seconds, call), call.kind
+            )
+        return sequencer.call(rendezvous.run, call.kind, member.peer, member.device, seconds, call)
 
     def _road(
         self, peer_id: int, group: Group | None, timeout: float | None
-    ) -> tuple[_Peer, tuple[int, ...], Rendezvous, float, str | None]:
-        """This peer, its group, the group's rendezvous, the call's timeout, and a problem with it.
-
-        A bad ``timeout`` fails the call on every peer (the config's timeout bounds that step).
+    ) -> tuple[_Peer, tuple[Rendezvous, Sequencer], float, str | None]:
+        """This peer, its road to the group (rendezvous, sequencer), the call's timeout, and a problem
+        with it. A bad ``timeout`` fails the call on every peer (the config's timeout bounds that step).
         """
         job = self._job
         member = self._peers.get(peer_id)
         if job is None or member is None:
             job = self._member(peer_id)  # raise the precise RegistrationError
             member = self._peer(peer_id)
-        members = job.members if group is None else self._members_of(peer_id, job, group)
+        if group is None:
+            route = member.routes.get(None) or member.route(job, job.members, None)
+        else:
+            members = self._members_of(peer_id, job, group)
+            route = member.routes.get(members) or member.route(job, members, members)
         if timeout is None:
-            return member, members, job.rendezvous(members), job.config.timeout, None
+            return member, route, job.config.timeout, None
         try:
-            return member, members, job.rendezvous(members), _seconds(timeout), None
+            return member, route, _seconds(timeout), None
         except InvalidArgumentError as exc:
-            return member, members, job.rendezvous(members), job.config.timeout, str(exc)
+            return member, route, job.config.timeout, str(exc)
 
     def _members_of(self, peer_id: int, job: LocalJob, group: Group) -> tuple[int, ...]:
         """The group's members; InvalidArgumentError for a group this peer is not in."""

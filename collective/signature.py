@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 from collective.algorithms.ops import ReduceOp
 from collective.errors import InvalidArgumentError, MismatchError, describe_peers
 
-__all__ = ["Rules", "Signature", "agree", "describe_peers"]
+__all__ = ["Rules", "Signature", "agree", "describe_peers", "unanimous"]
 
 
 class Signature(NamedTuple):
@@ -87,7 +87,7 @@ def agree(
     """
     first = specs[min(specs)]
     kind_rules = rules(first.kind)
-    if not kind_rules.sourced and first.error is None and _all_equal(first, specs.values()):
+    if unanimous(list(specs.values()), kind_rules) is not None:
         return first  # the common case, checked cheaply
     if len({spec.kind for spec in specs.values()}) == 1:
         label = f"{first.kind} {label}"
@@ -108,9 +108,13 @@ def agree(
     return first
 
 
-def _all_equal(first: Signature, specs: Any) -> bool:
-    values = list(specs)
-    return values.count(first) == len(values)  # compared in C: this runs on every step
+def unanimous(signatures: list[Signature], rules: Rules) -> Signature | None:
+    """The call every participant made, when all made the same valid call and every one states
+    its data (the common case, compared in C); None when ``agree`` must decide."""
+    first = signatures[0]
+    if first.error is None and not rules.sourced and signatures.count(first) == len(signatures):
+        return first
+    return None
 
 
 def _source(

@@ -1,15 +1,14 @@
-"""A Step: one peer's ticket for one agreed collective, held with ``with``.
+"""A Step: one peer's ticket for one agreed collective.
 
 The rendezvous hands every peer a Step once all local peers of the group agreed. It carries what
-the executor needs (the agreed signature, every local peer's call, the deadline) and owns this
-peer's busy state in the group: leaving the ``with`` block releases it on every path. An exception
-other than a CollectiveError inside the block (say MemoryError) fails the collective for the
-other local peers at once (PeerLostError naming this peer) instead of leaving them to time out.
+the executor needs (the agreed signature, every local peer's call, the deadline). An exception
+other than a CollectiveError while it runs (say MemoryError) fails the collective for the other
+local peers at once (PeerLostError naming this peer) instead of leaving them to time out.
+(A peer's calls on a group run one at a time: its Sequencer, collective.work, sees to that.)
 """
 
 from __future__ import annotations
 
-import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -76,20 +75,12 @@ class Plan:
 
 
 class Step:
-    """Peer ``peer``'s part of ``plan``; ``with step:`` releases the peer's busy state on exit."""
+    """Peer ``peer``'s part of ``plan``."""
 
-    __slots__ = ("busy", "call", "deadline", "index", "peer", "plan", "rank", "timeout")
+    __slots__ = ("call", "deadline", "index", "peer", "plan", "rank", "timeout")
 
     def __init__(
-        self,
-        plan: Plan,
-        peer: int,
-        index: int,
-        rank: int,
-        call: Call,
-        deadline: float,
-        timeout: float,
-        busy: threading.Lock,
+        self, plan: Plan, peer: int, index: int, rank: int, call: Call, deadline: float, timeout: float
     ) -> None:
         self.plan = plan
         self.peer = peer
@@ -98,21 +89,16 @@ class Step:
         self.call = call
         self.deadline = deadline
         self.timeout = timeout
-        self.busy = busy
 
     def run(self) -> Any:
         """This peer's result (its executor's work, then the call's last touch)."""
-        result = self.plan.executor.run(self)
-        return self.call.finish(result, self.plan.agreed, self.plan.size)
-
-    def __enter__(self) -> Step:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: Any) -> None:
+        plan = self.plan
         try:
-            if error is not None and not isinstance(error, CollectiveError):
-                self.plan.executor.abort(
-                    PeerLostError(f"{self.plan.label}: peer {self.peer} failed: {error!r}", [self.peer])
-                )
-        finally:
-            self.busy.release()
+            return self.call.finish(plan.executor.run(self), plan.agreed, plan.size)
+        except CollectiveError:
+            raise
+        except BaseException as error:
+            plan.executor.abort(
+                PeerLostError(f"{plan.label}: peer {self.peer} failed: {error!r}", [self.peer])
+            )
+            raise

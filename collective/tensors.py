@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["identity", "native"]
+__all__ = ["Back", "identity", "native"]
 
 Back = Callable[[Any], Any]
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from collective.errors import CollectiveError, CollectiveTimeout
@@ -98,15 +99,15 @@ class Sequencer:
                 self._hand_to_worker()
         return work
 
-    def call(self, call: Callable[[], Any], label: str) -> Any:
-        """Run ``call`` now in this thread when nothing is queued, else after the queued ones."""
+    def call(self, call: Callable[..., Any], label: str, *args: Any) -> Any:
+        """Run ``call(*args)`` now in this thread when nothing is queued, else after the queued ones."""
         with self._lock:
             inline = not self._active
             self._active = True
         if not inline:
-            return self.submit(call, label).wait()
+            return self.submit(partial(call, *args), label).wait()
         try:
-            return call()
+            return call(*args)
         finally:
             with self._lock:
                 self._active = bool(self._queue)
