@@ -104,7 +104,7 @@ class Call:
         self.op_arg = op
         self.root = root
         self.out_given = out
-        self.out = None if out is None else native(out)[0]
+        self.out = out if out is None or type(out) is np.ndarray else native(out)[0]
         if self.out is not None and self.x is not None and (out is x or same_memory(self.out, self.x)):
             self.out = self.x  # out is exactly x's memory: in place
         self.root_peer = root  # the root as the caller named it (a peer id); ``root`` becomes its rank

@@ -20,6 +20,7 @@ its memory and the very object is returned. An ``out`` that is exactly ``x``'s m
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -43,8 +44,11 @@ def native(value: Any) -> tuple[Any, Back]:
 
     Values that are no array of any kind come back as they are (the checks name them).
     """
-    if type(value) is np.ndarray or value is None:
+    kind = type(value)
+    if kind is np.ndarray or value is None:
         return value, identity
+    if kind in _TORCH_TENSORS:  # checked first: a training loop passes the same kinds on every call
+        return _from_torch(value)
     if isinstance(value, np.generic):
         return np.asarray(value), identity
     module = _module(value)
@@ -65,11 +69,34 @@ def native(value: Any) -> tuple[Any, Back]:
     return value, identity
 
 
-def _from_torch(tensor: Any) -> tuple[Any, Back]:
-    import torch
+class _Torch:
+    """What the conversions use of torch, looked up once (the runtime never imports torch itself:
+    the first torch tensor it is handed does)."""
 
-    if not isinstance(tensor, torch.Tensor):
-        return tensor, identity
+    def __init__(self) -> None:
+        torch = importlib.import_module("torch")
+        self.tensor = torch.Tensor
+        self.bfloat16 = torch.bfloat16
+        self.int16 = torch.int16
+        self.from_numpy = torch.from_numpy
+
+
+_TORCH: list[_Torch] = []  # filled by the first torch tensor
+_TORCH_TENSORS: set[type] = set()  # the torch.Tensor classes met so far
+
+
+def _torch() -> _Torch:
+    if not _TORCH:
+        _TORCH.append(_Torch())
+    return _TORCH[0]
+
+
+def _from_torch(tensor: Any) -> tuple[Any, Back]:
+    torch = _torch()
+    if type(tensor) not in _TORCH_TENSORS:
+        if not isinstance(tensor, torch.tensor):
+            return tensor, identity
+        _TORCH_TENSORS.add(type(tensor))
     if tensor.requires_grad:
         tensor = tensor.detach()
     if tensor.is_conj() or tensor.is_neg():
@@ -78,7 +105,7 @@ def _from_torch(tensor: Any) -> tuple[Any, Back]:
         import cupy
 
         return cupy.from_dlpack(tensor), _to_torch_cuda
-    if tensor.dtype == torch.bfloat16:
+    if tensor.dtype is torch.bfloat16:  # numpy has no bfloat16: view its bits as ml_dtypes'
         import ml_dtypes
 
         return tensor.view(torch.int16).numpy().view(ml_dtypes.bfloat16), _to_torch
@@ -86,8 +113,7 @@ def _from_torch(tensor: Any) -> tuple[Any, Back]:
 
 
 def _to_torch(array: Any) -> Any:
-    import torch
-
+    torch = _torch()
     if array.dtype.kind == "V":  # ml_dtypes' bfloat16 (dtype.name costs ~2 us in numpy 2)
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(array)
