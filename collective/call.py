@@ -150,8 +150,9 @@ class Call:
         return self.src
 
     def unpacked(self) -> list[Array] | None:
-        """This peer's flat input as consecutive flat numpy arrays when it is kept unpacked, so an
-        executor able to read pieces skips the packing copy (None: read ``source()``)."""
+        """This peer's flat input as numpy arrays (of any shape, read flattened, one after another)
+        when it is kept unpacked, so an executor able to read pieces skips the packing copy (None:
+        read ``source()``)."""
         return None
 
     def moved(self, agreed: Signature) -> Signature:

@@ -365,13 +365,13 @@ class Coalesced(AllReduce):
     ) -> None:
         super().__init__(bucket, op, out=out)
         self.parts = parts
-        self.pieces = pieces  # flat arrays still to be packed into ``bucket`` (None: it holds them)
+        self.pieces = pieces  # numpy arrays still to be packed into ``bucket`` (None: it holds them)
 
     def source(self) -> Array | None:
         """The bucket, packed on the first read (a step is agreed before any executor reads it,
         and one thread at a time does: the rendezvous orders them)."""
         if self.pieces is not None and self.src is not None:
-            np.concatenate(self.pieces, out=self.src)
+            np.concatenate(self.pieces, axis=None, out=self.src)  # each array flattened, in one call
             self.pieces = None
         return self.src
 
@@ -379,7 +379,9 @@ class Coalesced(AllReduce):
         return self.pieces if self.src is not None else None
 
     def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:
-        return super().describe(op, problem)._replace(parts=self.parts)
+        if problem is not None:
+            return Signature(self.kind, op, self.root, error=problem, parts=self.parts)
+        return Signature(self.kind, op, self.root, tuple(self.x.shape), self.x.dtype, parts=self.parts)
 
 
 # kinds whose result is the whole array every rank that gets one gets (a node's product is it)

@@ -9,7 +9,6 @@ usual case) is one rendezvous and one schedule, whatever the number of arrays.
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -48,23 +47,33 @@ def coalesced_all_reduce(
         execute(refused)  # raises the problem on every peer
         raise AssertionError("unreachable: a refused call raises")
     dtypes = list(map(_DTYPE, arrays))
-    parts = tuple(zip(map(_SHAPE, arrays), map(_name, dtypes), strict=True))
-    if len(set(dtypes)) == 1:
-        by_dtype = [list(range(len(arrays)))]
+    shapes = list(map(_SHAPE, arrays))
+    sizes = list(map(_SIZE, arrays))
+    kinds = set(dtypes)
+    for dtype in kinds - _NAMES.keys():
+        _NAMES[dtype] = str(dtype)  # numpy 2 builds a dtype's name anew every time: ~5 us
+    parts = tuple(zip(shapes, map(_NAMES.__getitem__, dtypes), strict=True))
+    if len(kinds) == 1:
+        by_dtype: list[Sequence[int]] = [range(len(arrays))]
     else:
         groups: dict[Any, list[int]] = {}
-        for index, x in enumerate(arrays):
-            groups.setdefault(x.dtype, []).append(index)
+        for index, dtype in enumerate(dtypes):
+            groups.setdefault(dtype, []).append(index)
         by_dtype = list(groups.values())
     results: list[Array] = [None] * len(arrays)
     for indices in by_dtype:
-        reduced = execute(_bucket([arrays[i] for i in indices], op, parts))
+        if len(by_dtype) == 1:
+            members, size = arrays, sum(sizes)
+        else:
+            members, size = [arrays[i] for i in indices], sum(sizes[i] for i in indices)
+        reduced = execute(_bucket(members, op, parts, size))
         offset = 0
         for i in indices:
-            x = arrays[i]
-            size = x.size
-            view = reduced[offset : offset + size].reshape(x.shape)
-            offset += size
+            end = offset + sizes[i]
+            view = reduced[offset:end]
+            if len(shapes[i]) != 1:
+                view = view.reshape(shapes[i])
+            offset = end
             if out is not None:
                 native(out[i])[0][...] = view
                 results[i] = out[i]
@@ -73,28 +82,24 @@ def coalesced_all_reduce(
     return results
 
 
-def _bucket(arrays: list[Array], op: Any, parts: Any) -> Coalesced:
-    """The call reducing ``arrays`` (one dtype) as one flat bucket, in place.
+def _bucket(arrays: list[Array], op: Any, parts: Any, size: int) -> Coalesced:
+    """The call reducing ``arrays`` (one dtype, ``size`` elements in all) as one flat bucket, in place.
 
     A numpy bucket comes from the result pool (collective.pool): a fresh one per call would pay
     its page faults every time. The results are views of the bucket. It is packed only when an
     executor reads the call's ``source()``; the shared-memory executor reads the arrays themselves
     (``unpacked()``) and writes the reduction straight into the bucket, one copy fewer.
     """
-    if type(arrays[0]) is np.ndarray:
-        pieces = list(map(np.ndarray.ravel, arrays))  # views (copies of non-contiguous arrays)
-        bucket = pool.empty((sum(map(_SIZE, pieces)),), arrays[0].dtype)
-        return Coalesced(bucket, op, parts, out=bucket, pieces=pieces)
+    if type(arrays[0]) is np.ndarray:  # packed (if ever) by one np.concatenate(axis=None)
+        bucket = pool.empty((size,), arrays[0].dtype)
+        return Coalesced(bucket, op, parts, out=bucket, pieces=arrays)
     pieces = [array.reshape(-1) for array in arrays]
     xp = array_module(arrays[0])  # CuPy: packed on the device at once
     bucket = xp.concatenate(pieces) if len(pieces) > 1 else xp.ascontiguousarray(pieces[0]).copy()
     return Coalesced(bucket, op, parts, out=bucket)
 
 
-@functools.cache
-def _name(dtype: Any) -> str:
-    """``str(dtype)``, once per dtype (numpy 2 builds the name anew every time: ~5 us)."""
-    return str(dtype)
+_NAMES: dict[Any, str] = {}  # dtype -> its name, as parts carry it
 
 
 def _problem(xs: Any, arrays: list[Any], out: Any) -> str | None:

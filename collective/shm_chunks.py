@@ -71,16 +71,20 @@ def _same(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 class Pieces:
-    """A flat input kept as consecutive flat arrays (all_reduce_coalesced's, never packed)."""
+    """A flat input kept as consecutive arrays (all_reduce_coalesced's, never packed): each array
+    of any shape stands for its elements in C order."""
 
     def __init__(self, arrays: list[np.ndarray]) -> None:
         self.arrays = arrays
         self.starts = list(itertools.accumulate([array.size for array in arrays], initial=0))
+        self._flat: list[np.ndarray] | None = None
 
     def segments(self, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
         """Elements ``lo`` to ``hi`` of the concatenation: (offset from ``lo``, a view) per array."""
+        if self._flat is None:
+            self._flat = list(map(np.ndarray.ravel, self.arrays))  # views (copies if not contiguous)
         found = []
-        starts, arrays = self.starts, self.arrays
+        starts, arrays = self.starts, self._flat
         i = bisect.bisect_right(starts, lo) - 1
         at = lo
         while at < hi:
@@ -93,6 +97,9 @@ class Pieces:
 
     def copy(self, lo: int, hi: int, out: np.ndarray) -> None:
         """``out[: hi - lo]`` = elements ``lo`` to ``hi`` of the concatenation."""
+        if lo == 0 and hi == self.starts[-1]:  # all of it: one call, no view per array
+            np.concatenate(self.arrays, axis=None, out=out[:hi])
+            return
         views = [view for _, view in self.segments(lo, hi)]
         if len(views) == 1:
             np.copyto(out[: hi - lo], views[0])
@@ -165,11 +172,15 @@ class Chunks:
             length = hi - lo
             mine, buffer = slice_of(hi - lo, n, me), self.buffer(me, c)
             # readers of chunk c - 2 are done: their IN(c - 1) was awaited in the last round
-            source.copy(lo, lo + mine.start, buffer[: mine.start])
-            source.copy(lo + mine.stop, hi, buffer[mine.stop : length])
+            whole = me < 2 and len(source.arrays) > 1 and length == self.total  # many pieces, one chunk
+            if whole:  # every piece packed by one call; my slice is then reduced in place
+                source.copy(0, length, buffer)  # (reduce_all's out may be its input 0 or 1)
+            else:
+                source.copy(lo, lo + mine.start, buffer[: mine.start])
+                source.copy(lo + mine.stop, hi, buffer[mine.stop : length])
             self.post(_in(c))
             self.wait(self.others, _in(c))
-            segments = source.segments(lo + mine.start, lo + mine.stop)
+            segments = [(0, buffer[mine])] if whole else source.segments(lo + mine.start, lo + mine.stop)
             if len(segments) > 1 and me < 2:  # gathered first: one reduction of my slice, in place
                 source.copy(lo + mine.start, lo + mine.stop, buffer[mine])  # (out may be input 0 or 1)
                 segments = [(0, buffer[mine])]
