@@ -18,7 +18,7 @@ from collective.errors import CollectiveTimeout, JobClosedError, PeerLostError, 
 from collective.rendezvous import Rendezvous
 from collective.signature import describe_peers
 from collective.step import Site
-from collective.transport.inproc import Doorbell, Exchange, clone_error, ring_claimed
+from collective.transport.inproc import Doorbell, Exchange, claim_armed, clone_error, ring_claimed
 
 if TYPE_CHECKING:
     from collective.node import NodeJob
@@ -104,7 +104,7 @@ class LocalJob:
 
     def ring_all(self) -> None:
         """Wake every peer waiting to register, once the lock is released (lock held)."""
-        self.claim([bell for bell in self._bells.values() if bell.claim()])
+        self.claim(claim_armed(list(self._bells.values())))
 
     # -- registration -------------------------------------------------------------------------
 

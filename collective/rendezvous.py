@@ -23,7 +23,7 @@ from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError
 from collective.executors import choose
 from collective.signature import Signature, agree, describe_peers, unanimous
 from collective.step import Executor, Plan, Site, Step
-from collective.transport.inproc import Doorbell, clone_error, ring_claimed
+from collective.transport.inproc import Doorbell, claim_armed, clone_error, ring_claimed
 
 
 class Membership(Protocol):
@@ -157,7 +157,7 @@ class Rendezvous:
                     raise
                 finally:
                     slot.reporter = 0
-                    wake = [bell for bell in self.bells if bell.claim()]
+                    wake = claim_armed(self.bells)
                 return slot, slot.outcome
         finally:
             if wake:
@@ -226,7 +226,7 @@ class Rendezvous:
 
     def ring(self) -> None:
         """Wake this group's waiting peers once the job lock is released (lock held)."""
-        self.job.claim([bell for bell in self.bells if bell.claim()])
+        self.job.claim(claim_armed(self.bells))
 
     def fail_open(self, error: CollectiveError) -> None:
         """Fail every undecided step (a peer left, the job closed) and wake the waiting peers; lock held."""

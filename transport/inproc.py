@@ -24,7 +24,15 @@ import numpy as np
 from collective.algorithms.ops import Array, ReduceOp, combine, copy_into
 from collective.errors import CollectiveError, CollectiveTimeout
 
-__all__ = ["COPY_BELOW", "Doorbell", "Exchange", "InProcessLink", "clone_error", "ring_claimed"]
+__all__ = [
+    "COPY_BELOW",
+    "Doorbell",
+    "Exchange",
+    "InProcessLink",
+    "claim_armed",
+    "clone_error",
+    "ring_claimed",
+]
 
 COPY_BELOW = 64 * 1024
 
@@ -80,10 +88,18 @@ class Doorbell:
             self._bell.acquire()
 
 
+def claim_armed(bells: list[Doorbell]) -> list[Doorbell]:
+    """Claim every armed bell of ``bells`` (shared lock held); ring them with ``ring_claimed``."""
+    claimed = [bell for bell in bells if bell._armed]  # (one frame for all: this runs every step)
+    for bell in claimed:
+        bell._armed = False
+    return claimed
+
+
 def ring_claimed(bells: list[Doorbell]) -> None:
     """Ring the bells claimed under the shared lock (call after releasing it)."""
     for bell in bells:
-        bell.ring()
+        bell._bell.release()
 
 
 class Exchange:
@@ -111,7 +127,7 @@ class Exchange:
         """Wait until every peer of this collective has called ``barrier`` (once per collective)."""
         with self._lock:
             self._at_barrier += 1
-            claimed = [bell for bell in self._bells if bell.claim()] if self._at_barrier == self.size else []
+            claimed = claim_armed(self._bells) if self._at_barrier == self.size else []
         ring_claimed(claimed)
         self._wait_for(
             index,
@@ -125,7 +141,7 @@ class Exchange:
         """Publish ``value`` (not None) to every peer of this collective (see ``announcement``)."""
         with self._lock:
             self._announcement = value
-            claimed = [bell for bell in self._bells if bell.claim()]
+            claimed = claim_armed(self._bells)
         ring_claimed(claimed)
 
     def announcement(self, index: int, deadline: float, waiting_for: str) -> Any:
@@ -142,7 +158,7 @@ class Exchange:
         if self._error is not None:
             return []
         self._error = error
-        return [bell for bell in self._bells if bell.claim()]
+        return claim_armed(self._bells)
 
     def _wait_for(
         self,
