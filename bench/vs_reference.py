@@ -7,7 +7,10 @@ exactly that timing code, alternating them ``--repeats`` times in one run, and p
 medians, the ratios and the issue's two targets:
 
 * 64 MiB: bus bandwidth of the best strategy >= 0.9 x the trivial one's;
-* 8 B: time of the best strategy <= 0.5 x the trivial one's.
+* 8 B: time of the best strategy <= 0.5 x the trivial one's;
+
+both with a new result per call (the ``+alloc`` rows), as the issue states them (the baseline
+makes a new result too).
 
     python -m bench.vs_reference --reference-dir ../shared/reference-bench
 """
@@ -136,9 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = []
     for size in sizes:
         trivial = statistics.median(samples[("trivial", size)])
-        best = min(
-            statistics.median(samples[(s, size)]) for s in systems if s != "trivial" and "+alloc" not in s
-        )
+        # the issue's targets are for a new result per call (no out=), as the baseline makes one
+        best = min(statistics.median(samples[(s, size)]) for s in systems if s.endswith("+alloc"))
         for system in systems:
             median = statistics.median(samples[(system, size)])
             busbw = size / (median * 1e-6) / 1e9 * factor
@@ -146,11 +148,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{common.human(size):>10} {system:>18} {median:>11.1f} {busbw:>13.3f} {ratio:>10.2f}x")
         if size >= 64 << 20:
             verdicts.append(
-                (f"{common.human(size)}: best busbw >= 0.9 x trivial", trivial / best >= 0.9, trivial / best)
+                (
+                    f"{common.human(size)}: best busbw (new result per call) >= 0.9 x trivial",
+                    trivial / best >= 0.9,
+                    trivial / best,
+                )
             )
         if size <= 8:
             verdicts.append(
-                (f"{common.human(size)}: best time <= 0.5 x trivial", best / trivial <= 0.5, best / trivial)
+                (
+                    f"{common.human(size)}: best time (new result per call) <= 0.5 x trivial",
+                    best / trivial <= 0.5,
+                    best / trivial,
+                )
             )
     for text, ok, value in verdicts:
         print(f"# target {text}: {'met' if ok else 'NOT met'} (ratio {value:.2f})")
