@@ -368,8 +368,8 @@ class Coalesced(AllReduce):
         self.pieces = pieces  # numpy arrays still to be packed into ``bucket`` (None: it holds them)
 
     def source(self) -> Array | None:
-        """The bucket, packed on the first read (a step is agreed before any executor reads it,
-        and one thread at a time does: the rendezvous orders them)."""
+        """The bucket, packed on the first read (a step is agreed before any executor reads it;
+        in one process the deciding peer reads every call's, in its own process a peer its own)."""
         if self.pieces is not None and self.src is not None:
             np.concatenate(self.pieces, axis=None, out=self.src)  # each array flattened, in one call
             self.pieces = None

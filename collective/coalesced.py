@@ -107,6 +107,8 @@ def _problem(xs: Any, arrays: list[Any], out: Any) -> str | None:
         return "all_reduce_coalesced takes a non-empty list of arrays"
     if not all(hasattr(array, "dtype") and hasattr(array, "shape") for array in arrays):
         return "every item of the list must be an array"
+    if len({type(array) is np.ndarray for array in arrays}) > 1:
+        return "the arrays of one list must all be in host memory (numpy, torch CPU, ...) or all CuPy arrays"
     if out is not None and (
         not isinstance(out, list | tuple) or len(out) != len(xs) or any(o is None for o in out)
     ):

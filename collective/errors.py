@@ -8,7 +8,7 @@ Hierarchy::
     │                                     (unsupported dtype, unknown op, root outside the job);
     │                                     every peer of that collective gets it
     ├── RegistrationError                 register twice, unknown peer id, use before register()
-    │                                     or after finish(), one peer used from two threads at once
+    │                                     or after finish()
     ├── MismatchError                     peers called the same collective step with different
     │                                     collectives / ops / shapes / dtypes / roots; every peer
     │                                     gets it, naming the peers that differ

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from collective.algorithms.ops import Array, array_module, copy_into
-from collective.arrays import flat
+from collective.arrays import CPU, flat
 from collective.call import Call
 from collective.errors import CollectiveError
 from collective.signature import Signature
@@ -35,10 +35,11 @@ DEFAULT_FUSE_BELOW = 64 * 1024
 DEFAULT_SHARE_BELOW = 4 << 20
 
 
-def _numpy_within(inputs: list[Any], limit: int) -> bool:
-    """Every input is a numpy array of at most ``limit`` bytes (peers without one are fine)."""
-    for a in inputs:  # noqa: SIM110 (every step: all(<generator>) costs a frame per input)
-        if a is not None and (type(a) is not np.ndarray or a.nbytes > limit):
+def _numpy_within(calls: list[Call], inputs: list[Any], limit: int) -> bool:
+    """Every peer is on the host and every input is a numpy array of at most ``limit`` bytes (peers
+    without an input, e.g. a broadcast's receivers, are fine)."""
+    for call, a in zip(calls, inputs, strict=True):
+        if call.device is not CPU or (a is not None and (type(a) is not np.ndarray or a.nbytes > limit)):
             return False
     return True
 
@@ -60,11 +61,11 @@ def choose(
 
         return ThreePhase(site, members, local, label, site.node.tier(members))
     inputs = [call.source() for call in calls]
-    if site.fuse_below and _numpy_within(inputs, site.fuse_below):
+    if site.fuse_below and _numpy_within(calls, inputs, site.fuse_below):
         return Fused(agreed, calls, type(calls[0]).fuse(agreed, inputs))
     exchange = Exchange(members, label)
     site.exchanges.add(exchange)
-    if site.share_below and _numpy_within(inputs, site.share_below):
+    if site.share_below and _numpy_within(calls, inputs, site.share_below):
         return Shared(exchange, inputs, type(calls[0]).shared(agreed, inputs))
     return Linked(exchange, site.config.local_strategy)
 

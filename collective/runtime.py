@@ -12,6 +12,7 @@ agrees on the call and hands out a Step (collective.rendezvous), whose executor 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -57,22 +58,21 @@ Op = ReduceOp | str
 class _Peer:
     """This process's record of one registered peer: its device and its road to each group."""
 
-    def __init__(self, peer: int, device: Device) -> None:
+    def __init__(self, peer: int, device: Device, job: LocalJob) -> None:
         self.peer = peer
         self.device = device
+        self.job = job  # the job this registration joined: its routes lead into it only
         self.sequencers: dict[tuple[int, ...], Sequencer] = {}
         self.routes: dict[tuple[int, ...] | None, tuple[Rendezvous, Sequencer]] = {}  # None: the whole job
         self.lock = threading.Lock()
 
-    def route(
-        self, job: LocalJob, members: tuple[int, ...], key: tuple[int, ...] | None
-    ) -> tuple[Rendezvous, Sequencer]:
+    def route(self, members: tuple[int, ...], key: tuple[int, ...] | None) -> tuple[Rendezvous, Sequencer]:
         """The group's rendezvous and this peer's sequencer for it (found once, then kept under ``key``)."""
         found = self.routes.get(key)
         if found is None:
             with self.lock:
                 sequencer = self.sequencers.setdefault(members, Sequencer(f"peer{self.peer}"))
-                found = self.routes.setdefault(key, (job.rendezvous(members), sequencer))
+                found = self.routes.setdefault(key, (self.job.rendezvous(members), sequencer))
         return found
 
 
@@ -133,7 +133,7 @@ class Runtime:
             if created:
                 self._job = job
                 self._mailbox = Mailbox()
-            self._peers[peer_id] = _Peer(peer_id, parsed)
+            self._peers[peer_id] = _Peer(peer_id, parsed, job)
             self._finished.discard(peer_id)
         try:
             job.wait_joined(peer_id, deadline)
@@ -347,11 +347,12 @@ class Runtime:
         if job is None or member is None:
             job = self._member(peer_id)  # raise the precise RegistrationError
             member = self._peer(peer_id)
+        job = member.job  # (the job this peer's registration joined, whatever another thread did since)
         if group is None:
-            route = member.routes.get(None) or member.route(job, job.members, None)
+            route = member.routes.get(None) or member.route(job.members, None)
         else:
             members = self._members_of(peer_id, job, group)
-            route = member.routes.get(members) or member.route(job, members, members)
+            route = member.routes.get(members) or member.route(members, members)
         if timeout is None:
             return member, route, job.config.timeout, None
         try:
@@ -388,6 +389,6 @@ class Runtime:
 
 
 def _seconds(timeout: Any) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
-        raise InvalidArgumentError(f"timeout must be a number of seconds > 0, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+        raise InvalidArgumentError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
     return float(timeout)

@@ -112,7 +112,7 @@ class ShmGroup:
             self.busy = False
 
     def abort(self, error: CollectiveError) -> None:
-        """This process failed inside the step (Step.__exit__): the others learn of it at once."""
+        """This process failed inside the step (Step.run): the others learn of it at once."""
         if self._active is not None:
             self._give_up(self._active, error)
 

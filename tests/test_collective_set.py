@@ -523,6 +523,15 @@ def test_invalid_arguments_are_an_invalid_argument_error_on_every_peer(rt: col.R
 # -- arguments checked before the rendezvous -----------------------------------------------------
 
 
+class _FakeCupyArray:
+    """Stands in for a CuPy array: collective.tensors passes anything of module ``cupy`` through."""
+
+    __module__ = "cupy._core.stand_in"
+
+    def __init__(self, n: int) -> None:
+        self.shape, self.dtype, self.size = (n,), np.dtype(np.float32), n
+
+
 EARLY_CHECKED: dict[str, tuple[Callable[[col.Runtime, int], Any], Callable[[col.Runtime, int], Any]]] = {
     # name: (peer 0's bad call, the same collective as the other peers call it)
     "timeout": (
@@ -531,6 +540,10 @@ EARLY_CHECKED: dict[str, tuple[Callable[[col.Runtime, int], Any], Callable[[col.
     ),
     "coalesced-empty": (
         lambda rt, p: rt.all_reduce_coalesced(p, []),
+        lambda rt, p: rt.all_reduce_coalesced(p, [_z(2), _z(3)]),
+    ),
+    "coalesced-mixed-devices": (
+        lambda rt, p: rt.all_reduce_coalesced(p, [_z(2), _FakeCupyArray(3)]),
         lambda rt, p: rt.all_reduce_coalesced(p, [_z(2), _z(3)]),
     ),
     "coalesced-out-length": (
@@ -549,7 +562,7 @@ def test_one_peer_with_an_argument_checked_early_fails_every_peer_and_keeps_step
         assert isinstance(error, col.InvalidArgumentError), error
 
 
-@pytest.mark.parametrize("timeout", [0, -1, math.nan, "5", True])
+@pytest.mark.parametrize("timeout", [0, -1, math.nan, math.inf, "5", True])
 def test_an_invalid_timeout_on_every_peer_is_an_invalid_argument_error(rt: col.Runtime, timeout: Any) -> None:
     errors = run_failing_step(rt, 2, lambda p: rt.barrier(p, timeout=timeout))
     for error in errors:
@@ -680,7 +693,7 @@ def test_recv_from_a_peer_that_finished_is_a_peer_lost_error(runtime: col.Runtim
         (lambda rt: rt.recv(1, src=5), "src=5 is not a peer"),
         (lambda rt: rt.recv(1, src=1), "peer 1 cannot send to or receive from itself"),
         (lambda rt: rt.recv(1, src=0, tag=-2), "tag must be an integer >= 0"),
-        (lambda rt: rt.recv(1, src=0, timeout=-1), "timeout must be a number of seconds > 0"),
+        (lambda rt: rt.recv(1, src=0, timeout=-1), "timeout must be a finite number of seconds > 0"),
     ],
     ids=[
         "dst-world", "dst-negative", "dst-bool", "dst-str", "dst-self", "tag-negative", "tag-float",
