@@ -30,6 +30,7 @@ __all__ = [
     "check_out",
     "flat",
     "new_result",
+    "placement",
     "same_memory",
     "scale_for_mean",
 ]
@@ -164,7 +165,8 @@ def check_out(
         return (
             f"out has shape {out.shape} and dtype {out.dtype}; the result has {shape} and {np.dtype(dtype)}"
         )
-    if not out.flags.c_contiguous or not out.flags.writeable:
+    flags = out.flags
+    if not flags.c_contiguous or not flags.writeable:
         return "out must be a writeable C-contiguous array"
     if source is not None and source is not out and _may_overlap(out, source):
         return "out overlaps x without being x: pass out=x for an in-place collective, or a separate array"
@@ -225,6 +227,22 @@ def same_memory(a: Any, b: Any) -> bool:
         return bool(a.data.ptr == b.data.ptr)
     except (AttributeError, TypeError):
         return False
+
+
+def placement(out: Any, x: Any) -> str:
+    """Where ``out`` lies against ``x``: "same" (exactly x's memory: in place), "apart" (no byte in
+    common) or "overlap" (partly). Decided once per call, from what owns the memory where it can.
+    Anything that is no array is "apart": the checks name it."""
+    if out is x:
+        return "same"
+    try:
+        if _distinct_owners(out, x):
+            return "apart"
+        if same_memory(out, x):
+            return "same"
+        return "overlap" if _may_overlap(out, x) else "apart"
+    except (AttributeError, TypeError, InvalidArgumentError):
+        return "apart"
 
 
 def _may_overlap(a: Array, b: Array) -> bool:

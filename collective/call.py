@@ -26,7 +26,7 @@ import numpy as np
 
 from collective.algorithms.link import Link
 from collective.algorithms.ops import NUMPY_UFUNCS, Array, ReduceOp, array_module, combine, copy_into
-from collective.arrays import CPU, Device, check_array, check_out, flat, same_memory, scale_for_mean
+from collective.arrays import CPU, Device, check_array, check_out, flat, placement, scale_for_mean
 from collective.errors import InvalidArgumentError
 from collective.pool import pool
 from collective.signature import Rules, Signature, describe_peers
@@ -93,8 +93,8 @@ class Call:
     source_elsewhere: ClassVar[bool] = False  # a sourced call may find its source outside the group
 
     __slots__ = (
-        "back", "device", "op", "op_arg", "out", "out_given", "problem", "root", "root_peer", "signature",
-        "src", "x",
+        "back", "device", "op", "op_arg", "out", "out_apart", "out_given", "problem", "root", "root_peer",
+        "signature", "src", "x",
     )  # fmt: skip
 
     def __init__(self, x: Any = None, op: Any = "sum", root: Any = None, out: Any = None) -> None:
@@ -105,8 +105,12 @@ class Call:
         self.root = root
         self.out_given = out
         self.out = out if out is None or type(out) is np.ndarray else native(out)[0]
-        if self.out is not None and self.x is not None and (out is x or same_memory(self.out, self.x)):
-            self.out = self.x  # out is exactly x's memory: in place
+        self.out_apart = False  # out shares no byte with x (so its checks skip the overlap test)
+        if self.out is not None and self.x is not None:
+            where = placement(self.out, self.x)
+            if where == "same":
+                self.out = self.x  # out is exactly x's memory: in place
+            self.out_apart = where == "apart"
         self.root_peer = root  # the root as the caller named it (a peer id); ``root`` becomes its rank
         self.src: Array | None = None  # this peer's flat input, once prepared
         self.device = CPU
@@ -168,7 +172,8 @@ class Call:
         """Why this peer's arrays cannot be used (None if they can)."""
         problem = check_array(self.x, device, self.op)
         if problem is None and self.out is not None:
-            problem = check_out(self.out, device, self.own_shape(size), self.x.dtype, self.x)
+            source = None if self.out_apart else self.x
+            problem = check_out(self.out, device, self.own_shape(size), self.x.dtype, source)
         return problem
 
     def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:

@@ -292,7 +292,8 @@ class Scatter(Call):
         if problem is None and (self.x.ndim == 0 or self.x.shape[0] != size):
             return f"scatter needs x.shape[0] == the group size {size}, got shape {self.x.shape}"
         if problem is None and self.out is not None:
-            problem = check_out(self.out, device, tuple(self.x.shape[1:]), self.x.dtype, self.x)
+            source = None if self.out_apart else self.x
+            problem = check_out(self.out, device, tuple(self.x.shape[1:]), self.x.dtype, source)
         return problem
 
     def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:
