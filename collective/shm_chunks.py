@@ -76,15 +76,20 @@ class Pieces:
 
     def __init__(self, arrays: list[np.ndarray]) -> None:
         self.arrays = arrays
-        self.starts = list(itertools.accumulate([array.size for array in arrays], initial=0))
-        self._flat: list[np.ndarray] | None = None
+        self._flat: list[np.ndarray] = []  # (made by the first segments(): a bucket of one chunk
+        self._starts: list[int] = []  # is packed whole, and needs neither)
+
+    def pack(self, out: np.ndarray) -> None:
+        """``out`` = the whole concatenation, in one call (no view per array)."""
+        np.concatenate(self.arrays, axis=None, out=out)
 
     def segments(self, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
         """Elements ``lo`` to ``hi`` of the concatenation: (offset from ``lo``, a view) per array."""
-        if self._flat is None:
+        if not self._flat:
             self._flat = list(map(np.ndarray.ravel, self.arrays))  # views (copies if not contiguous)
+            self._starts = list(itertools.accumulate([array.size for array in self._flat], initial=0))
         found = []
-        starts, arrays = self.starts, self._flat
+        starts, arrays = self._starts, self._flat
         i = bisect.bisect_right(starts, lo) - 1
         at = lo
         while at < hi:
@@ -97,9 +102,6 @@ class Pieces:
 
     def copy(self, lo: int, hi: int, out: np.ndarray) -> None:
         """``out[: hi - lo]`` = elements ``lo`` to ``hi`` of the concatenation."""
-        if lo == 0 and hi == self.starts[-1]:  # all of it: one call, no view per array
-            np.concatenate(self.arrays, axis=None, out=out[:hi])
-            return
         views = [view for _, view in self.segments(lo, hi)]
         if len(views) == 1:
             np.copyto(out[: hi - lo], views[0])
@@ -174,7 +176,7 @@ class Chunks:
             # readers of chunk c - 2 are done: their IN(c - 1) was awaited in the last round
             whole = me < 2 and len(source.arrays) > 1 and length == self.total  # many pieces, one chunk
             if whole:  # every piece packed by one call; my slice is then reduced in place
-                source.copy(0, length, buffer)  # (reduce_all's out may be its input 0 or 1)
+                source.pack(buffer[:length])  # (reduce_all's out may be its input 0 or 1)
             else:
                 source.copy(lo, lo + mine.start, buffer[: mine.start])
                 source.copy(lo + mine.stop, hi, buffer[mine.stop : length])

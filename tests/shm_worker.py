@@ -91,10 +91,15 @@ def every(peer: int, world: int) -> int:
             same(col.scatter(peer, rows if peer == root else None, root=root), rows[peer], "scatter")
             count += 5
     # read in pieces, never packed: every rank's slice of a chunk spans several arrays, more than
-    # one chunk, two dtypes (two buckets), a non-contiguous array
-    shapes = [(3,), (4, 5), (), (70_000,)] + [(5_003,), (7,), (40, 33)] * 60
-    dtypes = ["float32"] * 4 + ["float32", "int32", "float32"] * 60
-    for op in ("sum", "max"):
+    # one chunk, two dtypes (two buckets), a non-contiguous array; then a bucket of one chunk (ranks
+    # 0 and 1 pack it whole into shared memory, the others read their slice in pieces)
+    many = [(3,), (4, 5), (), (70_000,)] + [(5_003,), (7,), (40, 33)] * 60
+    one_chunk = [(3,), (40, 33), (), (20_000,), (100, 50), (1,)]
+    cases = [
+        (many, ["float32"] * 4 + ["float32", "int32", "float32"] * 60),
+        (one_chunk, ["float32"] * len(one_chunk)),
+    ]
+    for (shapes, dtypes), op in itertools.product(cases, ("sum", "max")):
         everyone = [[data(p, s, d, 5) for s, d in zip(shapes, dtypes, strict=True)] for p in range(world)]
         parts = [a.T if a.ndim == 2 else a for a in everyone[peer]]
         results = col.all_reduce_coalesced(peer, parts, op)

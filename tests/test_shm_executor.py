@@ -175,3 +175,21 @@ def test_pieces_read_any_range_of_their_concatenation_without_packing_it() -> No
         assert all(view.size and any(np.shares_memory(view, a) for a in arrays) for _, view in segments)
         offsets = [offset for offset, _ in segments]
         assert offsets == [sum(view.size for _, view in segments[:i]) for i in range(len(segments))]
+
+
+def test_pieces_of_any_shape_pack_and_read_as_their_flattened_concatenation() -> None:
+    rng = np.random.default_rng(4)
+    arrays = [
+        rng.standard_normal((4, 6)).T,
+        np.array(2.5),
+        rng.standard_normal(5),
+        rng.standard_normal((3, 2)),
+    ]
+    whole = np.concatenate([a.reshape(-1) for a in arrays])
+    packed = np.full(whole.size, np.nan)
+    Pieces(arrays).pack(packed)
+    assert np.array_equal(packed, whole)
+    for lo, hi in [(0, whole.size), (3, 26), (24, 25), (25, 30), (7, 7)]:
+        out = np.full(hi - lo, np.nan)
+        Pieces(arrays).copy(lo, hi, out)
+        assert np.array_equal(out, whole[lo:hi]), (lo, hi)
