@@ -368,6 +368,10 @@ class Coalesced(AllReduce):
         self.parts = parts
         self.pieces = pieces  # numpy arrays still to be packed into ``bucket`` (None: it holds them)
 
+    def check(self, device: Device, size: int, rank: int) -> str | None:
+        """The bucket is the runtime's own, and ``out`` is the bucket: only the dtype needs a look."""
+        return check_array(self.x, device, self.op)
+
     def source(self) -> Array | None:
         """The bucket, packed on the first read (a step is agreed before any executor reads it;
         in one process the deciding peer reads every call's, in its own process a peer its own)."""

@@ -60,26 +60,31 @@ def coalesced_all_reduce(
         for index, dtype in enumerate(dtypes):
             groups.setdefault(dtype, []).append(index)
         by_dtype = list(groups.values())
+    if len(by_dtype) == 1 and out is None and backs is None:  # the usual case: the views are the results
+        return _views(execute(_bucket(arrays, op, parts, sum(sizes))), shapes, sizes)
     results: list[Array] = [None] * len(arrays)
     for indices in by_dtype:
-        if len(by_dtype) == 1:
-            members, size = arrays, sum(sizes)
-        else:
-            members, size = [arrays[i] for i in indices], sum(sizes[i] for i in indices)
-        reduced = execute(_bucket(members, op, parts, size))
-        offset = 0
-        for i in indices:
-            end = offset + sizes[i]
-            view = reduced[offset:end]
-            if len(shapes[i]) != 1:
-                view = view.reshape(shapes[i])
-            offset = end
+        its_sizes = [sizes[i] for i in indices]
+        reduced = execute(_bucket([arrays[i] for i in indices], op, parts, sum(its_sizes)))
+        for i, view in zip(indices, _views(reduced, [shapes[i] for i in indices], its_sizes), strict=True):
             if out is not None:
                 native(out[i])[0][...] = view
                 results[i] = out[i]
             else:
                 results[i] = view if backs is None else backs[i](view)
     return results
+
+
+def _views(flat: Array, shapes: list[Any], sizes: list[int]) -> list[Array]:
+    """Consecutive views of ``flat`` in ``shapes`` (a 1-D one needs no reshape)."""
+    views = []
+    offset = 0
+    for shape, size in zip(shapes, sizes, strict=True):
+        end = offset + size
+        view = flat[offset:end]
+        views.append(view if len(shape) == 1 else view.reshape(shape))
+        offset = end
+    return views
 
 
 def _bucket(arrays: list[Array], op: Any, parts: Any, size: int) -> Coalesced:
