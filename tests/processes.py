@@ -7,6 +7,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +107,16 @@ def start_nodes(address: str, job: str, nodes: int, devices: int, *argv: str, **
         Proc([sys.executable, WORKER, *argv], node_env(address, job, rank, nodes, devices, **extra))
         for rank in range(nodes)
     ]
+
+
+def expect_peer_lost(survivors: Iterable[Proc], killed: float, within: float, naming: str = "") -> None:
+    """Every survivor reports a PeerLostError (whose message holds ``naming``) less than ``within``
+    seconds after ``killed`` (a time.monotonic() reading), and exits with status 3."""
+    for survivor in survivors:
+        when, line = survivor.wait_for("ERROR", 15)
+        assert line.startswith("ERROR PeerLostError") and naming in line, survivor.output()
+        assert when - killed < within, f"noticed after {when - killed:.1f}s"
+        assert survivor.wait(30) == 3
 
 
 def finish_all(procs: list[Proc], timeout: float) -> list[int]:
