@@ -98,13 +98,13 @@ class Call:
     )  # fmt: skip
 
     def __init__(self, x: Any = None, op: Any = "sum", root: Any = None, out: Any = None) -> None:
-        viewed, back = (x, identity) if type(x) is np.ndarray else native(x)
+        viewed, back = native(x)
         self.x: Any = viewed  # a numpy or CuPy view of x
         self.back: Back = back  # how results go back to x's kind
         self.op_arg = op
         self.root = root
         self.out_given = out
-        self.out = out if out is None or type(out) is np.ndarray else native(out)[0]
+        self.out = native(out)[0]
         self.out_apart = False  # out shares no byte with x (so its checks skip the overlap test)
         if self.out is not None and self.x is not None:
             where = placement(self.out, self.x)
@@ -145,8 +145,7 @@ class Call:
             problem = self.problem or self.check(device, len(members), rank)
         self.signature = self.describe(op, problem)
         if problem is None and self.x is not None:
-            x = self.x
-            self.src = x.ravel() if type(x) is np.ndarray else flat(x)
+            self.src = flat(self.x)
         return self.signature
 
     def source(self) -> Array | None:

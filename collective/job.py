@@ -104,7 +104,7 @@ class LocalJob:
 
     def ring_all(self) -> None:
         """Wake every peer waiting to register, once the lock is released (lock held)."""
-        self.claim(claim_armed(list(self._bells.values())))
+        self.claim(claim_armed(self._bells.values()))
 
     # -- registration -------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ its memory and the very object is returned. An ``out`` that is exactly ``x``'s m
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -81,14 +82,12 @@ class _Torch:
         self.from_numpy = torch.from_numpy
 
 
-_TORCH: list[_Torch] = []  # filled by the first torch tensor
 _TORCH_TENSORS: set[type] = set()  # the torch.Tensor classes met so far
 
 
+@functools.cache
 def _torch() -> _Torch:
-    if not _TORCH:
-        _TORCH.append(_Torch())
-    return _TORCH[0]
+    return _Torch()  # once, for the first torch tensor
 
 
 def _from_torch(tensor: Any) -> tuple[Any, Back]:

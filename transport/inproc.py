@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import numpy as np
@@ -88,7 +88,7 @@ class Doorbell:
             self._bell.acquire()
 
 
-def claim_armed(bells: list[Doorbell]) -> list[Doorbell]:
+def claim_armed(bells: Iterable[Doorbell]) -> list[Doorbell]:
     """Claim every armed bell of ``bells`` (shared lock held); ring them with ``ring_claimed``."""
     claimed = [bell for bell in bells if bell._armed]  # (one frame for all: this runs every step)
     for bell in claimed:
