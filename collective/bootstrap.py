@@ -24,12 +24,15 @@ by the host identity exchanged at registration.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import dataclasses
 import os
 import re
 import socket
 import threading
 import time
-from collections.abc import Mapping
+import weakref
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -87,7 +90,7 @@ def _master(environ: Mapping[str, str], fallback_host: str | None = None) -> tup
     if host is None:
         return None
     if not port_text:
-        if fallback_host is not None and not environ.get("MASTER_ADDR"):
+        if fallback_host is not None and not environ.get("MASTER_ADDR", "").strip():
             return host, DEFAULT_SLURM_PORT
         raise ConfigError(
             f"MASTER_ADDR={host!r} is set but MASTER_PORT is not: set MASTER_PORT to a free port"
@@ -99,12 +102,14 @@ def _master(environ: Mapping[str, str], fallback_host: str | None = None) -> tup
 
 
 def first_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: "gpu[03-05,07],cpu1" -> "gpu03"."""
-    match = re.match(r"\s*([^,\[\s]+)(?:\[([^\]]+)\])?", nodelist)
+    """The first host of a Slurm node list: "gpu[03-05,07]-ib,cpu1" -> "gpu03-ib"."""
+    match = re.match(
+        r"\s*((?:[^,\[\]\s]|\[[^\]]*\])+)", nodelist
+    )  # the first item (a comma in [] is its own)
     if match is None:
         raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r} names no host: set MASTER_ADDR")
-    prefix, ranges = match.groups()
-    return prefix + ranges.split(",")[0].split("-")[0] if ranges else prefix
+    # every bracket of the item contributes its first value: "rack[1-2]-node[3,5]" -> "rack1-node3"
+    return re.sub(r"\[([^\]]*)\]", lambda ranges: ranges[1].split(",")[0].split("-")[0].strip(), match[1])
 
 
 def launched_from(environ: Mapping[str, str] | None = None) -> Launched:
@@ -149,7 +154,7 @@ def launched_from(environ: Mapping[str, str] | None = None) -> Launched:
     if not job:
         where = orchestrator or f"{master[0]}:{master[1]}"  # type: ignore[index]
         job = f"init-{where}"
-    local_rank = int(local) if local is not None and local.strip().isdigit() else None
+    local_rank = int(local) if local is not None and local.strip().isdecimal() else None
     return Launched(source, rank, world, local_rank, orchestrator, master, job, agent)
 
 
@@ -173,28 +178,31 @@ def _from_collective_launch(env: Mapping[str, str], orchestrator: str | None, jo
     return Launched("collective launch", rank, world, None, orchestrator, None, job or "default")
 
 
-def _resolve(host: str) -> str:
+def _resolve(host: str, variable: str = "MASTER_ADDR") -> str:
     """``host`` as an IPv4 address (127.0.0.1 for any loopback name)."""
     try:
         infos = socket.getaddrinfo(host, None, socket.AF_INET)
     except OSError as exc:
-        raise ConfigError(f"MASTER_ADDR={host!r} does not resolve: {exc}") from None
+        raise ConfigError(f"{variable}={host!r} does not resolve to an IPv4 address: {exc}") from None
     address = str(infos[0][4][0])
     return "127.0.0.1" if address.startswith("127.") else address
 
 
-def _reaching(host: str) -> str:
-    """The address of this machine that ``host`` can reach (127.0.0.1 for a loopback master)."""
-    address = _resolve(host)
+def _reaching(host: str, variable: str = "MASTER_ADDR") -> str:
+    """The address of this machine that ``host`` can reach (127.0.0.1 for a loopback one)."""
+    address = _resolve(host, variable)
     if address == "127.0.0.1":
         return address
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-        probe.connect((address, 9))  # no packet is sent: this only picks the outgoing interface
+        try:
+            probe.connect((address, 9))  # no packet is sent: this only picks the outgoing interface
+        except OSError as exc:
+            raise ConfigError(f"{variable}={host!r} cannot be reached from this machine: {exc}") from None
         return str(probe.getsockname()[0])
 
 
 class _Embedded:
-    """Rank 0's orchestrator, served from a daemon thread until the process exits."""
+    """Rank 0's orchestrator, served from a daemon thread until the process exits (or ``stop``)."""
 
     def __init__(self, host: str, port: int, token: str | None) -> None:
         self.orchestrator = Orchestrator(host, port, token=token)
@@ -210,8 +218,9 @@ class _Embedded:
 
 
 _lock = threading.Lock()
-_initialised: dict[str, int] = {}
+_initialised: weakref.WeakKeyDictionary[Runtime, int] = weakref.WeakKeyDictionary()  # runtime -> its peer
 _embedded: list[_Embedded] = []
+_PENDING = "127.0.0.1:1"  # stands for an orchestrator address not known yet while the settings are checked
 
 
 def init(runtime: Runtime, device: str = "cpu", environ: Mapping[str, str] | None = None) -> int:
@@ -221,90 +230,102 @@ def init(runtime: Runtime, device: str = "cpu", environ: Mapping[str, str] | Non
 
     Rank 0 hosts the orchestrator unless COLLECTIVE_GLOBAL_ADDRESS names one. Other settings come
     from ``COLLECTIVE_*`` variables as in ``CollectiveConfig.from_env`` (timeout, strategies, token).
-    Raises ConfigError (missing or contradictory variables, naming them), RegistrationError
-    (``init()`` called twice, or in a process that registered thread peers) and what ``register``
-    raises.
+    Raises RegistrationError (``init()`` called twice, or in a process that registered thread
+    peers), ConfigError (missing or contradictory variables, naming them) and what ``register``
+    raises. Every setting is checked before rank 0 starts its orchestrator, and a failed ``init()``
+    stops the orchestrator it started: it may be called again once the cause is fixed.
     """
     env = os.environ if environ is None else environ
-    target = runtime
-    launched = launched_from(env)
     with _lock:
-        key = str(id(target))
-        if key in _initialised:
+        if runtime in _initialised:
             raise RegistrationError(
-                f"init() was already called in this process (it is peer {_initialised[key]}); call it once"
+                f"init() was already called in this process (peer {_initialised[runtime]}); call it once"
             )
-        if target.has_job():
+        if runtime.has_job():
             raise RegistrationError(
                 "init() in a process whose peers were registered with register(): a process either "
                 "registers its thread peers itself or calls init() once for its one peer"
             )
-        _initialised[key] = launched.rank
+        _initialised[runtime] = -1  # taken: a second init() meanwhile is refused
     try:
-        config = _config(launched, env)
-        target.register(launched.rank, device, config)
+        with _stopped_on_failure():
+            launched = launched_from(env)
+            _initialised[runtime] = launched.rank
+            runtime.register(launched.rank, device, _config(launched, env))
     except BaseException:
         with _lock:
-            _initialised.pop(key, None)
+            _initialised.pop(runtime, None)
         raise
     return launched.rank
 
 
+@contextlib.contextmanager
+def _stopped_on_failure() -> Iterator[None]:
+    """Stop the orchestrators started in the block if it fails: their port is free for a new try."""
+    started = len(_embedded)
+    try:
+        yield
+    except BaseException:
+        with _lock:
+            mine = _embedded[started:]
+            del _embedded[started:]
+        for embedded in mine:
+            embedded.stop()
+        raise
+
+
 def _config(launched: Launched, env: Mapping[str, str]) -> CollectiveConfig:
-    token = env.get("COLLECTIVE_TOKEN") or None
-    address = launched.orchestrator
+    """The job's settings, every one checked before rank 0 starts an orchestrator."""
     if launched.master is not None:
         host = _reaching(launched.master[0])
+    elif env.get("COLLECTIVE_NODE_ADDRESS", "").strip():
+        host = env["COLLECTIVE_NODE_ADDRESS"].strip().rpartition(":")[0] or "127.0.0.1"
+    else:  # the address of this machine that the named orchestrator's host reaches
+        assert launched.orchestrator is not None
+        host = _reaching(launched.orchestrator.rpartition(":")[0], "COLLECTIVE_GLOBAL_ADDRESS")
+    master = launched.master
+    if launched.orchestrator is not None:
+        address = launched.orchestrator
+    elif master is not None and not launched.agent_store:
+        address = f"{_resolve(master[0])}:{master[1]}"
     else:
-        host = env.get("COLLECTIVE_NODE_ADDRESS", "127.0.0.1:0").rpartition(":")[0] or "127.0.0.1"
-    if address is None:
-        assert launched.master is not None
-        address = _meeting_point(launched, host, token, env)
-    return CollectiveConfig.from_env(
+        address = _PENDING  # published by rank 0 in the agent's store
+    blank_port = not env.get("COLLECTIVE_DATA_SERVICE_PORT", "").strip()
+    config = CollectiveConfig.from_env(
         env,
         num_devices=1,
         num_nodes=launched.world,
         global_address=address,
         node_address=f"{host}:0",
-        data_service_port=int(env.get("COLLECTIVE_DATA_SERVICE_PORT", "0") or 0),
         job=launched.job,
+        **({"data_service_port": 0} if blank_port else {}),
     )
+    if launched.orchestrator is None:
+        assert master is not None
+        if launched.agent_store:
+            return dataclasses.replace(config, global_address=_through_agent_store(launched, host, config))
+        if launched.rank == 0:
+            try:
+                embedded = _Embedded(address.rpartition(":")[0], master[1], config.token)
+            except RegistrationError as exc:
+                raise ConfigError(
+                    f"rank 0 cannot host the orchestrator at MASTER_ADDR:MASTER_PORT="
+                    f"{master[0]}:{master[1]}: {exc}; pick a free MASTER_PORT"
+                ) from None
+            with _lock:
+                _embedded.append(embedded)
+    return config
 
 
-def _meeting_point(launched: Launched, host: str, token: str | None, env: Mapping[str, str]) -> str:
-    """The orchestrator's address; rank 0 starts it (on the master port, or published in the agent store)."""
-    master_host, master_port = launched.master  # type: ignore[misc]
-    if launched.agent_store:
-        return _through_agent_store(launched, host, master_host, master_port, token, env)
-    if launched.rank == 0:
-        bind = _resolve(master_host)
-        try:
-            _embedded.append(_Embedded(bind, master_port, token))
-        except RegistrationError as exc:
-            raise ConfigError(
-                f"rank 0 cannot host the orchestrator at MASTER_ADDR:MASTER_PORT="
-                f"{master_host}:{master_port}: {exc}; pick a free MASTER_PORT"
-            ) from None
-        return f"{bind}:{master_port}"
-    return f"{_resolve(master_host)}:{master_port}"
-
-
-def _through_agent_store(
-    launched: Launched,
-    host: str,
-    master_host: str,
-    master_port: int,
-    token: str | None,
-    env: Mapping[str, str],
-) -> str:
+def _through_agent_store(launched: Launched, host: str, config: CollectiveConfig) -> str:
     """Under torchrun's agent store: rank 0 listens on a free port and publishes it in the store."""
     import importlib
     from datetime import timedelta
 
     store_class = importlib.import_module("torch.distributed").TCPStore  # torch is only needed here
-    timeout = float(env.get("COLLECTIVE_TIMEOUT", "300") or 300)
-    store = store_class(master_host, master_port, is_master=False, timeout=timedelta(seconds=timeout))
-    return meet_through_store(store, launched.rank, launched.job, host, token)
+    master_host, master_port = launched.master  # type: ignore[misc]
+    store = store_class(master_host, master_port, is_master=False, timeout=timedelta(seconds=config.timeout))
+    return meet_through_store(store, launched.rank, launched.job, host, config.token)
 
 
 class Store(Protocol):
@@ -320,7 +341,8 @@ def meet_through_store(store: Store, rank: int, job: str, host: str, token: str 
     key = f"collective/{job}/orchestrator"
     if rank == 0:
         embedded = _Embedded(host, 0, token)
-        _embedded.append(embedded)
+        with _lock:
+            _embedded.append(embedded)
         store.set(key, embedded.orchestrator.address)
     return bytes(store.get(key)).decode()
 
@@ -345,23 +367,23 @@ def init_with_store(
         raise RegistrationError(
             "this process already joined a job (init() or register()); join once per process"
         )
-    token = env.get("COLLECTIVE_TOKEN") or None
     master = env.get("MASTER_ADDR", "").strip()
     host = _reaching(master) if master else "127.0.0.1"
-    if rank == 0:
-        store.set("collective/job", env.get("COLLECTIVE_JOB") or f"store-{os.getpid()}-{time.time_ns()}")
-    job = bytes(store.get("collective/job")).decode()
-    address = meet_through_store(store, rank, job, host, token)
-    overrides: dict[str, object] = {"timeout": timeout} if timeout is not None else {}
-    config = CollectiveConfig.from_env(
+    named = env.get("COLLECTIVE_JOB", "").strip()
+    settings = CollectiveConfig.from_env(  # every setting checked before rank 0 starts an orchestrator
         env,
         num_devices=1,
         num_nodes=world,
-        global_address=address,
+        global_address=_PENDING,
         node_address=f"{host}:0",
         data_service_port=0,
-        job=job,
-        **overrides,
+        job=named or "pending",
+        **({"timeout": timeout} if timeout is not None else {}),
     )
-    runtime.register(rank, device, config)
+    if rank == 0:
+        store.set("collective/job", named or f"store-{os.getpid()}-{time.time_ns()}")
+    job = bytes(store.get("collective/job")).decode()
+    with _stopped_on_failure():
+        address = meet_through_store(store, rank, job, host, settings.token)
+        runtime.register(rank, device, dataclasses.replace(settings, global_address=address, job=job))
     return rank

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -134,11 +135,18 @@ class CollectiveConfig:
                     values[f.name] = text
             except ValueError:
                 raise ConfigError(f"{name}={text!r} is not a number") from None
+        from_environment = [name for name in values if name not in overrides]
         values.update(overrides)
         try:
             return cls(**values)
-        except ConfigError as exc:
-            raise ConfigError(f"from the environment: {exc}") from None
+        except ConfigError as exc:  # name the variables whose fields the message is about
+            named = [
+                f"COLLECTIVE_{name.upper()}="
+                + ("***" if name == "token" else repr(environ[f"COLLECTIVE_{name.upper()}"].strip()))
+                for name in from_environment
+                if re.search(rf"\b{name}\b", str(exc))
+            ]
+            raise ConfigError(f"{', '.join(named) or 'from the environment'}: {exc}") from None
 
     def local_strategy(self, kind: str) -> Strategy:
         """The strategy among a process's peers for ``kind`` (a barrier follows all_reduce's)."""

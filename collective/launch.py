@@ -145,12 +145,21 @@ def add_orchestrator_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _first_failed(nodes: list[subprocess.Popen[str]]) -> tuple[int, int] | None:
+    """(rank, exit status) of the first node that exited with an error, if any."""
+    for rank, node in enumerate(nodes):
+        code = node.poll()
+        if code not in (None, 0):
+            return rank, code
+    return None
+
+
 def serve_orchestrator(args: argparse.Namespace) -> int:
     """Run the daemon until SIGINT or SIGTERM; print the address it listens on first."""
     from collective.transport.logs import nonblocking_logging
     from collective.transport.orchestrator import LOST_AFTER, Orchestrator
 
-    token = os.environ.get("COLLECTIVE_TOKEN") or None  # from the environment: never on the command line
+    token = os.environ.get("COLLECTIVE_TOKEN", "").strip() or None  # never on the command line (as from_env)
     orchestrator = Orchestrator(args.host, args.port, args.lost_after or LOST_AFTER, token)
     previous = {
         sig: signal.signal(sig, lambda *_: orchestrator.stop()) for sig in (signal.SIGINT, signal.SIGTERM)
@@ -251,22 +260,17 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[st
             )
             pump.start()
             pumps.append(pump)
-        status = 0
-        while status == 0 and any(node.poll() is None for node in nodes):
-            for rank, node in enumerate(nodes):
-                code = node.poll()
-                if code not in (None, 0):
-                    with lock:
-                        print(
-                            f"collective launch: node {rank} exited with status {code}; stopping the others",
-                            file=sys.stderr,
-                        )
-                    status = code if code > 0 else 128 - code
-                    break
+        while (failed := _first_failed(nodes)) is None and any(node.poll() is None for node in nodes):
             time.sleep(0.05)
-        if status == 0:
-            status = next((n.returncode for n in nodes if n.returncode), 0)
-        return status
+        if failed is None:
+            failed = _first_failed(nodes)  # (the last live node may have failed since the last look)
+        if failed is None:
+            return 0
+        rank, code = failed
+        with lock:
+            message = f"collective launch: node {rank} exited with status {code}; stopping the others"
+            print(message, file=sys.stderr)
+        return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell reports it
     except KeyboardInterrupt:
         return 130
     finally:

@@ -421,6 +421,10 @@ def test_config_from_the_environment() -> None:
     )
     with pytest.raises(col.ConfigError, match="COLLECTIVE_NUM_NODES='two' is not a number"):
         col.CollectiveConfig.from_env({"COLLECTIVE_NUM_NODES": "two"})
-    with pytest.raises(col.ConfigError, match="from the environment: num_devices must be >= 1, got 0"):
+    with pytest.raises(col.ConfigError, match="COLLECTIVE_NUM_DEVICES='0': num_devices must be >= 1, got 0"):
         col.CollectiveConfig.from_env({"COLLECTIVE_NUM_DEVICES": "0"})
+    with pytest.raises(col.ConfigError, match=r"COLLECTIVE_TIMEOUT='-1': timeout must be a finite number"):
+        col.CollectiveConfig.from_env({"COLLECTIVE_TIMEOUT": " -1 "})
+    with pytest.raises(col.ConfigError, match=r"COLLECTIVE_TOKEN=\*\*\*: token must be a non-empty string"):
+        col.CollectiveConfig.from_env({"COLLECTIVE_TOKEN": "  "})
     assert "s3cret" not in repr(col.CollectiveConfig(token="s3cret"))

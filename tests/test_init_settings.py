@@ -1,0 +1,140 @@
+"""``init()``'s settings: every one checked before rank 0 starts an orchestrator, a failed ``init()``
+leaves nothing behind, launcher values in unusual forms, and ``collective launch``'s exit status."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import collective as col
+from collective import bootstrap
+from collective.bootstrap import first_host, init, launched_from
+from collective.launch import free_port
+from tests.test_init import CLEAN, slurm, torchrun
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def test_a_bad_setting_is_refused_before_rank_0_starts_its_orchestrator() -> None:
+    port = free_port()
+    env = {**CLEAN, **torchrun(0, 1, port), "COLLECTIVE_TIMEOUT": "-1"}
+    with col.Runtime() as rt:
+        with pytest.raises(col.ConfigError, match="COLLECTIVE_TIMEOUT='-1': timeout must be"):
+            init(rt, environ=env)
+        assert _port_is_free(port)
+        with pytest.raises(col.ConfigError, match="COLLECTIVE_DATA_SERVICE_PORT='abc' is not a number"):
+            init(rt, environ={**env, "COLLECTIVE_TIMEOUT": "20", "COLLECTIVE_DATA_SERVICE_PORT": "abc"})
+        assert _port_is_free(port)
+        assert init(rt, environ={**env, "COLLECTIVE_TIMEOUT": "20"}) == 0  # fixed: it works
+        np.testing.assert_array_equal(rt.all_reduce(0, np.ones(2)), np.ones(2))
+        rt.finish(0)
+
+
+def test_a_failed_registration_stops_the_orchestrator_it_started() -> None:
+    """Rank 0 of 2 alone: registration times out; MASTER_PORT is free again and init() may retry."""
+    port = free_port()
+    env = {**CLEAN, **torchrun(0, 2, port), "COLLECTIVE_TIMEOUT": "1"}
+    with col.Runtime() as rt:
+        with pytest.raises(col.CollectiveError):
+            init(rt, environ=env)
+        assert _port_is_free(port)
+        assert init(rt, environ={**env, "WORLD_SIZE": "1", "COLLECTIVE_TIMEOUT": "20"}) == 0
+        rt.finish(0)
+
+
+def test_a_token_with_surrounding_spaces_is_one_token_for_orchestrator_and_nodes() -> None:
+    env = {
+        **CLEAN,
+        **torchrun(0, 1, free_port()),
+        "COLLECTIVE_TIMEOUT": "20",
+        "COLLECTIVE_TOKEN": " s3cret\n",
+    }
+    with col.Runtime() as rt:
+        assert init(rt, environ=env) == 0
+        np.testing.assert_array_equal(rt.all_reduce(0, np.ones(2)), np.ones(2))
+        rt.finish(0)
+
+
+def test_init_after_register_or_twice_is_a_registration_error_whatever_the_variables() -> None:
+    with col.Runtime() as rt:
+        rt.register(0, "cpu", col.CollectiveConfig(num_devices=1))
+        with pytest.raises(col.RegistrationError, match="registered with register"):
+            init(rt, environ=CLEAN)  # no launcher variables at all: still the registration error
+    env = {**CLEAN, **torchrun(0, 1, free_port()), "COLLECTIVE_TIMEOUT": "20"}
+    with col.Runtime() as rt:
+        init(rt, environ=env)
+        with pytest.raises(col.RegistrationError, match="already called"):
+            init(rt, environ={**env, "RANK": "5"})
+        rt.finish(0)
+
+
+def test_a_collected_runtime_is_forgotten() -> None:
+    env = {**CLEAN, **torchrun(0, 1, free_port()), "COLLECTIVE_TIMEOUT": "20"}
+    rt = col.Runtime()
+    init(rt, environ=env)
+    rt.finish(0)
+    rt.close()
+    assert rt in bootstrap._initialised
+    del rt
+    gc.collect()
+    assert len(bootstrap._initialised) == 0  # a new Runtime at the same address starts afresh
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "first"),
+    [("node[1-3]-ib", "node1-ib"), ("gpu[01-02]-ib,cpu1", "gpu01-ib"), ("rack[1-2]-node[3,5]", "rack1-node3"),
+     ("n[07-09,11]", "n07"), (" c[5-6]", "c5"), ("a,b[1-2]", "a"), ("gpu-[001-004]", "gpu-001")],
+)  # fmt: skip
+def test_the_first_host_of_a_slurm_node_list(nodelist: str, first: str) -> None:
+    assert first_host(nodelist) == first
+
+
+def test_launcher_values_in_unusual_forms() -> None:
+    env = {**CLEAN, **slurm(0, 2, 1234), "SLURM_JOB_NODELIST": "c[5-6]", "MASTER_ADDR": " "}
+    del env["MASTER_PORT"]
+    assert launched_from(env).master == ("c5", 29500)  # a blank MASTER_ADDR is unset
+    assert launched_from({**CLEAN, **torchrun(1, 2, 1234), "LOCAL_RANK": "\u00b2"}).local_rank is None
+
+
+def test_a_named_orchestrator_without_master_addr_gives_the_address_reaching_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[tuple[str, str]] = []
+
+    def reaching(host: str, variable: str = "MASTER_ADDR") -> str:
+        asked.append((host, variable))
+        return "10.1.2.3"
+
+    monkeypatch.setattr(bootstrap, "_reaching", reaching)
+    env = {**CLEAN, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+           "COLLECTIVE_GLOBAL_ADDRESS": "192.0.2.10:29500"}  # fmt: skip
+    config = bootstrap._config(launched_from(env), env)  # rank 1 with a named orchestrator: starts nothing
+    assert asked == [("192.0.2.10", "COLLECTIVE_GLOBAL_ADDRESS")]
+    assert (config.node_address, config.global_address) == ("10.1.2.3:0", "192.0.2.10:29500")
+    given = {**env, "COLLECTIVE_NODE_ADDRESS": "10.9.9.9:0"}  # an address given is used as it is
+    assert bootstrap._config(launched_from(given), given).node_address == "10.9.9.9:0"
+    assert len(asked) == 1
+
+
+@pytest.mark.parametrize(("signal_number", "status"), [(9, 137), (15, 143)])
+def test_launch_reports_a_node_killed_by_a_signal_as_a_shell_does(signal_number: int, status: int) -> None:
+    kill = f"import os; os.kill(os.getpid(), {signal_number})"
+    argv = [sys.executable, "-m", "collective", "launch", "--nodes", "1", "--timeout", "30", sys.executable,
+            "-c", kill]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=CLEAN)
+    assert done.returncode == status, done.stderr
+    assert f"node 0 exited with status -{signal_number}" in done.stderr
