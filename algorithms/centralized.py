@@ -28,7 +28,7 @@ B for reduce_scatter and scatter. The center sends n-1 and receives n-1 of those
 
 from __future__ import annotations
 
-from collective.algorithms.link import Link, send_signal, wait_signal
+from collective.algorithms.link import Link, reduce_received, send_signal, wait_signal
 from collective.algorithms.ops import (
     Array,
     ReduceOp,
@@ -59,13 +59,7 @@ def reduce(link: Link, root: int, src: Array, dst: Array | None, op: ReduceOp) -
         link.send(root, src)
         return
     assert dst is not None, "the root needs a result buffer"
-    operand = src
-    for peer in range(link.size):
-        if peer != root:
-            link.recv_reduce(peer, operand, dst, op)
-            operand = dst
-    if operand is src:  # a group of one
-        copy_into(dst, src)
+    reduce_received(link, src, dst, op)  # in peer order, whichever peer is the root
 
 
 def broadcast(link: Link, root: int, buf: Array) -> None:

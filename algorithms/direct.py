@@ -38,7 +38,7 @@ Per peer: n-1 messages of B elements out and n-1 in (0 elements for the barrier)
 
 from __future__ import annotations
 
-from collective.algorithms.link import Link, send_signal, wait_signal
+from collective.algorithms.link import Link, reduce_received, send_signal, wait_signal
 from collective.algorithms.ops import (
     Array,
     ReduceOp,
@@ -64,13 +64,7 @@ def _reduce_scatter(link: Link, src: Array, mine: Array, op: ReduceOp, chunk: li
     for peer in range(n):
         if peer != r:
             link.send(peer, src[chunk[peer]])
-    operand = src[chunk[r]]
-    for peer in range(n):
-        if peer != r:
-            link.recv_reduce(peer, operand, mine, op)
-            operand = mine
-    if n == 1:
-        copy_into(mine, src)
+    reduce_received(link, src[chunk[r]], mine, op)  # in peer order
 
 
 def _all_gather(link: Link, dst: Array, chunk: list[slice]) -> None:

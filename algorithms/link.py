@@ -28,9 +28,9 @@ from typing import Protocol
 
 import numpy as np
 
-from collective.algorithms.ops import Array, ReduceOp
+from collective.algorithms.ops import Array, ReduceOp, array_module, combine, copy_into
 
-__all__ = ["Link", "send_signal", "wait_signal"]
+__all__ = ["Link", "reduce_received", "send_signal", "wait_signal"]
 
 
 class Link(Protocol):
@@ -78,3 +78,25 @@ def send_signal(link: Link, dst: int) -> None:
 def wait_signal(link: Link, src: int) -> None:
     """Wait for the next (empty) message from ``src``."""
     link.recv_into(src, np.empty(0, np.uint8))
+
+
+def reduce_received(link: Link, own: Array, dst: Array, op: ReduceOp) -> None:
+    """``dst`` = ``op`` over one message from every other peer and ``own`` (this peer's part), in
+    peer order ((x0 op x1) op x2 ...: the same bits as every other path that combines in rank
+    order), whatever this peer's rank. ``dst`` may be ``own`` (in place)."""
+    if link.rank > 0 and array_module(dst).may_share_memory(dst, own):
+        own = own.copy()  # in place: peer 0's message lands in dst before own is combined
+    reduced: Array | None = None  # what was combined so far (``own``, or ``dst``)
+    for peer in range(link.size):
+        if peer == link.rank:
+            if reduced is not None:
+                combine(op, reduced, own, dst)
+            reduced = dst if reduced is not None else own
+        elif reduced is None:
+            link.recv_into(peer, dst)
+            reduced = dst
+        else:
+            link.recv_reduce(peer, reduced, dst, op)
+            reduced = dst
+    if reduced is own:  # a group of one
+        copy_into(dst, own)

@@ -29,6 +29,7 @@ __all__ = [
     "check_array",
     "check_out",
     "flat",
+    "integer",
     "new_result",
     "placement",
     "same_memory",
@@ -36,6 +37,14 @@ __all__ = [
 ]
 
 _ORDERED_KINDS = frozenset("iuf")
+
+
+def integer(value: Any) -> int | None:
+    """``value`` as an int when it is one (a Python or numpy integer, never a bool), else None: peer
+    ids, roots and tags computed with numpy are accepted as they are."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | np.integer):
+        return None
+    return int(value)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import numpy as np
 
 from collective.algorithms.link import Link
 from collective.algorithms.ops import NUMPY_UFUNCS, Array, ReduceOp, array_module, combine, copy_into
-from collective.arrays import CPU, Device, check_array, check_out, flat, placement, scale_for_mean
+from collective.arrays import CPU, Device, check_array, check_out, flat, integer, placement, scale_for_mean
 from collective.errors import InvalidArgumentError
 from collective.pool import pool
 from collective.signature import Rules, Signature, describe_peers
@@ -137,10 +137,11 @@ class Call:
         self.op = op
         self.root_peer = self.root
         if self.rooted:
-            valid = isinstance(self.root, int) and not isinstance(self.root, bool) and self.root in members
+            root = integer(self.root)
+            valid = root is not None and root in members
             if problem is None and not valid:
                 problem = f"root {self.root!r} is not a peer of the group ({describe_peers(list(members))})"
-            self.root = members.index(self.root) if valid else None
+            self.root = members.index(root) if valid else None
         if problem is None:
             problem = self.problem or self.check(device, len(members), rank)
         self.signature = self.describe(op, problem)

@@ -352,7 +352,7 @@ class Coalesced(AllReduce):
     """One dtype's bucket of an all_reduce_coalesced (collective.coalesced); ``parts`` lists the
     shape and dtype of every array of the whole list, so peers whose lists differ disagree."""
 
-    __slots__ = ("parts", "pieces")
+    __slots__ = ("outs", "parts", "pieces")
     kind = "all_reduce_coalesced"
     rules = Rules(("op", "parts", "shape", "dtype"))
 
@@ -363,14 +363,21 @@ class Coalesced(AllReduce):
         parts: tuple[tuple[tuple[int, ...], str], ...],
         out: Any = None,
         pieces: list[np.ndarray] | None = None,
+        outs: list[tuple[Any, Any]] | None = None,
     ) -> None:
         super().__init__(bucket, op, out=out)
         self.parts = parts
         self.pieces = pieces  # numpy arrays still to be packed into ``bucket`` (None: it holds them)
+        self.outs = outs  # the caller's (out, its input) per array of the bucket, to fill afterwards
 
     def check(self, device: Device, size: int, rank: int) -> str | None:
-        """The bucket is the runtime's own, and ``out`` is the bucket: only the dtype needs a look."""
-        return check_array(self.x, device, self.op)
+        """The bucket is the runtime's own and ``out`` is the bucket: the dtype needs a look, and so
+        does every ``out`` of the caller's list (before any data moves, on every peer). An ``out``
+        may overlap any input: it is written once every input was read."""
+        problem = check_array(self.x, device, self.op)
+        for out, x in self.outs or ():
+            problem = problem or check_out(out, device, tuple(x.shape), x.dtype, None)
+        return problem
 
     def source(self) -> Array | None:
         """The bucket, packed on the first read (a step is agreed before any executor reads it;

@@ -63,13 +63,17 @@ def coalesced_all_reduce(
     if len(by_dtype) == 1 and out is None and backs is None:  # the usual case: the views are the results
         return _views(execute(_bucket(arrays, op, parts, sum(sizes))), shapes, sizes)
     results: list[Array] = [None] * len(arrays)
+    outs = None if out is None else [native(o)[0] for o in out]
     for indices in by_dtype:
         its_sizes = [sizes[i] for i in indices]
-        reduced = execute(_bucket([arrays[i] for i in indices], op, parts, sum(its_sizes)))
+        call = _bucket([arrays[i] for i in indices], op, parts, sum(its_sizes))
+        if outs is not None and indices is by_dtype[0]:  # every out checked with the first bucket's call,
+            call.outs = list(zip(outs, arrays, strict=True))  # on every peer, before any data moves
+        reduced = execute(call)
         for i, view in zip(indices, _views(reduced, [shapes[i] for i in indices], its_sizes), strict=True):
-            if out is not None:
-                native(out[i])[0][...] = view
-                results[i] = out[i]
+            if outs is not None:
+                outs[i][...] = view
+                results[i] = out[i]  # type: ignore[index]
             else:
                 results[i] = view if backs is None else backs[i](view)
     return results

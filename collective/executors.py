@@ -11,8 +11,11 @@
   (NodeJob.shm_group decides from the topology's host identities).
 * ``ThreePhase`` (collective.three_phase): peers on several nodes.
 
-Inputs are combined in rank order on every path, so results are deterministic and bit-identical
-across peers. ``choose`` is the one place that picks the executor.
+Every path gives every peer the same bits. Fused, Shared, the shared-memory path and the
+Centralized and Direct schedules combine inputs in rank order ((x0 op x1) op x2 ...), so for a
+given input they agree with each other bit for bit; Tree and Ring combine in their own fixed
+order (docs/algorithms), which float rounding may tell apart. ``choose`` is the one place that
+picks the executor.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from collective.arrays import integer
 from collective.errors import InvalidArgumentError
 from collective.signature import describe_peers
 
@@ -58,9 +59,10 @@ def new_group(ranks: Iterable[int], world: int | None = None) -> Group:
         peers = list(ranks)
     except TypeError:
         raise InvalidArgumentError(f"new_group takes a list of peer ids, got {ranks!r}") from None
-    bad = [p for p in peers if isinstance(p, bool) or not isinstance(p, int) or p < 0]
+    bad = [p for p in peers if integer(p) is None or p < 0]
     if bad:
         raise InvalidArgumentError(f"new_group: {bad!r} are not peer ids (integers >= 0)")
+    peers = [int(p) for p in peers]
     if not peers:
         raise InvalidArgumentError("new_group: the list of peers is empty; a group has at least one peer")
     repeated = sorted({p for p in peers if peers.count(p) > 1})

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import logging
 import os
 import threading
@@ -28,6 +29,7 @@ from collective.errors import CollectiveError, CollectiveTimeout, MismatchError,
 from collective.host_tier import HostTier
 from collective.layout import Layout
 from collective.protocol import (
+    PART_BYTES,
     VERDICT_GRACE,
     CallMessage,
     P2PMessage,
@@ -44,7 +46,7 @@ from collective.transport.inproc import clone_error
 from collective.transport.network import NodeNetwork
 from collective.transport.orchestrator_client import OrchestratorClient, Topology
 from collective.transport.shm_ring import RingSegment
-from collective.transport.wire import WireError, dtype_from_name
+from collective.transport.wire import WireError
 from collective.transport.zmq_link import ZmqLink
 
 __all__ = ["NodeJob"]
@@ -88,6 +90,7 @@ class NodeJob:
         self._closed = False
         self._agreed: dict[int, int] = {}  # channel -> the last step whose calls every node agreed on
         self._local: frozenset[int] = frozenset()
+        self._p2p_ids = itertools.count()  # tells apart the messages this process sends in parts
         self._layouts: dict[tuple[int, ...], Layout] = {}
         shm = os.environ.get("COLLECTIVE_SHM", "1") != "0"  # 0: never the Shm executor (e.g. to compare)
         self._ring_segment = RingSegment.create() if shm else None
@@ -143,9 +146,15 @@ class NodeJob:
     # -- point to point ---------------------------------------------------------------------------
 
     def send_p2p(self, src: int, dst: int, tag: int, data: Any) -> None:
-        """Send ``data`` (a flat numpy copy the caller no longer touches) from peer ``src`` to ``dst``."""
-        message = P2PMessage(src, dst, tag, tuple(data.shape), str(data.dtype))
-        self._network.send(self._node_of[dst], message.encode(), data.reshape(-1).view(np.uint8))
+        """Send ``data`` (a numpy copy the caller no longer touches) from peer ``src`` to ``dst``, in
+        parts of PART_BYTES (one network message each)."""
+        payload = data.reshape(-1).view(np.uint8)
+        parts = max(1, -(-payload.nbytes // PART_BYTES))
+        ident = next(self._p2p_ids)
+        for part in range(parts):
+            message = P2PMessage(src, dst, tag, tuple(data.shape), str(data.dtype), ident, part, parts)
+            chunk = payload[part * PART_BYTES : (part + 1) * PART_BYTES]
+            self._network.send(self._node_of[dst], message.encode(), chunk)
 
     def pump(self, seconds: float) -> None:
         """Let messages arrive for up to ``seconds`` (a receive that waits outside any collective)."""
@@ -157,19 +166,10 @@ class NodeJob:
             message = P2PMessage.decode(header)
             if self._node_of.get(message.sender) != node or message.receiver not in self._local:
                 raise WireError(f"peer {message.sender} -> {message.receiver} does not match node {node}")
-            dtype = dtype_from_name(message.dtype)
-            nbytes = int(np.prod(message.shape, dtype=np.int64)) * dtype.itemsize
-            if (0 if payload is None else len(payload.buffer)) != nbytes:
-                raise WireError(
-                    f"{nbytes} bytes declared, {0 if payload is None else len(payload.buffer)} sent"
-                )
+            if self._mailbox is not None:
+                self._mailbox().arrived(node, message, payload.buffer if payload is not None else b"")
         except WireError as exc:
             log.warning("refused a point-to-point message from %s: %s", self._describe(node), exc)
-            return
-        data = np.frombuffer(payload.buffer, dtype) if nbytes else np.empty(0, dtype)
-        if self._mailbox is not None:
-            box = self._mailbox()
-            box.put(message.sender, message.receiver, message.tag, data.reshape(message.shape), remote=True)
 
     def close(self) -> None:
         """Leave the job and close every socket (once; later calls do nothing)."""

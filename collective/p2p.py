@@ -9,14 +9,17 @@ left (or its node was lost) with nothing sent.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from collective.algorithms.ops import Array
-from collective.arrays import Device, check_array
+from collective.arrays import Device, check_array, integer
 from collective.errors import (
     CollectiveError,
     CollectiveTimeout,
@@ -24,7 +27,9 @@ from collective.errors import (
     MismatchError,
     PeerLostError,
 )
+from collective.protocol import PART_BYTES, P2PMessage
 from collective.tensors import native
+from collective.transport.wire import WireError
 
 __all__ = ["Mailbox", "recv", "send"]
 
@@ -46,23 +51,68 @@ class Mailbox:
         self._limit = limit
         self._pending: dict[int, int] = {}  # src -> bytes from another process not yet received
         self._overflowed: dict[int, str] = {}
+        self._assembling: dict[tuple[int, int], tuple[np.ndarray, int]] = {}  # (node, id): (bytes, next part)
 
     def put(self, src: int, dst: int, tag: int, data: Array, remote: bool = False) -> None:
         """Keep ``data`` for ``dst``. From another process (``remote``), at most ``limit`` unreceived
         bytes per source are kept; beyond that the message is dropped and ``src``'s next receive fails."""
         with self._cv:
-            if remote:
-                pending = self._pending.get(src, 0) + data.nbytes
-                if pending > self._limit:
-                    self._overflowed[src] = (
-                        f"peer {src} sent more than {self._limit >> 20} MiB that were not received yet: "
-                        f"a message of {data.nbytes} bytes to peer {dst} (tag {tag}) was dropped"
-                    )
-                    self._cv.notify_all()
-                    return
-                self._pending[src] = pending
+            if remote and not self._reserve(src, dst, tag, data.nbytes):
+                return
             self._boxes.setdefault((src, dst, tag), deque()).append((data, remote))
             self._cv.notify_all()
+
+    def arrived(self, origin: int, message: P2PMessage, chunk: Any) -> None:
+        """A message from another process (``origin``: its node), or part ``message.part`` of one that
+        comes in ``message.parts`` parts of PART_BYTES (in order: one connection carries them); a
+        message in parts is kept once its last part is in. WireError: the bytes do not fit it."""
+        dtype = np.dtype(message.dtype)
+        nbytes = math.prod(message.shape) * dtype.itemsize
+        if message.parts == 1:  # kept as it came, without a copy
+            if len(chunk) != nbytes:
+                raise WireError(f"{nbytes} bytes declared, {len(chunk)} sent")
+            data = np.frombuffer(chunk, dtype) if nbytes else np.empty(0, dtype)
+            self.put(message.sender, message.receiver, message.tag, data.reshape(message.shape), remote=True)
+            return
+        start = message.part * PART_BYTES
+        key = (origin, message.ident)
+        with self._cv:
+            if message.part == 0:
+                self._assembling.pop(key, None)
+                if not self._reserve(message.sender, message.receiver, message.tag, nbytes):
+                    return  # (its later parts find no assembly and are dropped too)
+                self._assembling[key] = (np.empty(nbytes, np.uint8), 0)
+            found = self._assembling.get(key)
+            if found is None:
+                return
+            buffer, expected = found
+            if message.part != expected or len(chunk) != min(PART_BYTES, nbytes - start) or start >= nbytes:
+                del self._assembling[key]
+                self._pending[message.sender] -= nbytes
+                raise WireError(f"part {message.part} of {message.parts} ({len(chunk)} bytes) does not fit")
+            buffer[start : start + len(chunk)] = np.frombuffer(chunk, np.uint8)
+            if message.part + 1 < message.parts:
+                self._assembling[key] = (buffer, expected + 1)
+                return
+            del self._assembling[key]
+            data = buffer.view(dtype).reshape(message.shape)
+            box = self._boxes.setdefault((message.sender, message.receiver, message.tag), deque())
+            box.append((data, True))
+            self._cv.notify_all()
+
+    def _reserve(self, src: int, dst: int, tag: int, nbytes: int) -> bool:
+        """Count ``nbytes`` more from another process's ``src`` (lock held): False, and ``src``'s next
+        receive fails, when that would pass the limit."""
+        pending = self._pending.get(src, 0) + nbytes
+        if pending > self._limit:
+            self._overflowed[src] = (
+                f"peer {src} sent more than {self._limit >> 20} MiB that were not received yet: "
+                f"a message of {nbytes} bytes to peer {dst} (tag {tag}) was dropped"
+            )
+            self._cv.notify_all()
+            return False
+        self._pending[src] = pending
+        return True
 
     def take(
         self,
@@ -73,16 +123,21 @@ class Mailbox:
         timeout: float,
         gone: Callable[[int], CollectiveError | None],
         pump: Callable[[float], None] | None = None,
+        refuse: Callable[[Array], str | None] | None = None,
     ) -> Array:
         """The next message from ``src`` to ``dst`` with ``tag``; raises at the deadline or on loss.
 
-        ``pump(seconds)`` lets messages from other processes arrive while this waits.
+        ``pump(seconds)`` lets messages from other processes arrive while this waits. A message
+        that ``refuse`` finds a problem with stays first in line (InvalidArgumentError).
         """
         key = (src, dst, tag)
         while True:
             with self._cv:
                 box = self._boxes.get(key)
                 if box:
+                    problem = refuse(box[0][0]) if refuse is not None else None
+                    if problem is not None:
+                        raise InvalidArgumentError(problem)
                     data, remote = box.popleft()
                     if not box:
                         del self._boxes[key]
@@ -128,7 +183,7 @@ HOST = Device("cpu")
 
 def send(job: LocalJob, mailbox: Mailbox, peer: int, device: Device, x: Any, dst: int, tag: int) -> None:
     """Peer ``peer``'s send: checked, copied, and into ``dst``'s mailbox (here or in its process)."""
-    _check(job, peer, dst, tag, "dst")
+    dst, tag = _check(job, peer, dst, tag, "dst")
     x, _ = native(x)
     problem = check_array(x, device, None)
     if problem is not None:
@@ -151,32 +206,50 @@ def recv(
     out: Any,
 ) -> Any:
     """Peer ``peer``'s receive from ``src``: the array (on ``device``), or ``out`` filled with it."""
-    _check(job, peer, src, tag, "src")
+    src, tag = _check(job, peer, src, tag, "src")
 
     def gone(source: int) -> CollectiveError | None:
         if source in finished or source in job.gone_among((source,)):
             return left_error(source, peer)
         return job.node.lost_peer(source) if job.node is not None else None
 
+    target, _ = native(out)
+    if out is not None:
+        problem = check_array(target, device, None, name="out")
+        if problem is None and not target.flags.writeable:
+            problem = "out must be a writeable array"
+        if problem is not None:
+            raise InvalidArgumentError(f"recv: peer {peer}: {problem}")
+
+    def unfit(data: Array) -> str | None:  # the message stays queued for a recv that fits it
+        if tuple(target.shape) == tuple(data.shape) and target.dtype == data.dtype:
+            return None
+        return (
+            f"recv: out has shape {tuple(target.shape)} and dtype {target.dtype}; peer {src} sent "
+            f"{tuple(data.shape)} {data.dtype} (the message is still there for a recv that fits it)"
+        )
+
     remote = job.node is not None and not job.node.is_local(src, job.peer_ids)
     pump = job.node.pump if remote and job.node is not None else None
-    data = device.adopt(mailbox.take(src, peer, tag, time.monotonic() + seconds, seconds, gone, pump))
+    deadline = time.monotonic() + seconds
+    taken = mailbox.take(src, peer, tag, deadline, seconds, gone, pump, None if out is None else unfit)
+    data = device.adopt(taken)
     if out is None:
         return data
-    target, _ = native(out)
-    if tuple(target.shape) != tuple(data.shape) or target.dtype != data.dtype:
-        raise InvalidArgumentError(
-            f"recv: out has shape {tuple(target.shape)} and dtype {target.dtype}; peer {src} sent "
-            f"{tuple(data.shape)} {data.dtype}"
-        )
     target[...] = data
     return out
 
 
-def _check(job: LocalJob, peer: int, other: Any, tag: Any, name: str) -> None:
-    if isinstance(other, bool) or not isinstance(other, int) or not 0 <= other < job.world:
+MAX_TAG = (1 << 63) - 1  # tags travel between processes as signed 64-bit integers
+
+
+def _check(job: LocalJob, peer: int, other: Any, tag: Any, name: str) -> tuple[int, int]:
+    """(the other peer, the tag) as ints; InvalidArgumentError naming what is wrong."""
+    other_id, tag_value = integer(other), integer(tag)
+    if other_id is None or not 0 <= other_id < job.world:
         raise InvalidArgumentError(f"{name}={other!r} is not a peer of the job (peers 0..{job.world - 1})")
-    if other == peer:
+    if other_id == peer:
         raise InvalidArgumentError(f"peer {peer} cannot send to or receive from itself")
-    if isinstance(tag, bool) or not isinstance(tag, int) or tag < 0:
-        raise InvalidArgumentError(f"tag must be an integer >= 0, got {tag!r}")
+    if tag_value is None or not 0 <= tag_value <= MAX_TAG:
+        raise InvalidArgumentError(f"tag must be an integer from 0 to 2**63 - 1, got {tag!r}")
+    return other_id, tag_value

@@ -26,7 +26,7 @@ from collective import errors
 from collective.algorithms.ops import ReduceOp
 from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError
 from collective.signature import Signature
-from collective.transport.wire import WireError, dtype_from_name
+from collective.transport.wire import CHUNK_BYTES, WireError, dtype_from_name
 
 __all__ = [
     "MANY_PARTS",
@@ -174,26 +174,38 @@ def decode_call(header: dict[str, Any]) -> CallMessage | VerdictMessage:
     return CallMessage(header["seq"], signature_from_fields(header), small)
 
 
+PART_BYTES = CHUNK_BYTES  # an array larger than this travels between processes in parts of this size
+
+
 @dataclass(frozen=True)
 class P2PMessage:
+    """One point-to-point array, or part ``part`` of ``parts`` of one (message ``ident`` of its
+    process): an array over PART_BYTES travels in parts (reassembled by collective.p2p.Mailbox)."""
+
     sender: int
     receiver: int
     tag: int
     shape: tuple[int, ...]
     dtype: str
+    ident: int = 0
+    part: int = 0
+    parts: int = 1
 
     def encode(self) -> dict[str, Any]:
         return {"t": "p2p", "seq": 0, "from": self.sender, "to": self.receiver, "tag": self.tag,
-                "shape": list(self.shape), "dtype": self.dtype}  # fmt: skip
+                "shape": list(self.shape), "dtype": self.dtype, "id": self.ident, "part": self.part,
+                "parts": self.parts}  # fmt: skip
 
     @classmethod
     def decode(cls, header: dict[str, Any]) -> P2PMessage:
         sender, receiver, tag = header.get("from"), header.get("to"), header.get("tag")
         if not (_is_int(sender) and _is_int(receiver) and _is_int(tag)):
             raise WireError("invalid p2p addressing")
-        return cls(
-            sender, receiver, tag, _shape(header.get("shape")), str(dtype_from_name(header.get("dtype")))
-        )
+        ident, part, parts = header.get("id", 0), header.get("part", 0), header.get("parts", 1)
+        if not (_is_int(ident) and _is_int(part) and _is_int(parts, minimum=1) and part < parts):
+            raise WireError(f"invalid p2p part {part!r} of {parts!r}")
+        dtype = str(dtype_from_name(header.get("dtype")))
+        return cls(sender, receiver, tag, _shape(header.get("shape")), dtype, ident, part, parts)
 
 
 def verdict_error(

@@ -309,8 +309,13 @@ class Runtime:
     # -- point to point -------------------------------------------------------------------------
 
     def send(self, peer_id: int, x: Array, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
-        """Hand ``x`` (copied) to peer ``dst``; returns at once, whether or not ``dst`` is receiving."""
+        """Hand ``x`` (copied) to peer ``dst``; returns at once, whether or not ``dst`` is receiving.
+
+        ``timeout`` is checked like every call's (a send never waits, so it bounds nothing).
+        """
         job, member = self._member(peer_id), self._peer(peer_id)
+        if timeout is not None:
+            _seconds(timeout)
         p2p.send(job, self._mailbox, peer_id, member.device, x, dst, tag)
 
     def recv(

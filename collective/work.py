@@ -18,7 +18,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from collective.errors import CollectiveError, CollectiveTimeout
+from collective.errors import CollectiveError, CollectiveTimeout, InvalidArgumentError
 from collective.transport.inproc import clone_error
 
 __all__ = ["Sequencer", "Work"]
@@ -36,8 +36,15 @@ class Work:
     def wait(self, timeout: float | None = None) -> Any:
         """The collective's result, or its error raised here; CollectiveTimeout after ``timeout`` seconds.
 
-        A timeout here does not cancel the collective: wait again, or let it end by itself.
+        A timeout here does not cancel the collective: wait again, or let it end by itself. None
+        (or infinity) waits until it ends, which its own timeout bounds. Raises InvalidArgumentError
+        for a timeout that is no number of seconds >= 0.
         """
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+                raise InvalidArgumentError(f"wait(timeout) takes seconds >= 0 or None, got {timeout!r}")
+            if timeout >= threading.TIMEOUT_MAX:  # (infinity included): longer than the collective can run
+                timeout = None
         if not self._done.wait(timeout):
             raise CollectiveTimeout(
                 f"{self._label} did not complete within {timeout:g}s of wait(); it is still running "

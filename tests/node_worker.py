@@ -298,9 +298,15 @@ def collective_set_count(world: int, *parts: str) -> int:
     return count
 
 
+def _large(src: int, dst: int) -> np.ndarray:
+    """9 MiB and a little more from ``src`` to ``dst``: three parts of a network chunk between processes."""
+    return np.arange(((9 << 18) // 5 + 1) * 5, dtype=np.float32).reshape(-1, 5) * (src + 1) + dst
+
+
 def p2p(peer: int, world: int) -> int:
     """Point to point across nodes: a ring with two tags, every pair sending both ways before
-    receiving, shapes and dtypes that travel, order per (src, dst, tag); then the job still works."""
+    receiving (a small array and one of over 9 MiB), shapes and dtypes that travel, order per
+    (src, dst, tag); then the job still works."""
     right, left = (peer + 1) % world, (peer - 1) % world
     count = 0
     for round_ in range(3):
@@ -315,9 +321,11 @@ def p2p(peer: int, world: int) -> int:
     for other in range(world):  # every pair: send to each other first, then receive
         if other != peer:
             col.send(peer, np.arange(5.0) + peer, other, tag=7)
+            col.send(peer, _large(peer, other), other, tag=8)  # in parts, interleaved with the others'
     for other in range(world):
         if other != peer:
             np.testing.assert_array_equal(col.recv(peer, other, tag=7), np.arange(5.0) + other)
+            np.testing.assert_array_equal(col.recv(peer, other, tag=8), _large(other, peer))
             count += 1
     np.testing.assert_array_equal(col.all_reduce(peer, np.ones(3)), np.full(3, world))
     return count
