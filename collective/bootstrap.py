@@ -8,10 +8,13 @@ source                rank / size (local rank)                      where the pr
 ====================  ===========================================  ====================================
 collective launch     COLLECTIVE_PEER_IDS / COLLECTIVE_NUM_NODES    COLLECTIVE_GLOBAL_ADDRESS
 torchrun              RANK / WORLD_SIZE (LOCAL_RANK)                MASTER_ADDR:MASTER_PORT
+Open MPI (mpirun)     OMPI_COMM_WORLD_RANK / _SIZE (_LOCAL_RANK)    MASTER_ADDR:MASTER_PORT
 Slurm (srun)          SLURM_PROCID / SLURM_NTASKS (SLURM_LOCALID)   MASTER_ADDR:MASTER_PORT, or the first
                                                                     host of SLURM_JOB_NODELIST
-Open MPI (mpirun)     OMPI_COMM_WORLD_RANK / _SIZE (_LOCAL_RANK)    MASTER_ADDR:MASTER_PORT
 ====================  ===========================================  ====================================
+
+Slurm comes last: a launcher started inside a Slurm job (torchrun, mpirun in an sbatch script)
+hands its processes Slurm's variables too, and its own are the ones that count.
 
 COLLECTIVE_GLOBAL_ADDRESS names an orchestrator to use with any source. Without one, rank 0 hosts
 an embedded orchestrator at MASTER_ADDR:MASTER_PORT and the others connect there (as torch's
@@ -130,6 +133,10 @@ def launched_from(environ: Mapping[str, str] | None = None) -> Launched:
         source = "torchrun"
         local = env.get("LOCAL_RANK")
         agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true"
+    elif env.get("OMPI_COMM_WORLD_RANK", "").strip():  # before Slurm: mpirun inside an sbatch job
+        rank, world = _rank_and_world(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
+        master = _master(env)
+        source, local, agent = "Open MPI", env.get("OMPI_COMM_WORLD_LOCAL_RANK"), False
     elif env.get("SLURM_PROCID", "").strip():
         rank, world = _rank_and_world(env, "SLURM_PROCID", "SLURM_NTASKS")
         nodes = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
@@ -137,10 +144,6 @@ def launched_from(environ: Mapping[str, str] | None = None) -> Launched:
         slurm_job = env.get("SLURM_JOB_ID", "").strip()
         job = job or (f"slurm-{slurm_job}.{env.get('SLURM_STEP_ID', '0')}" if slurm_job else "")
         source, local, agent = "Slurm", env.get("SLURM_LOCALID"), False
-    elif env.get("OMPI_COMM_WORLD_RANK", "").strip():
-        rank, world = _rank_and_world(env, "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE")
-        master = _master(env)
-        source, local, agent = "Open MPI", env.get("OMPI_COMM_WORLD_LOCAL_RANK"), False
     else:
         raise ConfigError(
             "init() found no launcher variables: start the processes with collective launch, torchrun, "

@@ -222,6 +222,8 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[st
         parser.error("argument --nodes/--devices: must be >= 1")
     if args.orchestrator is not None:
         _orchestrator_address(args.orchestrator, parser)
+    if args.program[:1] == ["--"]:  # "launch --nodes 2 -- prog ...": the separator is no program
+        args.program = args.program[1:]
     if not args.program and args.module is None:
         parser.error("nothing to run: give a script, -m module, or a program (and its arguments)")
     if args.module is None and args.program[0].endswith(".py") and not os.path.isfile(args.program[0]):

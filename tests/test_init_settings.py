@@ -103,6 +103,22 @@ def test_the_first_host_of_a_slurm_node_list(nodelist: str, first: str) -> None:
     assert first_host(nodelist) == first
 
 
+def test_mpirun_inside_a_slurm_job_is_read_from_its_own_variables() -> None:
+    """An sbatch script's mpirun: every process inherits SLURM_PROCID=0; Open MPI's rank counts."""
+    env = {**CLEAN, **slurm(0, 1, 1234), "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+           "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
+    launched = launched_from(env)
+    assert (launched.source, launched.rank, launched.world) == ("Open MPI", 3, 4)
+
+
+def test_launch_takes_a_separator_before_the_program() -> None:
+    argv = [sys.executable, "-m", "collective", "launch", "--nodes", "1", "--timeout", "30", "--", "sh", "-c",
+            "echo rank=$RANK"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=CLEAN)
+    assert done.returncode == 0, done.stderr
+    assert "rank=0" in done.stdout
+
+
 def test_launcher_values_in_unusual_forms() -> None:
     env = {**CLEAN, **slurm(0, 2, 1234), "SLURM_JOB_NODELIST": "c[5-6]", "MASTER_ADDR": " "}
     del env["MASTER_PORT"]
