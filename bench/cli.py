@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.util
 import sys
 import time
@@ -11,13 +12,14 @@ from typing import IO
 
 from collective.algorithms.strategies import parse_strategy
 from collective.bench.multinode import run_gloo, run_nodes, torch_available
-from collective.bench.ops import OPS, ROOTED, TRIVIAL_OPS
+from collective.bench.ops import OPS, ROOTED, TRIVIAL_OPS, moved_bytes
 from collective.bench.plot import MISSING as PLOT_MISSING
 from collective.bench.plot import plot_rows
 from collective.bench.report import format_size, parse_size, print_summary, print_table, write_json
 from collective.bench.sweep import Case, Row, resolve_dtype, run_case
 from collective.errors import ConfigError
 from collective.executors import DEFAULT_SHARE_BELOW
+from collective.launch import seconds_argument
 from collective.transport.wire import SMALL_BYTES
 
 __all__ = ["add_arguments", "main", "run"]
@@ -83,9 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         help="centralized, tree:K, ring, direct or all (repeatable; default: all, with tree:2)",
     )
-    parser.add_argument(
-        "--peers", type=_positive, default=4, help="local peers (threads) per node, default 4"
-    )
+    parser.add_argument("--peers", type=_positive, help="local peers (threads) per node, default 4")
     parser.add_argument(
         "--nodes",
         type=_positive,
@@ -132,7 +132,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot", metavar="FILE.png", help="draw bus bandwidth and time against size (needs matplotlib)"
     )
     parser.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds one collective may take (default 120)"
+        "--timeout",
+        type=seconds_argument,
+        default=120.0,
+        help="seconds one collective may take (default 120)",
     )
 
 
@@ -143,8 +146,13 @@ def _sizes(args: argparse.Namespace, itemsize: int) -> list[int]:
         rounded = size - size % itemsize
         if not sizes or rounded != sizes[-1]:
             sizes.append(rounded)
-        size *= args.stepfactor
+        size = size * args.stepfactor if size else itemsize  # (-b 0: one empty row, then on)
     return sizes
+
+
+def _moved(op: str, sizes: list[int], peers: int, itemsize: int) -> list[int]:
+    """The sizes ``op`` moves for the asked ``sizes`` (ops split into blocks round them)."""
+    return list(dict.fromkeys(moved_bytes(op, size, peers, itemsize) for size in sizes))
 
 
 def _roots(parser: argparse.ArgumentParser, text: str, peers: int) -> list[int]:
@@ -181,6 +189,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
         parser.error(f"argument -b/--minbytes: {args.minbytes} is larger than -e/--maxbytes {args.maxbytes}")
     if args.backend == "torch":
         return run_torch(args, parser, argv, out)
+    args.peers = 4 if args.peers is None else args.peers
     if args.compare == "trivial" and args.nodes > 1:
         parser.error(
             "argument --compare: the trivial baseline runs in one process; with --nodes use --compare gloo"
@@ -221,7 +230,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
         for op in ops
         for system in systems
         if system != "trivial" or op in TRIVIAL_OPS
-        for size in sizes
+        for size in _moved(op, sizes, world, itemsize)
         for root in (roots if op in ROOTED else [0])
     ]
     where = (
@@ -263,15 +272,19 @@ def run_torch(
         parser.error(
             "argument --backend torch: needs torch (pip install torch==2.13.0 installs the CPU build)"
         )
-    if args.compare == "trivial" or args.peers not in (1, 4):
-        parser.error("argument --backend torch: runs one process per rank (--nodes N), beside gloo")
+    if args.compare == "trivial" or args.peers is not None or args.strategy or args.alloc:
+        parser.error(
+            "argument --backend torch: runs torch.distributed, one process per rank (--nodes N), beside "
+            "gloo: --peers, --strategy, --alloc and --compare trivial do not apply"
+        )
     ops = (
         list(DEFAULT_OPS) if not args.op else list(OPS) if "all" in args.op else list(dict.fromkeys(args.op))
     )
     try:
-        sizes = _sizes(args, resolve_dtype(args.dtype).itemsize)
+        itemsize = resolve_dtype(args.dtype).itemsize
     except ImportError:
         parser.error("argument --dtype: bfloat16 needs ml_dtypes (pip install ml_dtypes)")
+    sizes = _sizes(args, itemsize)
     worlds = [args.nodes] if args.nodes > 1 else [2, 4]
     print(
         f"# collective bench --backend torch: torch.distributed, backend 'collective' vs 'gloo', "
@@ -286,7 +299,7 @@ def run_torch(
             system: [
                 Case(system, op, system, world, size, args.dtype, args.reduce_op, root)
                 for op in ops
-                for size in sizes
+                for size in _moved(op, sizes, world, itemsize)
                 for root in (roots if op in ROOTED else [0])
             ]
             for system in ("gloo", "torch")

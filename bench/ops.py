@@ -67,6 +67,15 @@ def shapes(op: str, count: int, peers: int) -> Shapes:
     }.get(op, Shapes(count, count, 1))
 
 
+def moved_bytes(op: str, size: int, peers: int, itemsize: int) -> int:
+    """``size`` bytes as ``op`` moves them: an op that splits its buffer into one block per peer
+    moves whole elements per block, at least one (nccl-tests rounds its sizes the same way)."""
+    counts = shapes(op, size // itemsize, peers)
+    if counts.blocks == 1 and op not in ("all_gather", "gather"):
+        return size - size % itemsize
+    return max(1, size // itemsize // peers) * peers * itemsize
+
+
 def make_input(op: str, peer: int, parity: int, counts: Shapes, dtype: Any) -> np.ndarray:
     """Peer ``peer``'s input: block j holds input_value(peer) + j."""
     blocks = np.arange(counts.blocks, dtype=np.int64) + input_value(peer, parity)

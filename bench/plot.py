@@ -30,7 +30,9 @@ def plot_rows(rows: Sequence[Row], path: str, title: str) -> None:
             for row in rows:
                 if row.case.op == op and row.case.strategy == strategy:
                     points.setdefault(row.case.size, row)
-            sizes = sorted(size for size in points if size > 0)
+            sizes = sorted(size for size in points if size > 0)  # (a log axis has no 0)
+            if not sizes:
+                continue
             style = "--" if points[sizes[0]].case.system in ("trivial", "gloo") else "-"
             bandwidth.plot(
                 sizes, [points[s].busbw for s in sizes], style, marker="o", markersize=3, label=strategy
@@ -46,7 +48,8 @@ def plot_rows(rows: Sequence[Row], path: str, title: str) -> None:
             axis.set_xscale("log", base=2)
             axis.set_xlabel("size per peer (bytes)")
             axis.grid(True, which="both", alpha=0.3)
-            axis.legend(fontsize=8)
+            if axis.get_legend_handles_labels()[0]:  # (no line when every size is 0)
+                axis.legend(fontsize=8)
     figure.suptitle(title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

@@ -98,13 +98,20 @@ class Call:
     )  # fmt: skip
 
     def __init__(self, x: Any = None, op: Any = "sum", root: Any = None, out: Any = None) -> None:
-        viewed, back = native(x)
+        problem = None
+        try:
+            viewed, back = native(x)
+        except InvalidArgumentError as exc:  # still a step, failed on every peer: the group keeps in step
+            viewed, back, problem = None, identity, f"x: {exc}"
         self.x: Any = viewed  # a numpy or CuPy view of x
         self.back: Back = back  # how results go back to x's kind
         self.op_arg = op
         self.root = root
         self.out_given = out
-        self.out = native(out)[0]
+        try:
+            self.out = native(out)[0]
+        except InvalidArgumentError as exc:
+            self.out, problem = None, problem or f"out: {exc}"
         self.out_apart = False  # out shares no byte with x (so its checks skip the overlap test)
         if self.out is not None and self.x is not None:
             where = placement(self.out, self.x)
@@ -114,7 +121,7 @@ class Call:
         self.root_peer = root  # the root as the caller named it (a peer id); ``root`` becomes its rank
         self.src: Array | None = None  # this peer's flat input, once prepared
         self.device = CPU
-        self.problem: str | None = None  # set by refuse(): found before this call was made
+        self.problem: str | None = problem  # set by refuse(): found before this call was made
         self.op: ReduceOp | None = None  # parsed from ``op`` by prepare()
         self.signature: Signature  # set by prepare()
 

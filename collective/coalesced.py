@@ -17,6 +17,7 @@ import numpy as np
 
 from collective.algorithms.ops import Array, array_module
 from collective.calls import Coalesced
+from collective.errors import InvalidArgumentError
 from collective.pool import pool
 from collective.tensors import native
 
@@ -35,12 +36,22 @@ def coalesced_all_reduce(
     """
     if not isinstance(xs, list | tuple):
         xs = ()
-    if set(map(type, xs)) == {np.ndarray}:  # the usual case, without a frame per array
-        arrays, backs = list(xs), None
-    else:
-        converted = [native(x) for x in xs]
-        arrays, backs = [array for array, _ in converted], [back for _, back in converted]
-    problem = _problem(xs, arrays, out) if backs is not None or out is not None or not xs else None
+    problem = None
+    arrays: list[Any] = []
+    backs: list[Any] | None = None
+    outs: list[Any] | None = None
+    try:
+        if set(map(type, xs)) == {np.ndarray}:  # the usual case, without a frame per array
+            arrays = list(xs)
+        else:
+            converted = [native(x) for x in xs]
+            arrays, backs = [array for array, _ in converted], [back for _, back in converted]
+        if isinstance(out, list | tuple):
+            outs = [native(o)[0] for o in out]
+    except InvalidArgumentError as exc:  # (an unreadable tensor): still a step, failed on every peer
+        problem = f"the list: {exc}"
+    if problem is None and (backs is not None or out is not None or not xs):
+        problem = _problem(xs, arrays, out)
     if problem is not None:
         refused = Coalesced(np.zeros(0, np.float32), op, ())
         refused.refuse(problem)
@@ -63,7 +74,6 @@ def coalesced_all_reduce(
     if len(by_dtype) == 1 and out is None and backs is None:  # the usual case: the views are the results
         return _views(execute(_bucket(arrays, op, parts, sum(sizes))), shapes, sizes)
     results: list[Array] = [None] * len(arrays)
-    outs = None if out is None else [native(o)[0] for o in out]
     for indices in by_dtype:
         its_sizes = [sizes[i] for i in indices]
         call = _bucket([arrays[i] for i in indices], op, parts, sum(its_sizes))

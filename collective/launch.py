@@ -13,6 +13,7 @@ stops every node quietly and exits 130.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import socket
@@ -23,13 +24,14 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any
 
-from collective.errors import ConfigError
+from collective.errors import ConfigError, RegistrationError
 
 __all__ = [
     "add_launch_arguments",
     "add_orchestrator_arguments",
     "launch",
     "peer_ids_from_env",
+    "seconds_argument",
     "serve_orchestrator",
 ]
 
@@ -137,11 +139,33 @@ def stop_processes(processes: Sequence[subprocess.Popen[Any]]) -> None:
 # -- orchestrator ---------------------------------------------------------------------------------
 
 
+def _port(text: str) -> int:
+    if not text.strip().isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535 (0: a free one), got {text!r}")
+    return int(text)
+
+
+def seconds_argument(text: str) -> float:
+    """An argparse type: a finite number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds > 0, got {text!r}")
+    return value
+
+
 def add_orchestrator_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one (default)")
     parser.add_argument(
-        "--lost-after", type=float, default=None, help="seconds without heartbeats before a node is lost"
+        "--port", type=_port, default=0, help="port to listen on; 0 picks a free one (default)"
+    )
+    parser.add_argument(
+        "--lost-after",
+        type=seconds_argument,
+        default=None,
+        help="seconds without heartbeats before a node is lost",
     )
 
 
@@ -160,7 +184,11 @@ def serve_orchestrator(args: argparse.Namespace) -> int:
     from collective.transport.orchestrator import LOST_AFTER, Orchestrator
 
     token = os.environ.get("COLLECTIVE_TOKEN", "").strip() or None  # never on the command line (as from_env)
-    orchestrator = Orchestrator(args.host, args.port, args.lost_after or LOST_AFTER, token)
+    try:
+        orchestrator = Orchestrator(args.host, args.port, args.lost_after or LOST_AFTER, token)
+    except RegistrationError as exc:  # a host it cannot listen on, a port in use
+        print(f"collective orchestrator: {exc}", file=sys.stderr)
+        return 2
     previous = {
         sig: signal.signal(sig, lambda *_: orchestrator.stop()) for sig in (signal.SIGINT, signal.SIGTERM)
     }

@@ -16,16 +16,21 @@ result back into the caller's kind:
 
 ``out`` may be any writable tensor of the result's shape and dtype: the result is written into
 its memory and the very object is returned. An ``out`` that is exactly ``x``'s memory is in place.
+A torch tensor that cannot be read as an array (on the meta device, sparse, a float8 dtype, ...)
+is an InvalidArgumentError.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+
+from collective.errors import InvalidArgumentError
 
 __all__ = ["Back", "identity", "native"]
 
@@ -55,7 +60,8 @@ def native(value: Any) -> tuple[Any, Back]:
     module = _module(value)
     if module == "cupy" or isinstance(value, np.ndarray):
         return value, identity
-    if module == "torch":
+    torch = sys.modules.get("torch")  # (a subclass of torch.Tensor may live in any module)
+    if module == "torch" or (torch is not None and isinstance(value, torch.Tensor)):
         return _from_torch(value)
     if module in ("jax", "jaxlib"):
         return np.asarray(value), _to_jax
@@ -96,6 +102,16 @@ def _from_torch(tensor: Any) -> tuple[Any, Back]:
         if not isinstance(tensor, torch.tensor):
             return tensor, identity
         _TORCH_TENSORS.add(type(tensor))
+    try:
+        return _viewed(tensor, torch)
+    except Exception as exc:  # a meta, sparse, nested or quantized tensor, a float8 dtype, ...
+        raise InvalidArgumentError(
+            f"a torch tensor of {tensor.dtype} on {tensor.device} ({tensor.layout}) cannot be read as an "
+            f"array: {exc}; pass a dense CPU or CUDA tensor of a numeric dtype"
+        ) from None
+
+
+def _viewed(tensor: Any, torch: _Torch) -> tuple[Any, Back]:
     if tensor.requires_grad:
         tensor = tensor.detach()
     if tensor.is_conj() or tensor.is_neg():

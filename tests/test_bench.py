@@ -96,6 +96,11 @@ def test_a_wrong_result_is_counted_and_fails_the_run(
         (["--root", "4"], "argument --root: must be a peer id in 0..3 or 'all'"),
         (["-f", "1"], "argument -f/--stepfactor: must be an integer >= 2"),
         (["--peers", "0"], "argument --peers: must be an integer >= 1"),
+        (["--timeout", "-1"], "argument --timeout: must be a finite number of seconds > 0"),
+        (["--timeout", "nan"], "argument --timeout: must be a finite number of seconds > 0"),
+        (["--backend", "torch", "--strategy", "ring"], "--peers, --strategy, --alloc and --compare trivial"),
+        (["--backend", "torch", "--alloc"], "--peers, --strategy, --alloc and --compare trivial"),
+        (["--backend", "torch", "--peers", "4"], "--peers, --strategy, --alloc and --compare trivial"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(
@@ -337,3 +342,34 @@ def test_thread_floor_bench_times_the_floor_the_baseline_and_ours(capsys: pytest
     }
     assert set(rows) == {"floor", "trivial", "ours"}, out
     assert all(float(wall) > 0 and float(cpu) > 0 for wall, cpu, _ in rows.values()), out
+
+
+def test_a_zero_minimum_size_sweeps_once_from_empty() -> None:
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    assert bench_cli._sizes(parser.parse_args(["-b", "0", "-e", "16"]), 4) == [0, 4, 8, 16]
+    assert bench_cli._sizes(parser.parse_args(["-b", "0", "-e", "0"]), 4) == [0]
+
+
+def test_ops_that_split_into_blocks_report_the_bytes_they_move(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """4 peers, float32: 24 B cannot give each peer two elements, 100 B is 25 elements (24 move)."""
+    out_json = tmp_path / "rows.json"
+    argv = ["bench", "--op", "all_gather", "--op", "all_reduce", "--strategy", "ring", "-b", "25",
+            "-e", "200", "-f", "4", "-w", "0", "-n", "1", "--json", str(out_json)]  # fmt: skip
+    status, out, _ = run_cli(argv, capsys)
+    assert status == 0, out
+    rows = json.loads(out_json.read_text())["rows"]
+    moved = {
+        op: [(r["size"], r["count"]) for r in rows if r["op"] == op] for op in ("all_gather", "all_reduce")
+    }
+    assert moved["all_gather"] == [(16, 4), (96, 24)]  # whole elements per peer, one at least
+    assert moved["all_reduce"] == [(24, 6), (100, 25)]
+    assert all(r["algbw"] > 0 for r in rows)
+
+
+def test_a_plot_of_empty_rows_only_is_no_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    status, out, _ = run_cli(["bench", "--op", "all_reduce", "--strategy", "ring", "-b", "0", "-e", "0", "-w",
+                              "0", "-n", "1", "--plot", str(tmp_path / "p.png")], capsys)  # fmt: skip
+    assert status == 0 and "plot written" in out

@@ -154,3 +154,17 @@ def test_launch_reports_a_node_killed_by_a_signal_as_a_shell_does(signal_number:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=CLEAN)
     assert done.returncode == status, done.stderr
     assert f"node 0 exited with status -{signal_number}" in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [(["--port", "70000"], "argument --port: must be a port in 0..65535"),
+     (["--port", "-1"], "argument --port: must be a port in 0..65535"),
+     (["--lost-after", "-5"], "argument --lost-after: must be a finite number of seconds > 0"),
+     (["--lost-after", "0"], "argument --lost-after: must be a finite number of seconds > 0"),
+     (["--host", "999.1.1.1"], "collective orchestrator: the orchestrator cannot listen on 999.1.1.1")],
+)  # fmt: skip
+def test_the_orchestrator_daemon_refuses_bad_arguments(argv: list[str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "collective", "orchestrator", *argv], capture_output=True,
+                          text=True, timeout=30, env=CLEAN)  # fmt: skip
+    assert done.returncode == 2 and message in done.stderr, done.stderr

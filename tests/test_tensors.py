@@ -188,3 +188,57 @@ def test_tensor_calls_bench_runs(capsys: pytest.CaptureFixture[str]) -> None:
     lines = capsys.readouterr().out.splitlines()
     assert lines[1].split() == ["peers", "numpy", "torch", "extra", "numpy", "out=", "torch", "out=", "extra"]
     assert lines[2].split()[0] == "2" and len(lines[2].split()) == 7
+
+
+UNREADABLE = {
+    "meta": lambda: torch.empty(4, device="meta"),
+    "sparse": lambda: torch.ones(4).to_sparse(),
+    "float8": lambda: torch.ones(4).to(torch.float8_e4m3fn),
+}
+
+
+@pytest.mark.parametrize("kind", UNREADABLE, ids=list(UNREADABLE))
+def test_a_tensor_that_cannot_be_read_fails_every_peer_and_keeps_the_job_in_step(
+    rt: col.Runtime, kind: str
+) -> None:
+    def body(peer: int) -> Any:
+        register(rt, peer)
+        x = UNREADABLE[kind]() if peer == 0 else torch.ones(4)
+        try:
+            rt.all_reduce(peer, x)
+        except col.InvalidArgumentError as exc:
+            first = str(exc)
+        else:
+            first = "no error"
+        out = UNREADABLE[kind]() if peer == 1 else None
+        try:
+            rt.all_reduce_coalesced(peer, [torch.ones(4)], out=None if out is None else [out])
+        except col.InvalidArgumentError as exc:
+            second = str(exc)
+        else:
+            second = "no error"
+        return first, second, rt.all_reduce(peer, torch.full((4,), peer + 1.0))
+
+    for first, second, after in run_peers(PEERS, body, rt):
+        assert "peer 0: x: a torch tensor" in first and "cannot be read as an array" in first, first
+        assert "peer 1: the list: a torch tensor" in second, second
+        torch.testing.assert_close(after, torch.full((4,), 6.0))  # the next call pairs with its own
+
+
+class UserTensor(torch.Tensor):
+    """A subclass of torch.Tensor defined outside torch (as libraries and users do)."""
+
+
+def test_tensor_subclasses_from_any_module_are_tensors(rt: col.Runtime) -> None:
+    def body(peer: int) -> Any:
+        register(rt, peer)
+        plain = torch.full((3,), peer + 1.0).as_subclass(UserTensor)
+        graded = torch.full((3,), 1.0, requires_grad=True).as_subclass(UserTensor)
+        bf16 = torch.full((3,), 2.0, dtype=torch.bfloat16).as_subclass(UserTensor)
+        return rt.all_reduce(peer, plain), rt.all_reduce(peer, graded), rt.all_reduce(peer, bf16)
+
+    for plain, graded, bf16 in run_peers(PEERS, body, rt):
+        assert isinstance(plain, torch.Tensor) and isinstance(bf16, torch.Tensor)
+        torch.testing.assert_close(plain, torch.full((3,), 6.0))
+        torch.testing.assert_close(graded.detach(), torch.full((3,), 3.0))
+        assert bf16.dtype == torch.bfloat16 and bf16.tolist() == [6.0] * 3
