@@ -19,10 +19,11 @@ through host memory.
 
 A blocking call runs in the caller's thread; ``async_op=True`` (and DDP's reducer) queues it on
 the group's worker thread (calls of one group complete in the order they were issued) and returns
-a ``TorchWork`` at once. Point-to-point receives have their own worker, so a pending ``irecv``
-never holds up a collective. Errors are ``torch.distributed.DistBackendError`` with our message, caused
-by our error; a lost peer is one within seconds on every other rank (heartbeats), whatever
-torch's timeout.
+a ``TorchWork`` at once. Torch groups of the same ranks share that worker: they are one group of
+ours, whose calls must come in the order issued. Point-to-point receives have a worker per
+(source, tag), so a pending ``irecv`` never holds up a collective or a receive from elsewhere.
+Errors are ``torch.distributed.DistBackendError`` with our message, caused by our error; a lost
+peer is one within seconds on every other rank (heartbeats), whatever torch's timeout.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import threading
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -62,7 +65,7 @@ class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ign
 
     def __init__(
         self, runtime: Runtime, peer: int, members: Sequence[int], group: Group | None, owns: bool,
-        timeout: float,
+        timeout: float, call_timeout: float | None = None,
     ) -> None:  # fmt: skip
         super().__init__(list(members).index(peer), len(members))
         self.runtime = runtime
@@ -70,10 +73,21 @@ class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ign
         self.members = tuple(members)
         self.group = group
         self.timeout = timeout
+        self.call_timeout = call_timeout  # a subgroup's own timeout for its collectives (None: the job's)
         self._owns = owns
         self._done = TorchWork.completed([], "blocking call")
-        self._collectives = Worker(f"collective-torch-{peer}")
-        self._receives = Worker(f"collective-torch-{peer}-recv")
+        self._collectives = _shared_worker(runtime, self.members, peer)
+        self._receives: dict[tuple[int, int], Worker] = {}  # by (source, tag): each in order, all apart
+        self._receives_lock = threading.Lock()
+        self._closed = False
+
+    def _receiver(self, key: tuple[int, int]) -> Worker:
+        """The worker of the receives from one (source, tag): a pending one holds up no other."""
+        with self._receives_lock:
+            worker = self._receives.get(key)
+            if worker is None:
+                worker = self._receives[key] = Worker(f"collective-torch-{self.peer}-recv-{key[0]}-{key[1]}")
+            return worker
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -85,8 +99,13 @@ class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ign
 
     def shutdown(self) -> None:
         """destroy_process_group(): the workers end; the group that registered the peer finishes it."""
-        self._collectives.close()
-        self._receives.close()
+        with self._receives_lock:
+            closing, self._closed = not self._closed, True
+            receivers = list(self._receives.values())
+        if closing:
+            _release_worker(self.runtime, self.members)
+        for worker in receivers:
+            worker.close()
         if self._owns:
             self._owns = False
             with contextlib.suppress(RegistrationError):  # already finished, or the job is gone
@@ -94,6 +113,37 @@ class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ign
 
     def abort(self) -> None:
         self.shutdown()
+
+
+_SHARED: weakref.WeakKeyDictionary[Runtime, dict[tuple[int, ...], list[Any]]] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared_worker(runtime: Runtime, members: tuple[int, ...], peer: int) -> Worker:
+    """The collectives' worker of every torch group of ``members`` in this process. Torch groups of
+    the same ranks are one group of ours (one order of calls), so their calls must enter it in the
+    order they were issued: one worker, and a blocking call waits for the queued ones."""
+    with _SHARED_LOCK:
+        table = _SHARED.setdefault(runtime, {})
+        entry = table.get(members)
+        if entry is None:
+            entry = table[members] = [Worker(f"collective-torch-{peer}"), 0]
+        entry[1] += 1
+        worker: Worker = entry[0]
+        return worker
+
+
+def _release_worker(runtime: Runtime, members: tuple[int, ...]) -> None:
+    """One torch group of ``members`` shut down: the last one closes the worker."""
+    with _SHARED_LOCK:
+        table = _SHARED.get(runtime, {})
+        entry = table.get(members)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            del table[members]
+            entry[0].close()
 
 
 def _store_host(store: Any) -> str | None:
@@ -155,7 +205,9 @@ def create(options: Any, backend_options: Any = None) -> CollectiveProcessGroup:
             f"(or call col.init()) first"
         )
     group = new_group(global_ranks, runtime.world_size())
-    return CollectiveProcessGroup(runtime, peer, group.members, group, False, wait)
+    theirs = "COLLECTIVE_TIMEOUT" in os.environ and options.timeout == DEFAULT_TIMEOUT  # then the job's
+    call_timeout = None if theirs else seconds(options.timeout)
+    return CollectiveProcessGroup(runtime, peer, group.members, group, False, wait, call_timeout)
 
 
 dist.Backend.register_backend(BACKEND, create, extended_api=True, devices=["cpu", "cuda"])

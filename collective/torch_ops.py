@@ -77,17 +77,20 @@ class Ops:
     peer: int
     group: Group | None
     members: tuple[int, ...]
+    call_timeout: float | None
     _collectives: Worker
-    _receives: Worker
+    _receiver: Callable[[tuple[int, int]], Worker]
     _done: TorchWork
 
     # -- the one road -----------------------------------------------------------------------
 
     def launch(
-        self, label: str, body: Callable[[], None], outputs: Sequence[Any], opts: Any, p2p: bool = False
-    ) -> TorchWork:
-        """Run ``body`` now (a blocking call) or queued (``opts.asyncOp``); a TorchWork either way."""
-        worker = self._receives if p2p else self._collectives
+        self, label: str, body: Callable[[], None], outputs: Sequence[Any], opts: Any,
+        receive: tuple[int, int] | None = None,
+    ) -> TorchWork:  # fmt: skip
+        """Run ``body`` now (a blocking call) or queued (``opts.asyncOp``); a TorchWork either way.
+        A receive (from (source, tag)) runs on that pair's worker, any other call on the group's."""
+        worker = self._receiver(receive) if receive is not None else self._collectives
         if getattr(opts, "asyncOp", True):
             work = TorchWork(outputs, label)
             worker.submit(lambda: work.run(body))
@@ -105,7 +108,7 @@ class Ops:
         return self.members[group_rank]
 
     def _kw(self, opts: Any) -> dict[str, Any]:
-        return {"group": self.group, "timeout": seconds(getattr(opts, "timeout", None))}
+        return {"group": self.group, "timeout": seconds(getattr(opts, "timeout", None)) or self.call_timeout}
 
     def _reduction(
         self, tensor: Any, opts: Any, what: str, run: Callable[[Any, Any, str], None]
@@ -125,7 +128,7 @@ class Ops:
 
     def allreduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllreduceOptions()
-        group, timeout = self.group, seconds(opts.timeout)
+        group, timeout = self.group, seconds(opts.timeout) or self.call_timeout
 
         def run(source: Any, out: Any, op: str) -> None:
             self.runtime.all_reduce(self.peer, source, op, group=group, timeout=timeout, out=out)
@@ -192,6 +195,8 @@ class Ops:
             source = array(host(input)).reshape(size, -1)
             source = source if factor is None else _scaled(source, factor)
             buffer = host(output)
+            if np.may_share_memory(source, array(buffer)):  # in place: the output is a block of the input
+                source = source.copy()
             self.runtime.reduce_scatter(self.peer, source, op, out=array(buffer).reshape(1, -1), **kw)
             store_back(buffer, output)
 
@@ -203,7 +208,7 @@ class Ops:
         self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None
     ) -> TorchWork:
         works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return works[-1] if works else self._done
+        return self._joined("reduce_scatter_tensor_coalesced", works, outputs, opts)
 
     # -- copies -------------------------------------------------------------------------------
 
@@ -236,7 +241,7 @@ class Ops:
             for row, target in zip(gathered, targets, strict=True):
                 fill(target, row)
 
-        return self.launch("all_gather", body, [targets], opts)
+        return self.launch("all_gather", body, targets, opts)
 
     def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
@@ -251,7 +256,10 @@ class Ops:
         def body() -> None:
             buffer = host(output)
             out = array(buffer).reshape(size, *input.shape)
-            self.runtime.all_gather(self.peer, array(host(input)), out=out, **kw)
+            source = array(host(input))
+            if np.may_share_memory(source, out):  # in place: the input is this rank's block of the output
+                source = source.copy()
+            self.runtime.all_gather(self.peer, source, out=out, **kw)
             store_back(buffer, output)
 
         return self.launch("all_gather_into_tensor", body, [output], opts)
@@ -262,13 +270,23 @@ class Ops:
         self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None
     ) -> TorchWork:
         works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
-        return works[-1] if works else self._done
+        return self._joined("allgather_into_tensor_coalesced", works, outputs, opts)
 
     def allgather_coalesced(
         self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], opts: Any = None
     ) -> TorchWork:
         works = [self.allgather([o], [i], opts) for o, i in zip(outputs, inputs, strict=True)]
-        return works[-1] if works else self._done
+        return self._joined("allgather_coalesced", works, [t for o in outputs for t in o], opts)
+
+    def _joined(self, label: str, works: list[TorchWork], outputs: Sequence[Any], opts: Any) -> TorchWork:
+        """One work for several queued ones: done after all of them, failed with the first error
+        (each is a step of its own: the others still run, so the group stays in step)."""
+
+        def body() -> None:
+            for work in works:
+                work.wait()
+
+        return self.launch(label, body, outputs, opts) if works else self._done
 
     def gather(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.GatherOptions()
@@ -283,7 +301,7 @@ class Ops:
             for row, target in zip(gathered if gathered is not None else [], targets, strict=False):
                 fill(target, row)
 
-        return self.launch("gather", body, [targets], opts)
+        return self.launch("gather", body, targets, opts)
 
     def scatter(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.ScatterOptions()
@@ -320,6 +338,18 @@ class Ops:
                 f"all_to_all_single: input {tuple(input.shape)} and output {tuple(output.shape)} must have "
                 f"one shape whose first dimension divides by {size} (or pass split sizes)"
             )
+        for name, splits, tensor in (("input", input_splits, input), ("output", output_splits, output)):
+            rows = tensor.shape[0] if tensor.dim() else 1
+            if splits and (len(splits) != size or any(s < 0 for s in splits) or sum(splits) != rows):
+                raise _invalid(
+                    f"all_to_all_single: {name}_split_sizes {list(splits)} must be {size} sizes >= 0 adding "
+                    f"up to the {name}'s first dimension, {rows}"
+                )
+            if not even and not splits and rows % size:
+                raise _invalid(
+                    f"all_to_all_single: without {name}_split_sizes the {name}'s first dimension ({rows}) "
+                    f"must divide by {size}"
+                )
 
         def body() -> None:
             buffer = host(output)
@@ -354,7 +384,8 @@ class Ops:
     def _uneven(self, blocks: Sequence[Any], expected: Sequence[int], kw: dict[str, Any]) -> list[Any]:
         """Block j of ``blocks`` to rank j; the blocks received (``expected[j]`` rows from rank j).
 
-        One small all_reduce agrees on the largest block; the all_to_all moves blocks padded to it.
+        Two small collectives check the splits (every rank sends what its receiver expects) and agree
+        on the largest block; the all_to_all moves blocks padded to it.
         """
         size = len(self.members)
         if len(blocks) != size or len(expected) != size:
@@ -362,8 +393,18 @@ class Ops:
                 f"all_to_all: the splits name {len(blocks)} and {len(expected)} ranks, not {size}"
             )
         rest, dtype = tuple(blocks[0].shape[1:]), blocks[0].dtype
+        sent = np.array([[b.shape[0]] for b in blocks], np.int64)
+        coming = self.runtime.all_to_all(self.peer, sent, **kw).reshape(-1)  # what each rank sends me
+        wrong = [j for j in range(size) if coming[j] != expected[j]]
         local = max([*(b.shape[0] for b in blocks), *expected, 0])
-        largest = int(self.runtime.all_reduce(self.peer, np.array([local], np.int64), "max", **kw)[0])
+        agreed = self.runtime.all_reduce(self.peer, np.array([local, len(wrong)], np.int64), "max", **kw)
+        if agreed[1]:  # every rank stops here together
+            mine = "; ".join(f"rank {j} sends {coming[j]} rows where I expect {expected[j]}" for j in wrong)
+            raise InvalidArgumentError(
+                f"all_to_all: the split sizes of the ranks do not match ({mine or 'on another rank'}): "
+                f"rank i's output_split_sizes[j] must be rank j's input_split_sizes[i]"
+            )
+        largest = int(agreed[0])
         padded = np.zeros((size, largest, *rest), dtype=dtype)
         for j, block in enumerate(blocks):
             padded[j, : block.shape[0]] = block

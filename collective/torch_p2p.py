@@ -2,10 +2,11 @@
 
 A send hands a copy of the tensor to the destination peer and returns (eager, like our send: two
 ranks may send to each other, then receive), so it returns a completed work. A receive matches by
-source and tag, in order, and writes into torch's tensor; it runs on the group's receive worker,
-apart from the collectives, so a pending ``irecv`` never holds up a collective (and a blocking
-``recv`` is that work, waited on). The receiving tensor must have the sender's shape and dtype.
-A lost sender is a PeerLostError within seconds (heartbeats), not the end of the timeout.
+source and tag, in order, and writes into torch's tensor; it runs on the worker of its (source,
+tag), apart from the collectives and other pairs, so a pending ``irecv`` holds up neither a
+collective nor a receive from elsewhere (and a blocking ``recv`` is that work, waited on). The
+receiving tensor must have the sender's shape and dtype. A lost sender is a PeerLostError within
+seconds (heartbeats), not the end of the timeout.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class PointToPoint:
             self.runtime.recv(self.peer, source, tag, timeout=self.timeout, out=array(buffer))
             store_back(buffer, tensor)
 
-        return self.launch("recv", body, [tensor], _ASYNC, True)
+        return self.launch("recv", body, [tensor], _ASYNC, (source, tag))
 
     def recv_anysource(self, tensors: Sequence[Any], tag: int = 0) -> TorchWork:
         raise backend_error(

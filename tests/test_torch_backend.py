@@ -67,6 +67,14 @@ def test_every_op_against_a_reference_on_the_world_and_a_subgroup() -> None:
     run_job(3, "ops")
 
 
+def test_groups_of_the_same_ranks_receives_splits_in_place_forms_and_subgroup_timeouts() -> None:
+    """3 ranks: async calls on two groups of the same ranks keep their own values; a pending irecv
+    holds up no receive from another rank; a coalesced call's first error reaches its work; split
+    sizes are checked; all_gather_into_tensor / reduce_scatter_tensor in place; futures' values;
+    a subgroup's timeout is its collectives'."""
+    run_job(3, "mends")
+
+
 def test_ddp_trains_exactly_as_under_gloo(tmp_path: Path) -> None:
     """The same seeded models, 2 ranks: plain DDP (30 steps, both models), no_sync accumulation and
     the fp16 compression hook; final parameters equal gloo's within float32 rounding."""

@@ -9,6 +9,9 @@
     python tests/torch_worker.py kill          DDP training; the last rank SIGKILLs itself in step 3;
                                                the others print "RAISED <seconds> <error>"
     python tests/torch_worker.py reuse         col.init() first: init_process_group reuses its peer
+    python tests/torch_worker.py mends         groups of the same ranks, receives from several
+                                               sources, coalesced errors, split checks, in-place
+                                               forms, futures' values, a subgroup's timeout
 
 Rank and world size come from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT).
 """
@@ -311,6 +314,88 @@ def reuse() -> None:
     print(f"OK {peer}", flush=True)
 
 
+def mends() -> None:
+    """3 ranks: groups of the same ranks, receives from several sources, coalesced errors, split
+    checks, the in-place forms, futures' values and a subgroup's own timeout."""
+    from datetime import timedelta
+
+    dist.init_process_group("collective")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    # two groups of the same ranks, async calls interleaved: each its own values
+    first, second = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    for it in range(30):
+        a, b = torch.full((4,), 1.0 + it), torch.full((4,), 100.0 + it)
+        works = [
+            dist.all_reduce(a, group=first, async_op=True),
+            dist.all_reduce(b, group=second, async_op=True),
+        ]
+        for work in works:
+            work.wait()
+        same(a, torch.full((4,), world * (1.0 + it)), "first of two groups of the same ranks")
+        same(b, torch.full((4,), world * (100.0 + it)), "second of two groups of the same ranks")
+    # a pending irecv from rank 0 does not hold up a receive from rank 2 (rank 1)
+    if rank == 2:
+        dist.send(torch.full((2,), 42.0), 1, tag=5)
+    if rank == 1:
+        early = torch.zeros(2)
+        pending = dist.irecv(early, 0, tag=5)
+        late = torch.zeros(2)
+        dist.recv(late, 2, tag=5)
+        same(late, torch.full((2,), 42.0), "a receive behind a pending one")
+        dist.send(torch.ones(1), 0, tag=6)
+        pending.wait()
+        same(early, torch.full((2,), 7.0), "the pending receive")
+    if rank == 0:
+        dist.recv(torch.zeros(1), 1, tag=6)
+        dist.send(torch.full((2,), 7.0), 1, tag=5)
+    # coalesced async: an error in the first op reaches the joined work
+    from torch.distributed.distributed_c10d import _coalescing_manager  # what FSDP uses
+
+    bad = torch.ones(2 if rank == 0 else 3)
+    with _coalescing_manager(async_ops=True) as manager:
+        dist.all_gather_into_tensor(torch.zeros(world * bad.numel()), bad)
+        dist.all_gather_into_tensor(torch.zeros(world * 2), torch.ones(2))
+    expect_error(manager.wait, "MismatchError")
+    # all_to_all_single: split sizes that do not add up, or that the ranks disagree on
+    expect_error(lambda: dist.all_to_all_single(torch.zeros(world), torch.zeros(world + 1),
+                                                [1] * world, [1] * world), "input_split_sizes")  # fmt: skip
+    sends = [1] * world
+    receives = [1] * world if rank != 1 else [2] + [1] * (world - 2) + [0]
+    expect_error(lambda: dist.all_to_all_single(torch.zeros(world), torch.zeros(world), receives, sends),
+                 "split sizes of the ranks do not match")  # fmt: skip
+    # the in-place forms FSDP and ZeRO use
+    whole = torch.arange(world * 3, dtype=torch.float32)
+    whole[rank * 3 : (rank + 1) * 3] += 100 * (rank + 1)
+    dist.all_gather_into_tensor(whole, whole[rank * 3 : (rank + 1) * 3].clone().zero_() + 100 * (rank + 1))
+    for r in range(world):
+        same(whole[r * 3 : (r + 1) * 3], torch.full((3,), 100.0 * (r + 1)), "all_gather_into_tensor in place")
+    grads = torch.ones(world * 3) * (rank + 1)
+    dist.reduce_scatter_tensor(grads[rank * 3 : (rank + 1) * 3], grads)
+    same(grads[rank * 3 : (rank + 1) * 3], torch.full((3,), float(sum(range(1, world + 1)))), "in place rs")
+    inplace = torch.full((3,), float(rank))
+    outs = [torch.zeros(3) for _ in range(world)]
+    outs[rank] = inplace
+    # futures carry the output tensors themselves (as gloo's)
+    work = dist.all_gather(outs, inplace, async_op=True)
+    value = work.get_future().wait()
+    assert len(value) == world and all(isinstance(v, torch.Tensor) for v in value), value
+    same(value[world - 1], torch.full((3,), float(world - 1)), "all_gather's future")
+    # a subgroup's own timeout applies to its collectives
+    quick = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    if rank == 0:
+        started = time.monotonic()
+        expect_error(lambda: dist.all_reduce(torch.ones(1), group=quick), "CollectiveTimeout")
+        assert time.monotonic() - started < 10, time.monotonic() - started
+    if rank == 1:
+        time.sleep(3)
+        expect_error(lambda: dist.all_reduce(torch.ones(1), group=quick), "CollectiveTimeout")
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    same(t, torch.full((2,), float(world)), "after the errors")
+    dist.destroy_process_group()
+    print(f"OK {rank}", flush=True)
+
+
 def main() -> int:
     scenario = sys.argv[1]
     if scenario == "ops":
@@ -321,6 +406,8 @@ def main() -> int:
         kill()
     elif scenario == "reuse":
         reuse()
+    elif scenario == "mends":
+        mends()
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     return 0
