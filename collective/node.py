@@ -37,6 +37,7 @@ from collective.protocol import (
     as_sent,
     check_fields,
     decode_call,
+    given_up,
     verdict_error,
 )
 from collective.shm_executor import ShmGroup
@@ -342,10 +343,20 @@ class NodeJob:
         """
         network, layout, channel = self._network, self.layout(members), self.channel(members)
         me = network.index
+        now = time.time()  # (wall clock: what every node's deadline is told in)
+        late = given_up(network.queued(list(layout.nodes), step, "call", channel), now)
+        if late is not None and not isinstance(mine, CollectiveError):  # too late: a timeout, everywhere
+            here = [peer for rank, peer in enumerate(members) if layout.position[rank] == layout.me]
+            mine = CollectiveTimeout(
+                f"step {step}: {self._describe(me)} came {late[1]:.2f}s after the deadline of "
+                f"{self._describe(late[0])}, too late to join the step",
+                here,
+            )
         if isinstance(mine, CollectiveError):
             message: CallMessage | VerdictMessage = VerdictMessage.of(step, mine)
         else:
-            message = CallMessage(step, mine, None if small is None else small.tobytes())
+            until = now + deadline - time.monotonic() + VERDICT_GRACE  # when this node gives up
+            message = CallMessage(step, mine, None if small is None else small.tobytes(), until)
         header = {**message.encode(), "ch": channel}
         for other in layout.nodes:
             if other != me:

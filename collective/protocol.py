@@ -38,11 +38,13 @@ __all__ = [
     "check_fields",
     "decode_call",
     "digested",
+    "given_up",
     "verdict_error",
 ]
 
 MANY_PARTS = 256  # a call listing more arrays than this sends their digest (``digested``)
 VERDICT_GRACE = 1.0  # a node whose step failed reports it as its deadline passes: others wait this long more
+LATE_MARGIN = VERDICT_GRACE / 2  # a node joins a step only if its call reaches every other node this early
 
 _KINDS = frozenset(
     ["all_reduce", "reduce", "broadcast", "all_gather", "gather", "reduce_scatter", "all_to_all", "scatter",
@@ -132,12 +134,26 @@ class CallMessage:
     seq: int
     signature: Signature
     small: bytes | None = None
+    until: float | None = None  # the wall-clock time at which the sender gives up waiting for the others
 
     def encode(self) -> dict[str, Any]:
         header = {"t": "call", "seq": self.seq, **signature_fields(as_sent(self.signature))}
         if self.small is not None:
             header["small"] = self.small
+        if self.until is not None:
+            header["until"] = self.until
         return header
+
+
+def given_up(calls: list[tuple[int, dict[str, Any]]], now: float) -> tuple[int, float] | None:
+    """(node, seconds past its deadline) of the first call here whose sender gives up the step before
+    a call sent ``now`` would surely reach it, or None. A node that finds one must not join the step:
+    the others might complete it without its sender, or its sender without the others."""
+    for node, header in calls:
+        until = header.get("until")
+        if isinstance(until, int | float) and not isinstance(until, bool) and now > until - LATE_MARGIN:
+            return node, now - (until - VERDICT_GRACE)
+    return None
 
 
 @dataclass(frozen=True)
@@ -171,7 +187,10 @@ def decode_call(header: dict[str, Any]) -> CallMessage | VerdictMessage:
     small = header.get("small")
     if small is not None and not isinstance(small, bytes):
         raise WireError("invalid small payload")
-    return CallMessage(header["seq"], signature_from_fields(header), small)
+    until = header.get("until")
+    if until is not None and (isinstance(until, bool) or not isinstance(until, int | float)):
+        raise WireError("invalid deadline of a call")
+    return CallMessage(header["seq"], signature_from_fields(header), small, until)
 
 
 PART_BYTES = CHUNK_BYTES  # an array larger than this travels between processes in parts of this size

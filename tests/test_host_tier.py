@@ -130,6 +130,21 @@ def test_a_late_process_is_named_by_the_timeout_everywhere_itself_included(
         assert line.startswith("TIMEOUT [2]") and "peer 2" in line, line
 
 
+@pytest.mark.parametrize("hosts", ["aab", "abc"])
+def test_a_process_coming_just_before_the_others_give_up_is_a_timeout_everywhere(
+    orchestrator: str, hosts: str
+) -> None:
+    """Peer 2 comes 1.75 s late to a call with a 1 s timeout: the others give up at 2 s (timeout
+    and grace), too soon to be sure its call reaches them, so it does not join the step and every
+    process raises the same CollectiveTimeout (it used to be a race: at the edge, some completed
+    the step and some did not)."""
+    procs = start(orchestrator, hosts, "late", "1.75")
+    for proc, code in zip(procs, finish_all(procs, 60), strict=True):
+        assert code == 0, proc.output()
+        _, line = proc.wait_for("TIMEOUT", 1)
+        assert line.startswith("TIMEOUT [2]") and "peer 2" in line, line
+
+
 @pytest.mark.parametrize("hosts", ["ab", "aabb"])
 @pytest.mark.parametrize("how", ["same", "differ"])
 def test_a_coalesced_call_of_thousands_of_arrays_is_checked_across_hosts(
