@@ -344,7 +344,9 @@ class NodeJob:
         network, layout, channel = self._network, self.layout(members), self.channel(members)
         me = network.index
         now = time.time()  # (wall clock: what every node's deadline is told in)
-        late = given_up(network.queued(list(layout.nodes), step, "call", channel), now)
+        # calls that came long enough ago to matter are sorted already: no drain before our call
+        # goes out (a drain here delays it, and every node's next message with it)
+        late = given_up(network.queued(list(layout.nodes), step, "call", channel, drain=False), now)
         if late is not None and not isinstance(mine, CollectiveError):  # too late: a timeout, everywhere
             here = [peer for rank, peer in enumerate(members) if layout.position[rank] == layout.me]
             mine = CollectiveTimeout(

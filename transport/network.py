@@ -294,12 +294,13 @@ class NodeNetwork:
             self._lock.release()
 
     def queued(
-        self, sources: list[int], seq: int, kind: str, channel: int = 0
+        self, sources: list[int], seq: int, kind: str, channel: int = 0, drain: bool = True
     ) -> list[tuple[int, dict[str, Any]]]:
         """The messages of type ``kind`` for step ``seq`` that these nodes already sent and that
-        are here now, without waiting (e.g. a verdict behind a call): (node, header) each."""
+        are here now, without waiting (e.g. a verdict behind a call): (node, header) each. Without
+        ``drain``, only those already sorted (the background drain sorts them every 50 ms)."""
         with self._lock:
-            if self._router.poll(0):
+            if drain and self._router.poll(0):
                 self._drain()
             return [
                 (src, header)
