@@ -64,6 +64,15 @@ def reduce_op(op: Any, dtype: Any) -> tuple[str, Any]:
     return found, None
 
 
+def _writable(tensor: Any, what: str) -> None:
+    """A tensor written in place must not have elements that share memory (an expanded one)."""
+    if any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape, strict=True)):
+        raise _invalid(
+            f"{what}: the tensor {tuple(tensor.shape)} has elements that share memory (expand()): the "
+            f"result cannot be written into it; pass a tensor of its own (.clone())"
+        )
+
+
 def _single(tensors: Sequence[Any], what: str) -> Any:
     if len(tensors) != 1:
         raise _invalid(f"{what} takes one tensor per call, got {len(tensors)}")
@@ -115,6 +124,7 @@ class Ops:
     ) -> TorchWork:
         """all_reduce / reduce of one tensor: ``run(source, buffer, op)`` writes the result in buffer."""
         op, factor = reduce_op(opts.reduceOp, tensor.dtype)
+        _writable(tensor, what)
 
         def body() -> None:
             buffer = host(tensor)
@@ -215,6 +225,7 @@ class Ops:
     def broadcast(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.BroadcastOptions()
         tensor = _single(tensors, "broadcast")
+        _writable(tensor, "broadcast")
         is_root, kw = self.peer_of(opts.rootRank) == self.peer, self._kw(opts)
 
         def body() -> None:

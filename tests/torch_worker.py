@@ -389,6 +389,7 @@ def mends() -> None:
     if rank == 1:
         time.sleep(3)
         expect_error(lambda: dist.all_reduce(torch.ones(1), group=quick), "CollectiveTimeout")
+    expect_error(lambda: dist.all_reduce(torch.ones(1).expand(3)), "elements that share memory")
     t = torch.ones(2)
     dist.all_reduce(t)
     same(t, torch.full((2,), float(world)), "after the errors")
