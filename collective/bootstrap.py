@@ -205,10 +205,11 @@ def _reaching(host: str, variable: str = "MASTER_ADDR") -> str:
 
 
 class _Embedded:
-    """Rank 0's orchestrator, served from a daemon thread until the process exits (or ``stop``)."""
+    """Rank 0's orchestrator, served from a daemon thread until its job is over, the process exits
+    or ``stop``."""
 
     def __init__(self, host: str, port: int, token: str | None) -> None:
-        self.orchestrator = Orchestrator(host, port, token=token)
+        self.orchestrator = Orchestrator(host, port, token=token, until_done=True)  # ends with its job
         self.thread = threading.Thread(
             target=self.orchestrator.serve, name="collective-orchestrator", daemon=True
         )

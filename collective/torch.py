@@ -44,7 +44,7 @@ from collective.groups import Group, new_group
 from collective.runtime import Runtime
 from collective.torch_ops import Ops
 from collective.torch_p2p import PointToPoint
-from collective.torch_work import TorchWork, Worker, backend_error, seconds
+from collective.torch_work import Receives, TorchWork, Worker, backend_error, seconds
 
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
@@ -77,20 +77,21 @@ class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ign
         self._owns = owns
         self._done = TorchWork.completed([], "blocking call")
         self._collectives = _shared_worker(runtime, self.members, peer)
-        self._receives: dict[tuple[int, int], Worker] = {}  # by (source, tag): each in order, all apart
-        self._receives_lock = threading.Lock()
+        self._receives = Receives(f"collective-torch-{peer}-recv")
         self._closed = False
-
-    def _receiver(self, key: tuple[int, int]) -> Worker:
-        """The worker of the receives from one (source, tag): a pending one holds up no other."""
-        with self._receives_lock:
-            worker = self._receives.get(key)
-            if worker is None:
-                worker = self._receives[key] = Worker(f"collective-torch-{self.peer}-recv-{key[0]}-{key[1]}")
-            return worker
+        self._name = ""
 
     def getBackendName(self) -> str:
         return BACKEND
+
+    def _set_group_name(self, name: str) -> None:
+        """torch names every group; kept here (torch's own store of it lives in backends, which this
+        group, a ProcessGroup itself, has none of: destroy_process_group(subgroup) needs it back)."""
+        self._name = name
+
+    @property
+    def group_name(self) -> str:
+        return self._name
 
     def __repr__(self) -> str:
         return f"<CollectiveProcessGroup peer {self.peer} of {list(self.members)}>"
@@ -99,13 +100,10 @@ class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ign
 
     def shutdown(self) -> None:
         """destroy_process_group(): the workers end; the group that registered the peer finishes it."""
-        with self._receives_lock:
+        with _SHARED_LOCK:
             closing, self._closed = not self._closed, True
-            receivers = list(self._receives.values())
         if closing:
             _release_worker(self.runtime, self.members)
-        for worker in receivers:
-            worker.close()
         if self._owns:
             self._owns = False
             with contextlib.suppress(RegistrationError):  # already finished, or the job is gone

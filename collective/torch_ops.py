@@ -34,7 +34,17 @@ import numpy as np
 from collective.errors import CollectiveError, InvalidArgumentError
 from collective.groups import Group
 from collective.runtime import Runtime
-from collective.torch_work import TorchWork, Worker, array, backend_error, fill, host, seconds, store_back
+from collective.torch_work import (
+    Receives,
+    TorchWork,
+    Worker,
+    array,
+    backend_error,
+    fill,
+    host,
+    seconds,
+    store_back,
+)
 
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
@@ -88,7 +98,7 @@ class Ops:
     members: tuple[int, ...]
     call_timeout: float | None
     _collectives: Worker
-    _receiver: Callable[[tuple[int, int]], Worker]
+    _receives: Receives
     _done: TorchWork
 
     # -- the one road -----------------------------------------------------------------------
@@ -98,8 +108,12 @@ class Ops:
         receive: tuple[int, int] | None = None,
     ) -> TorchWork:  # fmt: skip
         """Run ``body`` now (a blocking call) or queued (``opts.asyncOp``); a TorchWork either way.
-        A receive (from (source, tag)) runs on that pair's worker, any other call on the group's."""
-        worker = self._receiver(receive) if receive is not None else self._collectives
+        A receive (from (source, tag)) is queued with that pair's, any other call on the group's."""
+        if receive is not None:
+            work = TorchWork(outputs, label)
+            self._receives.submit(receive, lambda: work.run(body))
+            return work
+        worker = self._collectives
         if getattr(opts, "asyncOp", True):
             work = TorchWork(outputs, label)
             worker.submit(lambda: work.run(body))

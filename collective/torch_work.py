@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -198,6 +199,40 @@ class Worker:
                 self._pending -= 1
                 if not self._pending:
                     self._idle.notify_all()
+
+
+class Receives:
+    """Queued receives by (source, tag): each pair's in the order issued, different pairs apart (a
+    pending receive from one rank holds up none from another). A pair's thread runs while it has
+    receives queued and ends with its last one, so threads stay as few as the pairs in flight."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[int, int], deque[Callable[[], None]]] = {}
+
+    def submit(self, key: tuple[int, int], job: Callable[[], None]) -> None:
+        """Queue ``job`` (which handles its own errors) behind the pair's earlier receives."""
+        with self._lock:
+            queue = self._queues.get(key)
+            if queue is not None:  # its thread is running: it takes this one too
+                queue.append(job)
+                return
+            self._queues[key] = deque([job])
+        name = f"{self._name}-{key[0]}-{key[1]}"
+        threading.Thread(target=self._drain, args=(key,), name=name, daemon=True).start()
+
+    def _drain(self, key: tuple[int, int]) -> None:
+        while True:
+            with self._lock:
+                queue = self._queues[key]
+                if not queue:
+                    del self._queues[key]
+                    return
+                job = queue[0]
+            job()
+            with self._lock:
+                queue.popleft()
 
 
 def host(tensor: Any) -> Any:

@@ -7,6 +7,8 @@ import gc
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -21,7 +23,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _port_is_free(port: int) -> bool:
+    """Nothing listens on ``port`` (a closed connection's TIME_WAIT does not count: servers reuse it)."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind(("127.0.0.1", port))
         except OSError:
@@ -168,3 +172,17 @@ def test_the_orchestrator_daemon_refuses_bad_arguments(argv: list[str], message:
     done = subprocess.run([sys.executable, "-m", "collective", "orchestrator", *argv], capture_output=True,
                           text=True, timeout=30, env=CLEAN)  # fmt: skip
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_rank_0s_orchestrator_ends_with_its_job() -> None:
+    port = free_port()
+    with col.Runtime() as rt:
+        init(rt, environ={**CLEAN, **torchrun(0, 1, port), "COLLECTIVE_TIMEOUT": "20"})
+        assert any(t.name == "collective-orchestrator" for t in threading.enumerate())
+        rt.finish(0)
+    for _ in range(100):  # every node left: it stops serving
+        if not any(t.name == "collective-orchestrator" for t in threading.enumerate()):
+            break
+        time.sleep(0.05)
+    assert not any(t.name == "collective-orchestrator" for t in threading.enumerate())
+    assert _port_is_free(port)

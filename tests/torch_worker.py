@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -390,6 +391,25 @@ def mends() -> None:
         time.sleep(3)
         expect_error(lambda: dist.all_reduce(torch.ones(1), group=quick), "CollectiveTimeout")
     expect_error(lambda: dist.all_reduce(torch.ones(1).expand(3)), "elements that share memory")
+    # a tag per message: the receives' threads end with their receives
+    if rank == 0:
+        for tag in range(40):
+            dist.send(torch.full((1,), float(tag)), 1, tag=100 + tag)
+    if rank == 1:
+        for tag in range(40):
+            got = torch.zeros(1)
+            dist.recv(got, 0, tag=100 + tag)
+            same(got, torch.full((1,), float(tag)), "a receive of its own tag")
+        for _ in range(100):
+            receiving = [t for t in threading.enumerate() if "-recv-" in t.name]
+            if not receiving:
+                break
+            time.sleep(0.02)
+        assert not receiving, receiving
+    # a subgroup can be destroyed on its own
+    passing = dist.new_group(list(range(world)))
+    dist.barrier(group=passing)
+    dist.destroy_process_group(passing)
     t = torch.ones(2)
     dist.all_reduce(t)
     same(t, torch.full((2,), float(world)), "after the errors")

@@ -140,11 +140,16 @@ class _Job:
 
 
 class Orchestrator:
-    """Serves jobs on ``tcp://host:port`` (port 0: a free port, see ``port``) until ``stop()``."""
+    """Serves jobs on ``tcp://host:port`` (port 0: a free port, see ``port``) until ``stop()``, or,
+    ``until_done``, until the jobs it formed are over (every node left or was lost): rank 0's
+    embedded one serves its own job only."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, lost_after: float = LOST_AFTER, token: str | None = None
-    ) -> None:
+        self, host: str = "127.0.0.1", port: int = 0, lost_after: float = LOST_AFTER,
+        token: str | None = None, until_done: bool = False,
+    ) -> None:  # fmt: skip
+        self._until_done = until_done
+        self._formed_any = False
         self._context = zmq.Context()
         self._socket = make_socket(
             self._context, zmq.ROUTER, token=token, server=True, max_message=MAX_MESSAGE,
@@ -185,6 +190,8 @@ class Orchestrator:
                 self._check_heartbeats()
                 for throttle in (self._malformed, self._ignored, self._refusals):
                     throttle.flush()
+                if self._until_done and self._formed_any and not self._jobs:
+                    break  # its job is over: nobody will register here again
         finally:
             for throttle in (self._malformed, self._ignored, self._refusals):
                 throttle.flush(force=True)
@@ -342,6 +349,7 @@ class Orchestrator:
                 {"t": "topology", "job": job.name, "index": index, "nodes": layout, "world": len(every)},
             )
         job.formed = True
+        self._formed_any = True
         log.info("job %r formed: %d nodes, %d peers", job.name, len(nodes), len(every))
 
     def _gone(self, job: _Job, node: _Node, reason: str, how: str = "lost") -> None:
