@@ -58,8 +58,8 @@ _BOOL_OPS = {_KINDS.SUM: "max", _KINDS.MAX: "max", _KINDS.BOR: "max",
 
 
 def _invalid(message: str) -> BaseException:
-    error: BaseException = dist.DistBackendError(f"InvalidArgumentError: {message}")
-    return error
+    """A DistBackendError caused by our InvalidArgumentError (as every error of the backend is)."""
+    return backend_error(InvalidArgumentError(message))
 
 
 def reduce_op(op: Any, dtype: Any) -> tuple[str, Any]:

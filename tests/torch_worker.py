@@ -391,6 +391,12 @@ def mends() -> None:
         time.sleep(3)
         expect_error(lambda: dist.all_reduce(torch.ones(1), group=quick), "CollectiveTimeout")
     expect_error(lambda: dist.all_reduce(torch.ones(1).expand(3)), "elements that share memory")
+    try:  # every error of the backend is caused by ours
+        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=R.BXOR)
+    except dist.DistBackendError as exc:
+        assert isinstance(exc.__cause__, col.InvalidArgumentError), repr(exc.__cause__)
+    else:
+        raise AssertionError("BXOR is not served")
     # a tag per message: the receives' threads end with their receives
     if rank == 0:
         for tag in range(40):
