@@ -42,6 +42,7 @@ from collective.bootstrap import init_with_store
 from collective.errors import CollectiveError, RegistrationError
 from collective.groups import Group, new_group
 from collective.runtime import Runtime
+from collective.torch_all_to_all import AllToAll
 from collective.torch_ops import Ops
 from collective.torch_p2p import PointToPoint
 from collective.torch_work import Receives, TorchWork, Worker, backend_error, seconds
@@ -55,7 +56,7 @@ BACKEND = "collective"
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL groups
 
 
-class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ignore[misc]
+class CollectiveProcessGroup(Ops, AllToAll, PointToPoint, dist.ProcessGroup):  # type: ignore[misc]
     """A torch ProcessGroup whose collectives run on ``runtime`` as peer ``peer`` in ``group``.
 
     ``members`` are the global ranks (our peer ids) of the group, in group-rank order; ``owns``

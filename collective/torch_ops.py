@@ -18,6 +18,7 @@ broadcast, reduce               broadcast (the root passes the tensor), reduce
 allgather, all_gather_single    all_gather (stacked, into the outputs)
 reduce_scatter(_single)         reduce_scatter
 all_to_all_single, alltoall     all_to_all; uneven splits: padded to the largest block
+                                (collective.torch_all_to_all)
 gather, scatter, barrier        gather, scatter, barrier
 send, recv                      send (eager), recv (collective.torch_p2p)
 =============================  =====================================================
@@ -49,7 +50,7 @@ from collective.torch_work import (
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
 
-__all__ = ["Ops", "reduce_op"]
+__all__ = ["Ops", "invalid", "reduce_op"]
 
 _KINDS = dist.ReduceOp.RedOpType
 _OPS = {_KINDS.SUM: "sum", _KINDS.AVG: "mean", _KINDS.PRODUCT: "prod", _KINDS.MIN: "min", _KINDS.MAX: "max"}
@@ -57,7 +58,7 @@ _BOOL_OPS = {_KINDS.SUM: "max", _KINDS.MAX: "max", _KINDS.BOR: "max",
              _KINDS.PRODUCT: "min", _KINDS.MIN: "min", _KINDS.BAND: "min"}  # fmt: skip
 
 
-def _invalid(message: str) -> BaseException:
+def invalid(message: str) -> BaseException:
     """A DistBackendError caused by our InvalidArgumentError (as every error of the backend is)."""
     return backend_error(InvalidArgumentError(message))
 
@@ -70,14 +71,14 @@ def reduce_op(op: Any, dtype: Any) -> tuple[str, Any]:
     found = (_BOOL_OPS if dtype == torch.bool else _OPS).get(kind)
     if found is None:
         name = str(getattr(kind, "name", kind)).rpartition(".")[2]
-        raise _invalid(f"ReduceOp.{name} on {dtype} is not supported by the collective backend")
+        raise invalid(f"ReduceOp.{name} on {dtype} is not supported by the collective backend")
     return found, None
 
 
 def _writable(tensor: Any, what: str) -> None:
     """A tensor written in place must not have elements that share memory (an expanded one)."""
     if any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape, strict=True)):
-        raise _invalid(
+        raise invalid(
             f"{what}: the tensor {tuple(tensor.shape)} has elements that share memory (expand()): the "
             f"result cannot be written into it; pass a tensor of its own (.clone())"
         )
@@ -85,7 +86,7 @@ def _writable(tensor: Any, what: str) -> None:
 
 def _single(tensors: Sequence[Any], what: str) -> Any:
     if len(tensors) != 1:
-        raise _invalid(f"{what} takes one tensor per call, got {len(tensors)}")
+        raise invalid(f"{what} takes one tensor per call, got {len(tensors)}")
     return tensors[0]
 
 
@@ -127,7 +128,7 @@ class Ops:
     def peer_of(self, group_rank: int) -> int:
         """The peer id (global rank) of ``group_rank``."""
         if not 0 <= group_rank < len(self.members):
-            raise _invalid(f"rank {group_rank} is not a rank of this group (0..{len(self.members) - 1})")
+            raise invalid(f"rank {group_rank} is not a rank of this group (0..{len(self.members) - 1})")
         return self.members[group_rank]
 
     def _kw(self, opts: Any) -> dict[str, Any]:
@@ -190,7 +191,7 @@ class Ops:
         output = _single(outputs, "reduce_scatter")
         parts = list(_single(inputs, "reduce_scatter"))
         if len(parts) != len(self.members) or any(p.shape != output.shape for p in parts):
-            raise _invalid(
+            raise invalid(
                 f"reduce_scatter takes {len(self.members)} input tensors of the output's shape "
                 f"{tuple(output.shape)}, got {[tuple(p.shape) for p in parts]}"
             )
@@ -208,7 +209,7 @@ class Ops:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         size = len(self.members)
         if input.numel() != size * output.numel():
-            raise _invalid(
+            raise invalid(
                 f"reduce_scatter_tensor: the input has {input.numel()} elements, the output "
                 f"{output.numel()}: the input holds {size} x the output's"
             )
@@ -255,7 +256,7 @@ class Ops:
         tensor = _single(inputs, "all_gather")
         targets = list(_single(outputs, "all_gather"))
         if len(targets) != len(self.members) or any(t.shape != tensor.shape for t in targets):
-            raise _invalid(
+            raise invalid(
                 f"all_gather takes a list of {len(self.members)} output tensors of the input's shape "
                 f"{tuple(tensor.shape)}, got {[tuple(t.shape) for t in targets]}"
             )
@@ -272,7 +273,7 @@ class Ops:
         opts = opts if opts is not None else dist.AllgatherOptions()
         size = len(self.members)
         if output.numel() != size * input.numel():
-            raise _invalid(
+            raise invalid(
                 f"all_gather_into_tensor: the output has {output.numel()} elements, the input "
                 f"{input.numel()}: the output holds {size} x the input's"
             )
@@ -319,7 +320,7 @@ class Ops:
         root, kw = self.peer_of(opts.rootRank), self._kw(opts)
         targets = list(_single(outputs, "gather")) if root == self.peer else []
         if root == self.peer and len(targets) != len(self.members):
-            raise _invalid(f"gather: the root passes {len(self.members)} output tensors, got {len(targets)}")
+            raise invalid(f"gather: the root passes {len(self.members)} output tensors, got {len(targets)}")
 
         def body() -> None:
             gathered = self.runtime.gather(self.peer, array(host(tensor)), root, **kw)
@@ -334,7 +335,7 @@ class Ops:
         root, kw = self.peer_of(opts.rootRank), self._kw(opts)
         parts = list(_single(inputs, "scatter")) if root == self.peer else []
         if root == self.peer and len(parts) != len(self.members):
-            raise _invalid(f"scatter: the root passes {len(self.members)} input tensors, got {len(parts)}")
+            raise invalid(f"scatter: the root passes {len(self.members)} input tensors, got {len(parts)}")
 
         def body() -> None:
             stacked = np.stack([array(host(p)) for p in parts]) if parts else None
@@ -348,93 +349,6 @@ class Ops:
         opts = opts if opts is not None else dist.BarrierOptions()
         kw = self._kw(opts)
         return self.launch("barrier", lambda: self.runtime.barrier(self.peer, **kw), [], opts)
-
-    # -- all to all ---------------------------------------------------------------------------
-
-    def all_to_all_single(
-        self, output: Any, input: Any, output_splits: Sequence[int], input_splits: Sequence[int],
-        opts: Any = None,
-    ) -> TorchWork:  # fmt: skip
-        opts = opts if opts is not None else dist.AllToAllOptions()
-        size, kw = len(self.members), self._kw(opts)
-        even = not output_splits and not input_splits
-        if even and (input.shape != output.shape or (input.dim() and input.shape[0] % size)):
-            raise _invalid(
-                f"all_to_all_single: input {tuple(input.shape)} and output {tuple(output.shape)} must have "
-                f"one shape whose first dimension divides by {size} (or pass split sizes)"
-            )
-        for name, splits, tensor in (("input", input_splits, input), ("output", output_splits, output)):
-            rows = tensor.shape[0] if tensor.dim() else 1
-            if splits and (len(splits) != size or any(s < 0 for s in splits) or sum(splits) != rows):
-                raise _invalid(
-                    f"all_to_all_single: {name}_split_sizes {list(splits)} must be {size} sizes >= 0 adding "
-                    f"up to the {name}'s first dimension, {rows}"
-                )
-            if not even and not splits and rows % size:
-                raise _invalid(
-                    f"all_to_all_single: without {name}_split_sizes the {name}'s first dimension ({rows}) "
-                    f"must divide by {size}"
-                )
-
-        def body() -> None:
-            buffer = host(output)
-            source, out = array(host(input)), array(buffer)
-            if even:
-                self.runtime.all_to_all(self.peer, source.reshape(size, -1), out=out.reshape(size, -1), **kw)
-            else:
-                sent = list(input_splits) or [source.shape[0] // size] * size
-                expected = list(output_splits) or [out.shape[0] // size] * size
-                blocks = np.split(source, np.cumsum(sent)[:-1]) if source.ndim else [source]
-                np.concatenate(self._uneven(blocks, expected, kw), out=out.reshape(-1, *out.shape[1:]))
-            store_back(buffer, output)
-
-        return self.launch("all_to_all_single", body, [output], opts)
-
-    alltoall_base = all_to_all_single
-
-    def alltoall(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
-        opts = opts if opts is not None else dist.AllToAllOptions()
-        outputs, inputs, kw = list(outputs), list(inputs), self._kw(opts)
-        if len(outputs) != len(self.members) or len(inputs) != len(self.members):
-            raise _invalid(f"all_to_all takes {len(self.members)} input and output tensors each")
-
-        def body() -> None:
-            flat = [array(host(t)).reshape(-1) for t in inputs]
-            blocks = self._uneven(flat, [t.numel() for t in outputs], kw)
-            for block, target in zip(blocks, outputs, strict=True):
-                fill(target, block)
-
-        return self.launch("all_to_all", body, outputs, opts)
-
-    def _uneven(self, blocks: Sequence[Any], expected: Sequence[int], kw: dict[str, Any]) -> list[Any]:
-        """Block j of ``blocks`` to rank j; the blocks received (``expected[j]`` rows from rank j).
-
-        Two small collectives check the splits (every rank sends what its receiver expects) and agree
-        on the largest block; the all_to_all moves blocks padded to it.
-        """
-        size = len(self.members)
-        if len(blocks) != size or len(expected) != size:
-            raise InvalidArgumentError(
-                f"all_to_all: the splits name {len(blocks)} and {len(expected)} ranks, not {size}"
-            )
-        rest, dtype = tuple(blocks[0].shape[1:]), blocks[0].dtype
-        sent = np.array([[b.shape[0]] for b in blocks], np.int64)
-        coming = self.runtime.all_to_all(self.peer, sent, **kw).reshape(-1)  # what each rank sends me
-        wrong = [j for j in range(size) if coming[j] != expected[j]]
-        local = max([*(b.shape[0] for b in blocks), *expected, 0])
-        agreed = self.runtime.all_reduce(self.peer, np.array([local, len(wrong)], np.int64), "max", **kw)
-        if agreed[1]:  # every rank stops here together
-            mine = "; ".join(f"rank {j} sends {coming[j]} rows where I expect {expected[j]}" for j in wrong)
-            raise InvalidArgumentError(
-                f"all_to_all: the split sizes of the ranks do not match ({mine or 'on another rank'}): "
-                f"rank i's output_split_sizes[j] must be rank j's input_split_sizes[i]"
-            )
-        largest = int(agreed[0])
-        padded = np.zeros((size, largest, *rest), dtype=dtype)
-        for j, block in enumerate(blocks):
-            padded[j, : block.shape[0]] = block
-        received = self.runtime.all_to_all(self.peer, padded, **kw)
-        return [received[j, :rows] for j, rows in enumerate(expected)]
 
 
 def _scaled(values: Any, factor: Any) -> Any:
