@@ -210,11 +210,20 @@ class _Embedded:
 
     def __init__(self, host: str, port: int, token: str | None) -> None:
         self.orchestrator = Orchestrator(host, port, token=token, until_done=True)  # ends with its job
-        self.thread = threading.Thread(
-            target=self.orchestrator.serve, name="collective-orchestrator", daemon=True
-        )
-        self.thread.start()
+        self.thread = threading.Thread(target=self._serve, name="collective-orchestrator", daemon=True)
         atexit.register(self.stop)
+        with _lock:
+            _embedded.append(self)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        try:
+            self.orchestrator.serve()
+        finally:  # over: nothing of it stays (init/destroy cycles of torch's would pile them up)
+            atexit.unregister(self.stop)
+            with _lock:
+                if self in _embedded:
+                    _embedded.remove(self)
 
     def stop(self) -> None:
         self.orchestrator.stop()
@@ -266,15 +275,15 @@ def init(runtime: Runtime, device: str = "cpu", environ: Mapping[str, str] | Non
 @contextlib.contextmanager
 def _stopped_on_failure() -> Iterator[None]:
     """Stop the orchestrators started in the block if it fails: their port is free for a new try."""
-    started = len(_embedded)
+    with _lock:
+        before = set(_embedded)
     try:
         yield
     except BaseException:
         with _lock:
-            mine = _embedded[started:]
-            del _embedded[started:]
+            mine = [embedded for embedded in _embedded if embedded not in before]
         for embedded in mine:
-            embedded.stop()
+            embedded.stop()  # (it leaves the list as its thread ends)
         raise
 
 
@@ -310,14 +319,12 @@ def _config(launched: Launched, env: Mapping[str, str]) -> CollectiveConfig:
             return dataclasses.replace(config, global_address=_through_agent_store(launched, host, config))
         if launched.rank == 0:
             try:
-                embedded = _Embedded(address.rpartition(":")[0], master[1], config.token)
+                _Embedded(address.rpartition(":")[0], master[1], config.token)
             except RegistrationError as exc:
                 raise ConfigError(
                     f"rank 0 cannot host the orchestrator at MASTER_ADDR:MASTER_PORT="
                     f"{master[0]}:{master[1]}: {exc}; pick a free MASTER_PORT"
                 ) from None
-            with _lock:
-                _embedded.append(embedded)
     return config
 
 
@@ -345,8 +352,6 @@ def meet_through_store(store: Store, rank: int, job: str, host: str, token: str 
     key = f"collective/{job}/orchestrator"
     if rank == 0:
         embedded = _Embedded(host, 0, token)
-        with _lock:
-            _embedded.append(embedded)
         store.set(key, embedded.orchestrator.address)
     return bytes(store.get(key)).decode()
 

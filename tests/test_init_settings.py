@@ -7,8 +7,6 @@ import gc
 import socket
 import subprocess
 import sys
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -178,11 +176,9 @@ def test_rank_0s_orchestrator_ends_with_its_job() -> None:
     port = free_port()
     with col.Runtime() as rt:
         init(rt, environ={**CLEAN, **torchrun(0, 1, port), "COLLECTIVE_TIMEOUT": "20"})
-        assert any(t.name == "collective-orchestrator" for t in threading.enumerate())
+        embedded = bootstrap._embedded[-1]
+        assert embedded.thread.is_alive()
         rt.finish(0)
-    for _ in range(100):  # every node left: it stops serving
-        if not any(t.name == "collective-orchestrator" for t in threading.enumerate()):
-            break
-        time.sleep(0.05)
-    assert not any(t.name == "collective-orchestrator" for t in threading.enumerate())
+    embedded.thread.join(5)  # every node left: it stops serving, and nothing of it stays
+    assert not embedded.thread.is_alive() and embedded not in bootstrap._embedded
     assert _port_is_free(port)
