@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from collective.arrays import Device
 from collective.call import Call
-from collective.calls import rules_of
+from collective.calls import Barrier, rules_of
 from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError
 from collective.executors import choose
 from collective.signature import Signature, agree, describe_peers, unanimous
@@ -48,6 +48,9 @@ __all__ = ["Rendezvous"]
 log = logging.getLogger(__name__)
 
 
+_CAME = Barrier()  # what a failed slot keeps of a call: that it came (no arrays)
+
+
 class _Slot:
     """Where the local peers' calls of one step meet (created by the first to arrive)."""
 
@@ -58,6 +61,14 @@ class _Slot:
         self.calls: dict[int, Call] = {} if calls is None else calls  # by local index
         self.outcome: Plan | CollectiveError | None = None
         self.reporter: int | None = None  # multi-node: the local index that tells the other nodes it failed
+
+    def fail(self, error: CollectiveError) -> None:
+        """The step failed before every local peer came: the ones that came (the lowest reports it)
+        stay counted, their calls (and the arrays those hold) are let go: a peer that never comes
+        would otherwise keep every timed-out step's inputs alive."""
+        self.outcome = error
+        self.reporter = min(self.calls)
+        self.calls = dict.fromkeys(self.calls, _CAME)
 
 
 class Rendezvous:
@@ -219,8 +230,7 @@ class Rendezvous:
             f"{call.kind} #{slot.number}: peers waited {timeout:g}s for {describe_peers(missing)} to call it",
             missing,
         )
-        slot.outcome = error
-        slot.reporter = min(slot.calls)
+        slot.fail(error)
         self.ring()
         return error
 
@@ -232,8 +242,7 @@ class Rendezvous:
         """Fail every undecided step (a peer left, the job closed) and wake the waiting peers; lock held."""
         for slot in self._slots.values():
             if slot.outcome is None:
-                slot.outcome = error
-                slot.reporter = min(slot.calls)
+                slot.fail(error)
         self.ring()
 
     def _decide(self, slot: _Slot) -> Plan | CollectiveError:
