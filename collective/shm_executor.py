@@ -46,7 +46,7 @@ from collective.errors import (
     describe_peers,
 )
 from collective.shm_chunks import ABORT, ARRIVE, END, REDUCING, Chunks, Pieces, at
-from collective.shm_host import HostRing, SignatureCodec
+from collective.shm_host import HostRing, Moved, SignatureCodec
 from collective.signature import Signature, agree
 from collective.transport.shm_ring import INLINE_BYTES, MESSAGE_BYTES, RingSegment, Waiting
 from collective.transport.wire import WireError
@@ -77,6 +77,7 @@ class ShmGroup:
         self._timeout = 0.0
         self._met = -1  # the last step every member arrived at
         self._theirs: list[Any] = [None] * self.n  # other members' channels, by rank
+        self._their_index = [0] * self.n  # (their index in their segment)
         self._segments: list[RingSegment] = []  # every member's segment, by rank (mapped at the first step)
         self._others: list[RingSegment] = []
         self.mine: Any = None  # this process's channel for the group
@@ -283,14 +284,19 @@ class ShmGroup:
         """Until member ``rank`` reached ``target``; raises if it is gone, or gave up that step
         (with ``aborts``: a wait for a step this process takes part in)."""
         channel = self._theirs[rank]
-        if channel is None:
-            channel = self._find(rank, deadline)
-        word = channel.progress
-        if word[0] < target and not self.waiting.until(
-            word, target, self._segments[rank], deadline, self._watch
-        ):
-            self._time_out(target)
-        value = word[0]
+        while True:  # (again when its process evicted this group's channel, and gives it another)
+            channel = channel if channel is not None else self._find(rank, deadline)
+            try:
+                if channel.progress[0] < target and not self.waiting.until(
+                    channel.progress, target, self._segments[rank], deadline, lambda: self._watch(rank)
+                ):
+                    self._time_out(target)
+                self._watch_channel(rank)  # the progress read was this group's
+                break
+            except Moved:  # (what was cached of its channel goes: agreed calls hold views of it)
+                channel = self._theirs[rank] = None
+                self._channels, self._agreed = [], {}
+        value = channel.progress[0]
         s = target >> 32
         if aborts and value >= at(s, ABORT):
             reason = channel.record(s) if value > at(s, END) or value == at(s, ABORT) else None
@@ -314,7 +320,12 @@ class ShmGroup:
             index = segment.find(self.key)
             assert index is not None
         channel = self._theirs[rank] = segment.channels[index]
+        self._their_index[rank] = index
         return channel
+
+    def _watch_channel(self, rank: int) -> None:
+        if self._segments[rank].keys[self._their_index[rank]] != self.key:  # given to another group
+            raise Moved
 
     def release(self, deadline: float) -> None:
         """Give up this group's channel: wait until every member left its last step (lock held)."""
@@ -335,8 +346,11 @@ class ShmGroup:
         self._agreed = {}
         self._written = [None, None]
 
-    def _watch(self) -> None:
-        """Raise if the job closed or a member is gone (called while blocked)."""
+    def _watch(self, rank: int | None = None) -> None:
+        """Raise if the job closed or a member is gone (called while blocked), or Moved if the
+        channel of member ``rank`` waited on is no longer this group's."""
+        if rank is not None:
+            self._watch_channel(rank)
         ring = self.ring
         if ring.closed is not None:
             raise ring.closed

@@ -26,7 +26,7 @@ from collective.signature import Signature
 from collective.transport.shm_ring import CHANNELS, MESSAGE_BYTES, RingSegment
 from collective.transport.wire import WireError
 
-__all__ = ["HostRing", "SignatureCodec"]
+__all__ = ["HostRing", "Moved", "SignatureCodec"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,11 @@ class HostRing:
         """The job is over: waits raise JobClosedError, the others see this process left."""
         self.closed = JobClosedError("the job was closed")
         self.segment.close()
+
+
+class Moved(Exception):
+    """A member's process evicted a group's channel (its channels were all taken) for another
+    group: the other members, which cached it, look it up again (the group gets another one)."""
 
 
 class SignatureCodec:

@@ -130,6 +130,22 @@ def groups(peer: int, world: int) -> int:
     return count
 
 
+def evicted(peer: int, world: int, extra: str = "2") -> int:
+    """5 processes: peer 0 uses 9 groups, peer 1 only two of them, so peer 0 evicts the channel of
+    [0, 1] (8 channels a segment) and gives it to [0, 1, 2], which runs ``extra`` more steps; then
+    [0, 1] goes on, and peer 1 must find its new channel (not read [0, 1, 2]'s)."""
+    others = [(0, 2), (0, 3), (0, 4), (0, 2, 3), (0, 2, 4), (0, 3, 4), (0, 2, 3, 4), (0, 1, 2)]
+    plan = [((0, 1), 1.0)] + [(m, 10.0 + i) for i, m in enumerate(others)]
+    plan += [(others[-1], 100.0 + k) for k in range(int(extra))] + [((0, 1), 2.0 + k) for k in range(3)]
+    count = 0
+    for members, value in plan:
+        if peer in members:
+            got = col.all_reduce(peer, np.full(8, value * (peer + 1)), group=col.new_group(list(members)))
+            same(got, np.full(8, value * sum(p + 1 for p in members)), str(members))
+            count += 1
+    return count
+
+
 def concurrent(peer: int, world: int) -> int:
     """Two threads of each process: the whole job and the group of peers 0 and 1 at once."""
     pair = col.new_group([0, 1])
@@ -295,8 +311,8 @@ def lead_fails(peer: int, world: int) -> int:
 
 MODES = {
     "every": every, "many": many, "overlap": overlap, "lead_fails": lead_fails, "groups": groups,
-    "concurrent": concurrent, "mismatch": mismatch, "loop": loop, "crash": crash, "late": late,
-    "crowded": crowded,
+    "evicted": evicted, "concurrent": concurrent, "mismatch": mismatch, "loop": loop, "crash": crash,
+    "late": late, "crowded": crowded,
 }  # fmt: skip
 
 
