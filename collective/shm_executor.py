@@ -281,8 +281,8 @@ class ShmGroup:
         return buffer
 
     def wait(self, rank: int, target: int, deadline: float, aborts: bool = True) -> None:
-        """Until member ``rank`` reached ``target``; raises if it is gone, or gave up that step
-        (with ``aborts``: a wait for a step this process takes part in)."""
+        """Until member ``rank`` reached ``target``; raises if it is gone, or gave up that step (with
+        ``aborts``: a wait for a step this process takes part in). What was read must be ours."""
         channel = self._theirs[rank]
         while True:  # (again when its process evicted this group's channel, and gives it another)
             channel = channel if channel is not None else self._find(rank, deadline)
@@ -291,8 +291,9 @@ class ShmGroup:
                     channel.progress, target, self._segments[rank], deadline, lambda: self._watch(rank)
                 ):
                     self._time_out(target)
-                self._watch_channel(rank)  # the progress read was this group's
-                break
+                if self._segments[rank].keys[self._their_index[rank]] == self.key:
+                    break
+                raise Moved
             except Moved:  # (what was cached of its channel goes: agreed calls hold views of it)
                 channel = self._theirs[rank] = None
                 self._channels, self._agreed = [], {}
@@ -323,10 +324,6 @@ class ShmGroup:
         self._their_index[rank] = index
         return channel
 
-    def _watch_channel(self, rank: int) -> None:
-        if self._segments[rank].keys[self._their_index[rank]] != self.key:  # given to another group
-            raise Moved
-
     def release(self, deadline: float) -> None:
         """Give up this group's channel: wait until every member left its last step (lock held)."""
         if self.last >= 0:
@@ -349,8 +346,8 @@ class ShmGroup:
     def _watch(self, rank: int | None = None) -> None:
         """Raise if the job closed or a member is gone (called while blocked), or Moved if the
         channel of member ``rank`` waited on is no longer this group's."""
-        if rank is not None:
-            self._watch_channel(rank)
+        if rank is not None and self._segments[rank].keys[self._their_index[rank]] != self.key:
+            raise Moved  # (its process gave this group's channel to another)
         ring = self.ring
         if ring.closed is not None:
             raise ring.closed
