@@ -106,9 +106,8 @@ def _master(environ: Mapping[str, str], fallback_host: str | None = None) -> tup
 
 def first_host(nodelist: str) -> str:
     """The first host of a Slurm node list: "gpu[03-05,07]-ib,cpu1" -> "gpu03-ib"."""
-    match = re.match(
-        r"\s*((?:[^,\[\]\s]|\[[^\]]*\])+)", nodelist
-    )  # the first item (a comma in [] is its own)
+    # the first item: up to a comma outside brackets ("a[1,3]-ib,b" -> "a[1,3]-ib")
+    match = re.match(r"\s*((?:[^,\[\]\s]|\[[^\]]*\])+)", nodelist)
     if match is None:
         raise ConfigError(f"SLURM_JOB_NODELIST={nodelist!r} names no host: set MASTER_ADDR")
     # every bracket of the item contributes its first value: "rack[1-2]-node[3,5]" -> "rack1-node3"

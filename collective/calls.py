@@ -368,7 +368,7 @@ class Coalesced(AllReduce):
         super().__init__(bucket, op, out=out)
         self.parts = parts
         self.pieces = pieces  # numpy arrays still to be packed into ``bucket`` (None: it holds them)
-        self.outs = outs  # the caller's (out, its input) per array of the bucket, to fill afterwards
+        self.outs = outs  # the caller's (out, its input) pairs to check with this call (or None)
 
     def check(self, device: Device, size: int, rank: int) -> str | None:
         """The bucket is the runtime's own and ``out`` is the bucket: the dtype needs a look, and so

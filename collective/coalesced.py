@@ -74,12 +74,11 @@ def coalesced_all_reduce(
     if len(by_dtype) == 1 and out is None and backs is None:  # the usual case: the views are the results
         return _views(execute(_bucket(arrays, op, parts, sum(sizes))), shapes, sizes)
     results: list[Array] = [None] * len(arrays)
+    checks = None if outs is None else list(zip(outs, arrays, strict=True))  # all with the first bucket
     for indices in by_dtype:
         its_sizes = [sizes[i] for i in indices]
-        call = _bucket([arrays[i] for i in indices], op, parts, sum(its_sizes))
-        if outs is not None and indices is by_dtype[0]:  # every out checked with the first bucket's call,
-            call.outs = list(zip(outs, arrays, strict=True))  # on every peer, before any data moves
-        reduced = execute(call)
+        reduced = execute(_bucket([arrays[i] for i in indices], op, parts, sum(its_sizes), checks))
+        checks = None
         for i, view in zip(indices, _views(reduced, [shapes[i] for i in indices], its_sizes), strict=True):
             if outs is not None:
                 outs[i][...] = view
@@ -101,8 +100,12 @@ def _views(flat: Array, shapes: list[Any], sizes: list[int]) -> list[Array]:
     return views
 
 
-def _bucket(arrays: list[Array], op: Any, parts: Any, size: int) -> Coalesced:
+def _bucket(
+    arrays: list[Array], op: Any, parts: Any, size: int, outs: list[tuple[Any, Any]] | None = None
+) -> Coalesced:
     """The call reducing ``arrays`` (one dtype, ``size`` elements in all) as one flat bucket, in place.
+    ``outs`` (the first bucket's call): every (out, input) of the list, checked with the call, so a
+    bad one fails every peer before any data moves.
 
     A numpy bucket comes from the result pool (collective.pool): a fresh one per call would pay
     its page faults every time. The results are views of the bucket. It is packed only when an
@@ -111,11 +114,11 @@ def _bucket(arrays: list[Array], op: Any, parts: Any, size: int) -> Coalesced:
     """
     if type(arrays[0]) is np.ndarray:  # packed (if ever) by one np.concatenate(axis=None)
         bucket = pool.empty((size,), arrays[0].dtype)
-        return Coalesced(bucket, op, parts, out=bucket, pieces=arrays)
+        return Coalesced(bucket, op, parts, out=bucket, pieces=arrays, outs=outs)
     pieces = [array.reshape(-1) for array in arrays]
     xp = array_module(arrays[0])  # CuPy: packed on the device at once
     bucket = xp.concatenate(pieces) if len(pieces) > 1 else xp.ascontiguousarray(pieces[0]).copy()
-    return Coalesced(bucket, op, parts, out=bucket)
+    return Coalesced(bucket, op, parts, out=bucket, outs=outs)
 
 
 _NAMES: dict[Any, str] = {}  # dtype -> its name, as parts carry it

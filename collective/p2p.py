@@ -57,10 +57,8 @@ class Mailbox:
         """Keep ``data`` for ``dst``. From another process (``remote``), at most ``limit`` unreceived
         bytes per source are kept; beyond that the message is dropped and ``src``'s next receive fails."""
         with self._cv:
-            if remote and not self._reserve(src, dst, tag, data.nbytes):
-                return
-            self._boxes.setdefault((src, dst, tag), deque()).append((data, remote))
-            self._cv.notify_all()
+            if not remote or self._reserve(src, dst, tag, data.nbytes):
+                self._keep(src, dst, tag, data, remote)
 
     def arrived(self, origin: int, message: P2PMessage, chunk: Any) -> None:
         """A message from another process (``origin``: its node), or part ``message.part`` of one that
@@ -95,10 +93,14 @@ class Mailbox:
                 self._assembling[key] = (buffer, expected + 1)
                 return
             del self._assembling[key]
-            data = buffer.view(dtype).reshape(message.shape)
-            box = self._boxes.setdefault((message.sender, message.receiver, message.tag), deque())
-            box.append((data, True))
-            self._cv.notify_all()
+            self._keep(
+                message.sender, message.receiver, message.tag, buffer.view(dtype).reshape(message.shape), True
+            )
+
+    def _keep(self, src: int, dst: int, tag: int, data: Array, remote: bool) -> None:
+        """Queue ``data`` (its bytes already counted if ``remote``) and wake receivers (lock held)."""
+        self._boxes.setdefault((src, dst, tag), deque()).append((data, remote))
+        self._cv.notify_all()
 
     def _reserve(self, src: int, dst: int, tag: int, nbytes: int) -> bool:
         """Count ``nbytes`` more from another process's ``src`` (lock held): False, and ``src``'s next

@@ -214,9 +214,9 @@ class Receives:
     def submit(self, key: tuple[int, int], job: Callable[[], None]) -> None:
         """Queue ``job`` (which handles its own errors) behind the pair's earlier receives."""
         with self._lock:
-            queue = self._queues.get(key)
-            if queue is not None:  # its thread is running: it takes this one too
-                queue.append(job)
+            jobs = self._queues.get(key)
+            if jobs is not None:  # its thread is running: it takes this one too
+                jobs.append(job)
                 return
             self._queues[key] = deque([job])
         name = f"{self._name}-{key[0]}-{key[1]}"
@@ -225,14 +225,14 @@ class Receives:
     def _drain(self, key: tuple[int, int]) -> None:
         while True:
             with self._lock:
-                queue = self._queues[key]
-                if not queue:
+                jobs = self._queues[key]
+                if not jobs:
                     del self._queues[key]
                     return
-                job = queue[0]
+                job = jobs[0]
             job()
             with self._lock:
-                queue.popleft()
+                jobs.popleft()
 
 
 def host(tensor: Any) -> Any:
