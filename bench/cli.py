@@ -267,14 +267,14 @@ def run_torch(
     args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str], out: IO[str]
 ) -> int:
     """``--backend torch``: dist.* through our backend and through gloo, side by side, per world size."""
+    if args.compare == "trivial" or args.peers is not None or args.strategy or args.alloc:
+        parser.error(  # (checked first: a wrong command line is wrong with or without torch)
+            "argument --backend torch: runs torch.distributed, one process per rank (--nodes N), beside "
+            "gloo: --peers, --strategy, --alloc and --compare trivial do not apply"
+        )
     if not torch_available():
         parser.error(
             "argument --backend torch: needs torch (pip install torch==2.13.0 installs the CPU build)"
-        )
-    if args.compare == "trivial" or args.peers is not None or args.strategy or args.alloc:
-        parser.error(
-            "argument --backend torch: runs torch.distributed, one process per rank (--nodes N), beside "
-            "gloo: --peers, --strategy, --alloc and --compare trivial do not apply"
         )
     ops = (
         list(DEFAULT_OPS) if not args.op else list(OPS) if "all" in args.op else list(dict.fromkeys(args.op))
