@@ -30,7 +30,7 @@ from collective.arrays import CPU, Device, check_array, check_out, flat, integer
 from collective.errors import InvalidArgumentError
 from collective.pool import pool
 from collective.signature import Rules, Signature, describe_peers
-from collective.tensors import Back, identity, native
+from collective.tensors import Back, identity, native, writable
 
 __all__ = ["Call", "Strategies", "blocks", "reduce_all", "slice_of"]
 
@@ -109,7 +109,7 @@ class Call:
         self.root = root
         self.out_given = out
         try:
-            self.out = native(out)[0]
+            self.out = writable(out)
         except InvalidArgumentError as exc:
             self.out, problem = None, problem or f"out: {exc}"
         self.out_apart = False  # out shares no byte with x (so its checks skip the overlap test)

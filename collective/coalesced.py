@@ -19,7 +19,7 @@ from collective.algorithms.ops import Array, array_module
 from collective.calls import Coalesced
 from collective.errors import InvalidArgumentError
 from collective.pool import pool
-from collective.tensors import native
+from collective.tensors import native, writable
 
 __all__ = ["coalesced_all_reduce"]
 
@@ -47,7 +47,7 @@ def coalesced_all_reduce(
             converted = [native(x) for x in xs]
             arrays, backs = [array for array, _ in converted], [back for _, back in converted]
         if isinstance(out, list | tuple):
-            outs = [native(o)[0] for o in out]
+            outs = [writable(o) for o in out]
     except InvalidArgumentError as exc:  # (an unreadable tensor): still a step, failed on every peer
         problem = f"the list: {exc}"
     if problem is None and (backs is not None or out is not None or not xs):

@@ -28,7 +28,7 @@ from collective.errors import (
     PeerLostError,
 )
 from collective.protocol import PART_BYTES, P2PMessage
-from collective.tensors import native
+from collective.tensors import native, writable
 from collective.transport.wire import WireError
 
 __all__ = ["Mailbox", "recv", "send"]
@@ -215,7 +215,10 @@ def recv(
             return left_error(source, peer)
         return job.node.lost_peer(source) if job.node is not None else None
 
-    target, _ = native(out)
+    try:
+        target = writable(out)
+    except InvalidArgumentError as exc:  # an unreadable tensor, an immutable JAX array
+        raise InvalidArgumentError(f"recv: peer {peer}: out: {exc}") from None
     if out is not None:
         problem = check_array(target, device, None, name="out")
         if problem is None and not target.flags.writeable:

@@ -32,7 +32,7 @@ import numpy as np
 
 from collective.errors import InvalidArgumentError
 
-__all__ = ["Back", "identity", "native"]
+__all__ = ["Back", "identity", "native", "writable"]
 
 Back = Callable[[Any], Any]
 
@@ -74,6 +74,17 @@ def native(value: Any) -> tuple[Any, Back]:
     if hasattr(value, "__dlpack__"):
         return np.from_dlpack(value), identity
     return value, identity
+
+
+def writable(value: Any) -> Any:
+    """The array viewing ``value`` as an ``out=`` buffer: JAX arrays are immutable, so none is one."""
+    viewed, back = native(value)
+    if back is _to_jax:
+        raise InvalidArgumentError(
+            "a JAX array is immutable and cannot be written: leave out= unset (the result comes back "
+            "as a new jax.Array) or pass a numpy or torch buffer"
+        )
+    return viewed
 
 
 class _Torch:
