@@ -130,6 +130,11 @@ def _device_of(array: Array) -> Device:
 
 
 def _dtype_problem(dtype: np.dtype[Any], op: ReduceOp | None) -> str | None:
+    if dtype.kind in "fc" and dtype.itemsize > (8 if dtype.kind == "f" else 16):
+        return (
+            f"unsupported dtype {dtype.name} (long double): its layout differs between platforms; "
+            f"use {'float64' if dtype.kind == 'f' else 'complex128'}"
+        )
     if dtype.kind in _ORDERED_KINDS or (dtype.kind == "V" and dtype.name == "bfloat16"):
         return None
     if dtype.kind == "c":
@@ -146,8 +151,10 @@ def as_array(value: Any) -> Any:
 
 def check_array(array: Any, device: Device, op: ReduceOp | None, name: str = "x") -> str | None:
     """Why ``array`` cannot be used by a peer on ``device`` with ``op``, or None if it can."""
-    if type(array) is np.ndarray and device.kind == "cpu" and array.dtype.kind in _ORDERED_KINDS:
-        return None  # the common case, decided without building a Device
+    if type(array) is np.ndarray and device.kind == "cpu":
+        dtype = array.dtype
+        if dtype.kind in _ORDERED_KINDS and dtype.itemsize <= 8:
+            return None  # the common case, decided without building a Device
     try:
         array_module(array)
     except InvalidArgumentError:

@@ -375,8 +375,9 @@ class Coalesced(AllReduce):
         does every ``out`` of the caller's list (before any data moves, on every peer). An ``out``
         may overlap any input: it is written once every input was read."""
         problem = check_array(self.x, device, self.op)
-        for out, x in self.outs or ():
-            problem = problem or check_out(out, device, tuple(x.shape), x.dtype, None)
+        for i, (out, x) in enumerate(self.outs or ()):
+            if problem is None and (problem := check_out(out, device, tuple(x.shape), x.dtype, None)):
+                problem = f"out[{i}]: {problem}"
         return problem
 
     def source(self) -> Array | None:

@@ -46,10 +46,13 @@ def coalesced_all_reduce(
         else:
             converted = [native(x) for x in xs]
             arrays, backs = [array for array, _ in converted], [back for _, back in converted]
-        if isinstance(out, list | tuple):
-            outs = [writable(o) for o in out]
     except InvalidArgumentError as exc:  # (an unreadable tensor): still a step, failed on every peer
         problem = f"the list: {exc}"
+    if isinstance(out, list | tuple):
+        try:
+            outs = [writable(o) for o in out]
+        except InvalidArgumentError as exc:
+            problem = problem or f"out: {exc}"
     if problem is None and (backs is not None or out is not None or not xs):
         problem = _problem(xs, arrays, out)
     if problem is not None:

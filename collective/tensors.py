@@ -57,8 +57,14 @@ def native(value: Any) -> tuple[Any, Back]:
         return _from_torch(value)
     if isinstance(value, np.generic):
         return np.asarray(value), identity
+    if isinstance(value, np.ndarray):  # a subclass: memmap, matrix, recarray, ... read as an ndarray
+        if isinstance(value, np.ma.MaskedArray):
+            raise InvalidArgumentError(
+                "a masked array's mask would be ignored: pass x.filled(value) or x.data for its values"
+            )
+        return np.asarray(value), identity
     module = _module(value)
-    if module == "cupy" or isinstance(value, np.ndarray):
+    if module == "cupy":
         return value, identity
     torch = sys.modules.get("torch")  # (a subclass of torch.Tensor may live in any module)
     if module == "torch" or (torch is not None and isinstance(value, torch.Tensor)):
@@ -77,8 +83,18 @@ def native(value: Any) -> tuple[Any, Back]:
 
 
 def writable(value: Any) -> Any:
-    """The array viewing ``value`` as an ``out=`` buffer: JAX arrays are immutable, so none is one."""
+    """The array viewing ``value`` as an ``out=`` buffer (InvalidArgumentError for what only reads
+    as a copy: writes would be lost)."""
+    if isinstance(value, np.generic):
+        raise InvalidArgumentError(
+            "a numpy scalar cannot be written: pass an array (np.empty(()) for a 0-d result)"
+        )
     viewed, back = native(value)
+    if (back is _to_torch or back is _to_torch_cuda) and (value.is_conj() or value.is_neg()):
+        raise InvalidArgumentError(
+            "a conjugate or negative view of a torch tensor reads as a copy and cannot be written: "
+            "pass out.resolve_conj() (or .resolve_neg()), or a plain tensor"
+        )
     if back is _to_jax:
         raise InvalidArgumentError(
             "a JAX array is immutable and cannot be written: leave out= unset (the result comes back "

@@ -309,7 +309,34 @@ def lead_fails(peer: int, world: int) -> int:
     return 1
 
 
+def byte_order(peer: int, world: int) -> int:
+    """Arrays in big-endian byte order (numpy computes in them) through every kind of move: the
+    agreement, the arithmetic, inline and chunked data, point to point; then a long double, which
+    no process takes (its layout is the platform's), refused on every peer."""
+    count = 0
+    for dtype, length in itertools.product((">f4", ">i8", ">c16"), (5, 300_001)):
+        xs = [data(p, world * length, dtype, length) for p in range(world)]
+        x = xs[peer]
+        same(col.all_reduce(peer, x), reduced(xs, "sum"), f"all_reduce {dtype} {length}")
+        same(col.broadcast(peer, x if peer == 1 else None), xs[1], f"broadcast {dtype}")
+        same(col.all_gather(peer, x), np.stack(xs).astype(dtype), f"all_gather {dtype}")  # (stack: native)
+        k = length
+        same(col.reduce_scatter(peer, x), reduced(xs, "sum")[peer * k : (peer + 1) * k], "reduce_scatter")
+        col.send(peer, x, dst=(peer + 1) % world, tag=length)
+        same(col.recv(peer, src=(peer - 1) % world, tag=length), xs[(peer - 1) % world], f"recv {dtype}")
+        count += 5
+    try:
+        col.all_reduce(peer, np.ones(3, np.longdouble))
+    except col.InvalidArgumentError as exc:
+        assert "long double" in str(exc) and f"peer {world - 1}" in str(exc), exc
+    else:
+        raise AssertionError("a long double all_reduce was not refused")
+    same(col.all_reduce(peer, np.ones(3, ">f8")), np.full(3, world, ">f8"), "after the refusal")
+    return count + 2
+
+
 MODES = {
+    "byte_order": byte_order,
     "every": every, "many": many, "overlap": overlap, "lead_fails": lead_fails, "groups": groups,
     "evicted": evicted, "concurrent": concurrent, "mismatch": mismatch, "loop": loop, "crash": crash,
     "late": late, "crowded": crowded,

@@ -74,7 +74,7 @@ def test_a_bad_out_in_a_coalesced_list_fails_every_peer_before_data_moves(
     outcomes = outcomes_of_peers(3, body, runtime)
     for peer, outcome in enumerate(outcomes):
         assert isinstance(outcome, col.InvalidArgumentError), (peer, outcome)
-        assert "peer 1: out" in str(outcome), outcome
+        assert "peer 1: out[1]: " in str(outcome), outcome  # the item, by its index in the list
     for out in written:
         np.testing.assert_array_equal(out, np.full(3, -1.0, np.float32))
     after = run_peers(3, lambda p: runtime.all_reduce_coalesced(p, lists[p]), runtime)  # still in step
@@ -168,3 +168,69 @@ def test_centralized_and_direct_combine_in_peer_order_whatever_the_root(strategy
     for p, (_, everywhere) in enumerate(results):
         np.testing.assert_array_equal(everywhere, expected)
         np.testing.assert_array_equal(copies[p], expected)
+
+
+def test_an_out_that_reads_only_as_a_copy_is_refused_on_every_peer(runtime: col.Runtime) -> None:
+    """A numpy scalar as out was written through a temporary copy: the caller's out came back
+    unchanged (0.0 for 3.0) and a recv lost its message."""
+    _job(runtime, 2, timeout=5)
+    scalar = "a numpy scalar cannot be written"
+
+    def body(p: int) -> Any:
+        with pytest.raises(col.InvalidArgumentError, match=scalar):
+            runtime.all_reduce(p, np.float32(p + 1), out=np.float32(0))
+        with pytest.raises(col.InvalidArgumentError, match=f"peer 1: out: {scalar}"):
+            runtime.broadcast(p, np.float64(5) if p == 0 else None, out=None if p == 0 else np.float64(0))
+        with pytest.raises(col.InvalidArgumentError, match=f"out: {scalar}"):
+            runtime.all_reduce_coalesced(p, [np.ones(2)], out=[np.float64(0)])
+        runtime.send(p, np.float64(p + 7), dst=1 - p)
+        with pytest.raises(col.InvalidArgumentError, match=f"recv: peer {p}: out: {scalar}"):
+            runtime.recv(p, src=1 - p, out=np.float64(0))
+        zero_d = np.empty((), np.float64)
+        return runtime.recv(p, src=1 - p, out=zero_d), runtime.all_reduce(p, np.float32(p + 1))
+
+    for p, (received, reduced) in enumerate(run_peers(2, body, runtime)):
+        assert received.shape == () and received == 1 - p + 7  # the message stayed queued
+        assert reduced == 3.0
+
+
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+def test_numpy_subclasses_read_as_arrays_and_a_masked_array_is_refused(
+    runtime: col.Runtime, tmp_path: Any
+) -> None:
+    """A list mixing ndarray and memmap was refused as 'not all in host memory'; a list of
+    np.matrix raised a bare ValueError after the data moved; a masked array's mask would be lost."""
+    _job(runtime, 2, timeout=5)
+    maps = [np.memmap(tmp_path / f"out{p}", np.float64, "w+", shape=(3,)) for p in range(2)]
+
+    def body(p: int) -> Any:
+        mixed = runtime.all_reduce_coalesced(p, [np.full(2, p + 1.0), np.memmap(
+            tmp_path / f"in{p}", np.float64, "w+", shape=(4,))])  # fmt: skip
+        matrices = runtime.all_reduce_coalesced(p, [np.matrix(np.full((2, 3), p + 1.0))] * 2)
+        written = runtime.all_reduce(p, np.full(3, p + 1.0), out=maps[p])
+        with pytest.raises(col.InvalidArgumentError, match="masked array's mask would be ignored"):
+            runtime.all_reduce(p, np.ma.masked_array(np.ones(3), [0, 1, 0]))
+        return mixed, matrices, written
+
+    for p, (mixed, matrices, written) in enumerate(run_peers(2, body, runtime)):
+        np.testing.assert_array_equal(mixed[0], np.full(2, 3.0))
+        np.testing.assert_array_equal(mixed[1], np.zeros(4))
+        assert [m.shape for m in matrices] == [(2, 3), (2, 3)]
+        np.testing.assert_array_equal(matrices[1], np.full((2, 3), 3.0))
+        assert written is maps[p]
+        np.testing.assert_array_equal(maps[p], np.full(3, 3.0))
+
+
+def test_big_endian_arrays_are_computed_in_and_a_long_double_is_refused(runtime: col.Runtime) -> None:
+    """Both as between processes (tests/test_shm_executor.py): a long double's layout is the
+    platform's, so no peer takes one, in one process or several."""
+    _job(runtime, 3, timeout=5)
+
+    def body(p: int) -> Any:
+        with pytest.raises(col.InvalidArgumentError, match=r"float128 \(long double\)"):
+            runtime.all_reduce(p, np.ones(2, np.longdouble))
+        return runtime.all_reduce(p, (np.arange(4) * (p + 1)).astype(">f4"))
+
+    for result in run_peers(3, body, runtime):
+        assert result.dtype == np.dtype(">f4")
+        np.testing.assert_array_equal(result, np.arange(4) * 6.0)

@@ -47,6 +47,20 @@ def test_every_collective_matches_its_reference_through_shared_memory(
         assert int(steps) >= int(count) > 400, line  # every collective took the shared-memory path
 
 
+@pytest.mark.parametrize("shm", ["1", "0"])
+def test_big_endian_arrays_move_between_processes_and_a_long_double_is_refused_everywhere(
+    orchestrator: str, shm: str
+) -> None:
+    """Over shared memory and (shm=0) over ZeroMQ: a '>f4' call was undecodable there (a
+    MismatchError, a broadcast root alone succeeding, a send dropped and its recv timing out)."""
+    procs = start(orchestrator, 2, "byte_order", shm=shm)
+    for proc, code in zip(procs, finish_all(procs, 60), strict=True):
+        assert code == 0, proc.output()
+        _, line = proc.wait_for("OK", 1)
+        _, _, _, steps = line.split()
+        assert (int(steps) > 0) == (shm == "1"), line
+
+
 def test_more_groups_than_channels_take_turns(orchestrator: str) -> None:
     """5 processes, every subset twice: each process is in 16 groups, its segment has 8 channels."""
     procs = start(orchestrator, 5, "groups")

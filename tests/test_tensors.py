@@ -221,7 +221,7 @@ def test_a_tensor_that_cannot_be_read_fails_every_peer_and_keeps_the_job_in_step
 
     for first, second, after in run_peers(PEERS, body, rt):
         assert "peer 0: x: a torch tensor" in first and "cannot be read as an array" in first, first
-        assert "peer 1: the list: a torch tensor" in second, second
+        assert "peer 1: out: a torch tensor" in second, second  # (its out list)
         torch.testing.assert_close(after, torch.full((4,), 6.0))  # the next call pairs with its own
 
 
@@ -242,3 +242,19 @@ def test_tensor_subclasses_from_any_module_are_tensors(rt: col.Runtime) -> None:
         torch.testing.assert_close(plain, torch.full((3,), 6.0))
         torch.testing.assert_close(graded.detach(), torch.full((3,), 3.0))
         assert bf16.dtype == torch.bfloat16 and bf16.tolist() == [6.0] * 3
+
+
+def test_an_out_that_is_a_conjugate_or_negative_view_is_refused_on_every_peer(rt: col.Runtime) -> None:
+    """Such a view reads as a resolved copy: the result went into the copy and out stayed as it was."""
+
+    def body(peer: int) -> Any:
+        register(rt, peer)
+        plain = torch.zeros(4, dtype=torch.complex64)
+        for out in (torch._neg_view(torch.zeros(4)), plain.conj()):
+            x = torch.ones(4, dtype=out.dtype)
+            with pytest.raises(col.InvalidArgumentError, match="conjugate or negative view"):
+                rt.all_reduce(peer, x, out=out)
+        return rt.all_reduce(peer, torch.ones(2), out=torch.zeros(2))
+
+    for result in run_peers(PEERS, body, rt):
+        assert torch.equal(result, torch.full((2,), float(PEERS)))

@@ -40,10 +40,13 @@ SMALL_BYTES = 64 << 10  # arrays up to this size travel inside the call header (
 MAX_HEADER_BYTES = SMALL_BYTES + (16 << 10)
 MAX_MESSAGE_BYTES = CHUNK_BYTES + MAX_HEADER_BYTES  # socket-level limit (ZMQ_MAXMSGSIZE)
 
+_NATIVE_NAMES = ["float16", "float32", "float64", "complex64", "complex128",
+                 "int16", "int32", "int64", "uint16", "uint32", "uint64"]  # fmt: skip
 _DTYPE_NAMES = frozenset(
-    ["float16", "float32", "float64", "bfloat16", "complex64", "complex128",
-     "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"]
-)  # fmt: skip
+    ["bfloat16", "int8", "uint8", *_NATIVE_NAMES]
+    # and both byte orders spelled out ('>f4'; str() of a non-native dtype): numpy computes in them
+    + [np.dtype(name).newbyteorder(order).str for name in _NATIVE_NAMES for order in "<>"]
+)
 
 
 class WireError(ValueError):
