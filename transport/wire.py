@@ -45,7 +45,7 @@ _NATIVE_NAMES = ["float16", "float32", "float64", "complex64", "complex128",
 _DTYPE_NAMES = frozenset(
     ["bfloat16", "int8", "uint8", *_NATIVE_NAMES]
     # and both byte orders spelled out ('>f4'; str() of a non-native dtype): numpy computes in them
-    + [np.dtype(name).newbyteorder(order).str for name in _NATIVE_NAMES for order in "<>"]
+    + [np.dtype(name).newbyteorder(order).str for name in _NATIVE_NAMES for order in ("<", ">")]
 )
 
 
