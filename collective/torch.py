@@ -44,7 +44,7 @@ from collective.groups import Group, new_group
 from collective.runtime import Runtime
 from collective.torch_all_to_all import AllToAll
 from collective.torch_ops import Ops
-from collective.torch_p2p import PointToPoint
+from collective.torch_p2p import PointToPoint, group_key
 from collective.torch_work import Receives, TorchWork, Worker, backend_error, seconds
 
 torch: Any = importlib.import_module("torch")
@@ -81,6 +81,7 @@ class CollectiveProcessGroup(Ops, AllToAll, PointToPoint, dist.ProcessGroup):  #
         self._receives = Receives(f"collective-torch-{peer}-recv")
         self._closed = False
         self._name = ""
+        self.p2p_key = group_key(repr(self.members))  # until torch names the group (the same on every rank)
 
     def getBackendName(self) -> str:
         return BACKEND
@@ -89,6 +90,7 @@ class CollectiveProcessGroup(Ops, AllToAll, PointToPoint, dist.ProcessGroup):  #
         """torch names every group; kept here (torch's own store of it lives in backends, which this
         group, a ProcessGroup itself, has none of: destroy_process_group(subgroup) needs it back)."""
         self._name = name
+        self.p2p_key = group_key(name)
 
     @property
     def group_name(self) -> str:

@@ -76,7 +76,12 @@ def reduce_op(op: Any, dtype: Any) -> tuple[str, Any]:
 
 
 def _writable(tensor: Any, what: str) -> None:
-    """A tensor written in place must not have elements that share memory (an expanded one)."""
+    """A tensor written in place must be dense, without elements that share memory (expanded)."""
+    if tensor.layout is not torch.strided:
+        raise invalid(
+            f"{what}: a {tensor.layout} tensor: the collective backend takes dense tensors; pass "
+            f"tensor.to_dense()"
+        )
     if any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape, strict=True)):
         raise invalid(
             f"{what}: the tensor {tuple(tensor.shape)} has elements that share memory (expand()): the "

@@ -11,6 +11,7 @@ seconds (heartbeats), not the end of the timeout.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,21 +19,39 @@ from collective.errors import CollectiveError, InvalidArgumentError
 from collective.runtime import Runtime
 from collective.torch_work import TorchWork, array, backend_error, host, store_back
 
-__all__ = ["PointToPoint"]
+__all__ = ["PointToPoint", "group_key"]
+
+
+def group_key(name: str) -> int:
+    """A group's 31-bit key: the high bits of its messages' tags (see PointToPoint)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=4).digest(), "little") >> 1
 
 
 class PointToPoint:
-    """send/recv between this process's peer and the group's other ranks (group ranks in, peers out)."""
+    """send/recv between this process's peer and the group's other ranks (group ranks in, peers out).
+
+    Torch keeps each group's messages apart (a communicator per group); ours match by source and
+    tag only. So a message's tag carries its group's key (from the group's name, the same on every
+    rank) above torch's 32-bit tag: a recv on one group never takes a message sent on another.
+    """
 
     runtime: Runtime
     peer: int
     timeout: float
     launch: Callable[..., TorchWork]
     peer_of: Callable[[int], int]
+    p2p_key: int
     _done: TorchWork
 
+    def _tag(self, tag: int) -> int:
+        if not 0 <= tag < 1 << 32:
+            raise backend_error(
+                InvalidArgumentError(f"tag {tag} is out of range: the collective backend takes 0..2**32-1")
+            )
+        return self.p2p_key << 32 | tag
+
     def send(self, tensors: Sequence[Any], dst: int, tag: int = 0) -> TorchWork:
-        tensor, target = _single(tensors, "send"), self.peer_of(dst)
+        tensor, target, tag = _single(tensors, "send"), self.peer_of(dst), self._tag(tag)
         try:
             self.runtime.send(self.peer, array(host(tensor)), target, tag, timeout=self.timeout)
         except CollectiveError as exc:
@@ -40,7 +59,7 @@ class PointToPoint:
         return self._done
 
     def recv(self, tensors: Sequence[Any], src: int, tag: int = 0) -> TorchWork:
-        tensor, source = _single(tensors, "recv"), self.peer_of(src)
+        tensor, source, tag = _single(tensors, "recv"), self.peer_of(src), self._tag(tag)
 
         def body() -> None:
             buffer = host(tensor)

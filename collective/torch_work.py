@@ -97,14 +97,14 @@ class TorchWork(dist.Work):  # type: ignore[misc]
         self._label = label
         self._source = torch.futures.Future()
         self._future = self._source.then(_unwrap)
-        self._done = threading.Event()
+        self._done = threading.Event()  # set once the future is complete too
         self._error: BaseException | None = None
+        self._completer: int | None = None  # the thread completing the future (running its callbacks)
 
     @classmethod
     def completed(cls, outputs: Sequence[Any], label: str) -> TorchWork:
         work = cls(outputs, label)
-        work._done.set()
-        work._source.set_result(work._outputs)
+        work._complete(work._outputs)
         return work
 
     def run(self, body: Callable[[], None]) -> None:
@@ -113,21 +113,33 @@ class TorchWork(dist.Work):  # type: ignore[misc]
             body()
         except BaseException as exc:
             self._error = backend_error(exc)
-            self._done.set()
-            self._source.set_result(_Failed(self._error))
+            self._complete(_Failed(self._error))
             return
-        self._done.set()
-        self._source.set_result(self._outputs)
+        self._complete(self._outputs)
+
+    def _complete(self, value: Any) -> None:
+        """Complete the future (its ``then`` callbacks run here), then wake ``wait()``: a waiter
+        must find the future done, as with gloo (its value() raised an internal assert otherwise)."""
+        self._completer = threading.get_ident()
+        try:
+            self._source.set_result(value)
+        finally:
+            self._done.set()
+
+    def _settled(self, limit: float | None) -> bool:
+        if self._completer == threading.get_ident():  # a callback of this work's future waits on it:
+            return True  # its result is set (the callbacks run as the future completes)
+        return self._done.wait(limit)
 
     def wait(self, timeout: Any = None) -> bool:
         """True once the collective completed; its error (DistBackendError) if it failed."""
         limit = seconds(timeout)
-        if limit is not None and not self._done.wait(limit):
+        if limit is not None and not self._settled(limit):
             raise dist.DistBackendError(
                 f"CollectiveTimeout: {self._label} did not complete within {limit:g}s of wait(); "
                 f"it is still running (the collective's own timeout still applies)"
             )
-        self._done.wait()
+        self._settled(None)
         if self._error is not None:
             raise self._error
         return True

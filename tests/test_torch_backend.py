@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,22 @@ def test_torch_work_success_failure_and_futures() -> None:
     assert isinstance(caught.value.__cause__, MismatchError)
     with pytest.raises(RuntimeError, match="MismatchError: peer 0 called"):
         failed.get_future().wait()  # failed in torch's C++ too (what DDP's reducer sees)
+
+
+def test_wait_returns_once_the_future_is_complete_and_a_callback_may_wait() -> None:
+    """wait() returned while the future was still completing: value() then raised torch's internal
+    assert (16 to 193 times in 300 async calls)."""
+    tensor = torch.ones(1)
+    for _ in range(300):
+        work = TorchWork([tensor], "all_reduce")
+        waited: list[bool] = []
+        work.get_future().then(lambda _: waited.append(work.wait()))  # runs as the future completes
+        worker = threading.Thread(target=work.run, args=(lambda: None,))
+        worker.start()
+        assert work.wait(timeout=10) and work.get_future().done()
+        assert work.get_future().value() == [tensor]
+        worker.join(10)
+        assert waited == [True]
 
 
 # -- the benchmarks ---------------------------------------------------------------------------------

@@ -412,6 +412,19 @@ def mends() -> None:
                 break
             time.sleep(0.02)
         assert not receiving, receiving
+    # point to point on the world and on a subgroup of the same pair, same tag: each group's
+    # messages are its own (as gloo's; the receive on the subgroup took the world's message)
+    pair = dist.new_group([0, 1])
+    if rank == 0:
+        dist.send(torch.full((3,), 1.0), 1)
+        dist.send(torch.full((3,), 2.0), 1, group=pair)
+    if rank == 1:
+        on_pair, on_world = torch.zeros(3), torch.zeros(3)
+        dist.recv(on_pair, 0, group=pair)
+        dist.recv(on_world, 0)
+        same(on_pair, torch.full((3,), 2.0), "a receive on a subgroup")
+        same(on_world, torch.full((3,), 1.0), "a receive on the world")
+    expect_error(lambda: dist.all_reduce(torch.ones(3).to_sparse()), "takes dense tensors")
     # a subgroup can be destroyed on its own
     passing = dist.new_group(list(range(world)))
     dist.barrier(group=passing)
