@@ -212,7 +212,7 @@ def test_wait_returns_once_the_future_is_complete_and_a_callback_may_wait() -> N
     for _ in range(300):
         work = TorchWork([tensor], "all_reduce")
         waited: list[bool] = []
-        work.get_future().then(lambda _: waited.append(work.wait()))  # runs as the future completes
+        work.get_future().then(lambda _, w=work, into=waited: into.append(w.wait()))  # as it completes
         worker = threading.Thread(target=work.run, args=(lambda: None,))
         worker.start()
         assert work.wait(timeout=10) and work.get_future().done()
