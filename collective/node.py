@@ -218,9 +218,6 @@ class NodeJob:
         assert self.topology is not None
         return self.topology.describe(node)
 
-    def _who(self, nodes: list[int]) -> str:
-        return ", ".join(self._describe(node) for node in nodes)
-
     # -- one step of a group ----------------------------------------------------------------------
 
     def channel(self, members: tuple[int, ...]) -> int:
@@ -409,6 +406,9 @@ class NodeJob:
             raise verdict_error(step, verdicts, self._describe)
         assert not isinstance(mine, CollectiveError)
         calls[me] = as_sent(mine)  # (a long list of parts travels as its digest)
-        agreed = agree(calls, f"#{step}", rules_of, who=self._who)
+        topology = self.topology
+        assert topology is not None  # a node's call stands for its peers of the group: name those
+        who = lambda nodes: ", ".join(topology.describe(node, members) for node in nodes)  # noqa: E731
+        agreed = agree(calls, f"#{step}", rules_of, who=who)
         self._agreed[channel] = step
         return agreed, payloads

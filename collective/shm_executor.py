@@ -231,7 +231,8 @@ class ShmGroup:
                 messages = [bytes(c.messages[slot][: h[1]]) for c, h in zip(channels, heads, strict=True)]
                 specs = {rank: self.codec.decode(message) for rank, message in enumerate(messages)}
                 elsewhere = call.source_elsewhere
-                agreed = agree(specs, f"#{s}", rules_of, who=self._who, source_elsewhere=elsewhere)
+                number = "#" + self._label.rpartition("#")[2]  # the caller's (a host tier: 2 steps a call)
+                agreed = agree(specs, number, rules_of, who=self._who, source_elsewhere=elsewhere)
         except WireError as exc:
             self._finish_with(s, MismatchError(f"{self._label}: a member published an unusable call: {exc}"))
         except CollectiveError as exc:

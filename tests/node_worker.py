@@ -100,6 +100,14 @@ def mismatch(peer: int, world: int, how: str) -> int:
     return 1
 
 
+def group_mismatch(peer: int, world: int) -> int:
+    """3 nodes x 2 peers: in the group of peers 1, 2, 3 and 5, peer 1 passes another shape."""
+    group = col.new_group([1, 2, 3, 5])
+    if peer in group.members:
+        col.all_reduce(peer, np.zeros(4 if peer == 1 else 3), group=group)
+    return 1
+
+
 def crash(peer: int, world: int) -> int:
     """Node 0 fails inside the global step with a plain exception while its process lives on."""
     if peer == 0:
@@ -336,6 +344,7 @@ MODES = {
     "matrix": matrix,
     "loop": loop,
     "mismatch": mismatch,
+    "group_mismatch": group_mismatch,
     "crash": crash,
     "collective_set": collective_set,
     "until": until,

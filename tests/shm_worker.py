@@ -173,7 +173,10 @@ def concurrent(peer: int, world: int) -> int:
 
 
 def mismatch(peer: int, world: int, how: str) -> int:
-    """Peer 0 calls differently from the others; then a good collective."""
+    """Two good collectives, then peer 0 calls differently from the others (#2, a host tier's 5th
+    step); then a good collective."""
+    for _ in range(2):
+        col.all_reduce(peer, np.ones(2))
     odd = peer == 0
     x = np.zeros(5 if (how == "shape" and odd) else 4, np.float32 if (how == "dtype" and odd) else np.float64)
     if how == "collective" and odd:

@@ -80,6 +80,7 @@ def test_a_mismatch_on_one_host_or_between_hosts_fails_every_process_and_the_job
         (line,) = errors_of(proc)
         assert code == 3 and line.startswith(f"ERROR {kind}") and expected in line, proc.output()
         assert re.search(r"peers? 0\b", line), line  # names the one that differs
+        assert set(re.findall(r"#(\d+)", line)) == {"2"}, line  # the caller's number, not a step's
         proc.wait_for("AFTER", 1)  # the next collective ran, and was right
 
 

@@ -120,6 +120,18 @@ def test_nodes_calling_differently_get_a_mismatch_everywhere_and_go_on(
         )
 
 
+def test_a_mismatch_in_a_group_across_nodes_names_the_group_peers_of_each_node(orchestrator: str) -> None:
+    """It named every peer of each node ('node 0 (peers 0-1)'), members of the group or not."""
+    nodes = start_nodes(orchestrator, job_name(), 3, 2, "group_mismatch")
+    for node, code in zip(nodes, finish_all(nodes, 60), strict=True):
+        errors = [line for _, line in node.lines if line.startswith("ERROR")]
+        assert code == 3 and len(errors) == (1 if node is not nodes[1] else 2), node.output()
+        for line in errors:
+            assert line.startswith("ERROR MismatchError"), line
+            named = "node 0 (peer 1) passed (4,), node 1 (peers 2-3), node 2 (peer 5) passed (3,)"
+            assert named in line, line
+
+
 def test_an_orchestrator_that_is_not_there_is_a_timeout() -> None:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,8 +63,10 @@ class Topology:
     world: int
     infos: list[dict[str, Any]] = field(default_factory=list)  # per node: host identity, shared memory
 
-    def describe(self, node: int) -> str:
-        return f"node {node} ({describe_peers(self.peers[node])})"
+    def describe(self, node: int, among: Collection[int] | None = None) -> str:
+        """'node 1 (peers 2-3)': the node's peers, or those of them ``among`` a group's members."""
+        peers = self.peers[node] if among is None else [p for p in self.peers[node] if p in among]
+        return f"node {node} ({describe_peers(peers)})"
 
 
 def _texts(value: Any) -> list[str]:
