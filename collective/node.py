@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -46,6 +47,7 @@ from collective.signature import Signature, agree
 from collective.transport.inproc import clone_error
 from collective.transport.network import NodeNetwork
 from collective.transport.orchestrator_client import OrchestratorClient, Topology
+from collective.transport.outbox import Outbox
 from collective.transport.shm_ring import RingSegment
 from collective.transport.wire import WireError
 from collective.transport.zmq_link import ZmqLink
@@ -83,6 +85,7 @@ class NodeJob:
             self._client.close()
             self._context.destroy(linger=0)
             raise
+        self._outbox = Outbox(partial(self._network.send, track=True), self._lost)  # point to point
         self.topology: Topology | None = None
         self.world = 0
         self._node_of: dict[int, int] = {}
@@ -155,7 +158,7 @@ class NodeJob:
         for part in range(parts):
             message = P2PMessage(src, dst, tag, tuple(data.shape), str(data.dtype), ident, part, parts)
             chunk = payload[part * PART_BYTES : (part + 1) * PART_BYTES]
-            self._network.send(self._node_of[dst], message.encode(), chunk)
+            self._outbox.send(self._node_of[dst], message.encode(), chunk)
 
     def pump(self, seconds: float) -> None:
         """Let messages arrive for up to ``seconds`` (a receive that waits outside any collective)."""
@@ -178,6 +181,7 @@ class NodeJob:
             if self._closed:
                 return
             self._closed = True
+        self._outbox.close(min(self.config.timeout, 60.0))  # what was sent goes out before we leave
         self._client.close()
         self._network.close()
         self._context.destroy(linger=0)

@@ -14,8 +14,27 @@ import numpy as np
 import collective as col
 
 
+def send_then_leave(peer: int, how: str, mib: int) -> int:
+    """Rank 0 sends ``mib`` MiB to rank 1 and at once finishes, or ends without finish (``how``):
+    what it sent must still arrive (it was dropped, or the process crashed at exit)."""
+    col.barrier(peer)
+    count = mib << 18
+    if peer == 0:
+        col.send(peer, np.arange(count, dtype=np.float32), dst=1)
+        if how == "finish":
+            col.finish(peer)
+        return 0
+    got = col.recv(peer, src=0, timeout=30)
+    assert got.shape == (count,) and np.array_equal(got, np.arange(count, dtype=np.float32))
+    print(f"RECEIVED {peer}", flush=True)
+    col.finish(peer)
+    return 0
+
+
 def main() -> int:
     peer = col.init()
+    if len(sys.argv) > 1:
+        return send_then_leave(peer, sys.argv[1], int(sys.argv[2]))
     world = col.world_size()
     everyone = [np.arange(6, dtype=np.float64) * (p + 1) for p in range(world)]
     mine = everyone[peer]

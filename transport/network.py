@@ -203,8 +203,10 @@ class NodeNetwork:
         """Hand messages that belong to no step (``t`` = "p2p") to ``deliver(node, header, payload)``."""
         self._deliver = deliver
 
-    def send(self, dst: int, header: dict[str, Any], payload: Any = None) -> zmq.MessageTracker | None:
-        """Queue one message for node ``dst``; a large payload is sent without copying and tracked."""
+    def send(
+        self, dst: int, header: dict[str, Any], payload: Any = None, track: bool = False
+    ) -> zmq.MessageTracker | None:
+        """Queue one message for node ``dst``; a large payload (any with ``track``) goes uncopied, tracked."""
         header = {**header, "job": self.job, "src": self.index}
         if header["t"] != "p2p":
             with self._lock:
@@ -215,7 +217,7 @@ class NodeNetwork:
         frames: list[Any] = [encode_header(header)]
         if payload is not None:
             frames.append(payload)
-        large = payload is not None and payload.nbytes > zmq.COPY_THRESHOLD
+        large = payload is not None and (track or payload.nbytes > zmq.COPY_THRESHOLD)
         try:  # never blocks: SNDHWM=0 queues everything while a connection exists or is being made
             with self._sending:  # (groups run from several threads: their frames must not interleave)
                 tracker: zmq.MessageTracker | None = self._dealers[dst].send_multipart(
