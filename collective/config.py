@@ -191,13 +191,18 @@ def _require_int(name: str, value: Any, minimum: int, maximum: int | None = None
         raise ConfigError(f"{name} must be {allowed}, got {value}")
 
 
+_ADDRESS = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*:[0-9]{1,5}")  # a host name or IPv4 address
+
+
+def address_problem(value: Any, lowest_port: int) -> str | None:
+    """Why ``value`` is not 'host:port' with a port from ``lowest_port`` (None if it is)."""
+    port = int(value.rpartition(":")[2]) if isinstance(value, str) and _ADDRESS.fullmatch(value) else -1
+    if lowest_port <= port <= 65535:
+        return None
+    return f"must be 'host:port' (a host name or IPv4 address), a port in {lowest_port}..65535; got {value!r}"
+
+
 def _require_address(name: str, value: Any, lowest_port: int) -> None:
-    host, sep, port = str(value).rpartition(":")
-    if (
-        not isinstance(value, str)
-        or not sep
-        or not host
-        or not port.isdigit()
-        or not lowest_port <= int(port) < 65536
-    ):
-        raise ConfigError(f"{name} must be 'host:port' with a port in {lowest_port}..65535, got {value!r}")
+    problem = address_problem(value, lowest_port)
+    if problem is not None:
+        raise ConfigError(f"{name} {problem}")

@@ -13,6 +13,7 @@ stops every node quietly and exits 130.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import signal
@@ -21,9 +22,10 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
+from collective.config import address_problem
 from collective.errors import ConfigError, RegistrationError
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
 
 READY_PREFIX = "collective orchestrator: listening on "
 STOP_GRACE = 5.0
+INTERRUPT_GRACE = 3.0  # for a node to unwind after SIGINT
 
 
 def peer_ids_from_env(environ: Mapping[str, str] | None = None) -> list[int]:
@@ -114,7 +117,11 @@ def start_orchestrator() -> tuple[subprocess.Popen[str], str]:
         start_new_session=True,  # Ctrl-C reaches launch alone
     )
     assert process.stdout is not None
-    line = process.stdout.readline()
+    try:
+        line = process.stdout.readline()
+    except BaseException:  # Ctrl-C while it starts: it stops too
+        stop_processes([process])
+        raise
     if not line.startswith(READY_PREFIX):
         process.kill()
         process.wait()
@@ -122,18 +129,41 @@ def start_orchestrator() -> tuple[subprocess.Popen[str], str]:
     return process, line[len(READY_PREFIX) :].strip()
 
 
-def stop_processes(processes: Sequence[subprocess.Popen[Any]]) -> None:
-    """SIGTERM, then SIGKILL after a grace period; reap all."""
+def stop_processes(processes: Sequence[subprocess.Popen[Any]], groups: bool = False) -> None:
+    """SIGTERM, then SIGKILL after a grace period; reap all.
+
+    With ``groups`` (each process leads its own session, as launch starts the nodes): SIGINT
+    first, so Python programs unwind and run their exit handlers (their shared memory is removed:
+    SIGTERM skips that), and every signal goes to the whole process group, so what a process
+    started (a shell's children, say) stops with it, even once the process itself has ended.
+    """
+    if groups:
+        _signal(processes, signal.SIGINT, groups)
+        _reaped(processes, INTERRUPT_GRACE)
+    _signal(processes, signal.SIGTERM, groups)
+    if not _reaped(processes, STOP_GRACE) or groups:
+        _signal(processes, signal.SIGKILL, groups)  # (a group's leftovers too)
+        _reaped(processes, STOP_GRACE)
+
+
+def _signal(processes: Sequence[subprocess.Popen[Any]], signum: int, groups: bool) -> None:
     for process in processes:
-        if process.poll() is None:
-            process.terminate()
-    deadline = time.monotonic() + STOP_GRACE
+        if groups:  # (a group outlives its leader while members are left: its id stays theirs)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signum)
+        elif process.poll() is None:
+            process.send_signal(signum)
+
+
+def _reaped(processes: Sequence[subprocess.Popen[Any]], seconds: float) -> bool:
+    """Wait up to ``seconds`` for every process to end; whether all did."""
+    deadline = time.monotonic() + seconds
     for process in processes:
         try:
-            process.wait(max(0.1, deadline - time.monotonic()))
+            process.wait(max(0.01, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+            return False
+    return True
 
 
 # -- orchestrator ---------------------------------------------------------------------------------
@@ -212,7 +242,7 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
         "--orchestrator", metavar="HOST:PORT", help="an orchestrator to use (default: start one)"
     )
     parser.add_argument("--job", help="the job name (default: unique per launch)")
-    parser.add_argument("--timeout", type=float, help="COLLECTIVE_TIMEOUT for the nodes")
+    parser.add_argument("--timeout", type=seconds_argument, help="COLLECTIVE_TIMEOUT for the nodes")
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a Python module (as python -m)")
     parser.add_argument(
         "program",
@@ -231,17 +261,44 @@ def node_command(module: str | None, command: list[str]) -> list[str]:
 
 
 def _orchestrator_address(text: str, parser: argparse.ArgumentParser) -> str:
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        parser.error(f"argument --orchestrator: {text!r} is not HOST:PORT (a port in 1..65535)")
+    problem = address_problem(text, lowest_port=1)
+    if problem is not None:
+        parser.error(f"argument --orchestrator: {problem}")
     return text
 
 
-def _pump(stream: IO[str], prefix: str, sink: IO[str], lock: threading.Lock) -> None:
-    for line in stream:
+def _pump(stream: IO[str], prefix: str, sink: IO[str], lock: threading.Lock, quiet: threading.Event) -> None:
+    for line in stream:  # (read to the end once quiet: a node must not block on a full pipe)
         with lock:
-            sink.write(f"{prefix}{line}" if line.endswith("\n") else f"{prefix}{line}\n")
-            sink.flush()
+            if not quiet.is_set():
+                sink.write(f"{prefix}{line}" if line.endswith("\n") else f"{prefix}{line}\n")
+                sink.flush()
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGHUP reached launch (a batch system's stop, a closed terminal)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise _Stopped in the main thread (so launch stops its nodes first)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise _Stopped(signum)
+
+    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[str] = sys.stdout) -> int:
@@ -256,17 +313,24 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[st
         parser.error("nothing to run: give a script, -m module, or a program (and its arguments)")
     if args.module is None and args.program[0].endswith(".py") and not os.path.isfile(args.program[0]):
         parser.error(f"no such script {args.program[0]!r}")
+    with _stopped_by_signals():
+        return _run(args, out)
+
+
+def _run(args: argparse.Namespace, out: IO[str]) -> int:
     orchestrator = None
-    address = args.orchestrator
-    if address is None:
-        orchestrator, address = start_orchestrator()
-    job = args.job or f"launch-{os.getpid()}-{int(time.time() * 1000)}"
-    print(f"collective launch: job {job!r}, orchestrator {address}, {args.nodes} node(s)", file=sys.stderr)
-    master_port = free_port()
     lock = threading.Lock()
+    quiet: list[threading.Event] = []  # per node: set when launch stops it (its tracebacks are noise)
     nodes: list[subprocess.Popen[str]] = []
     pumps: list[threading.Thread] = []
     try:
+        address = args.orchestrator
+        if address is None:
+            orchestrator, address = start_orchestrator()
+        job = args.job or f"launch-{os.getpid()}-{int(time.time() * 1000)}"
+        started = f"collective launch: job {job!r}, orchestrator {address}, {args.nodes} node(s)"
+        print(started, file=sys.stderr)
+        master_port = free_port()
         for rank in range(args.nodes):
             env = node_environment(address, job, rank, args.nodes, args.devices, master_port=master_port)
             if args.timeout is not None:
@@ -284,9 +348,10 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[st
                 print(f"collective launch: cannot run {args.program}: {exc}", file=sys.stderr)
                 return 127
             nodes.append(process)
+            quiet.append(threading.Event())
             assert process.stdout is not None
             pump = threading.Thread(
-                target=_pump, args=(process.stdout, f"[node {rank}] ", out, lock), daemon=True
+                target=_pump, args=(process.stdout, f"[node {rank}] ", out, lock, quiet[-1]), daemon=True
             )
             pump.start()
             pumps.append(pump)
@@ -303,8 +368,13 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[st
         return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell reports it
     except KeyboardInterrupt:
         return 130
+    except _Stopped as stopped:
+        return 128 + stopped.signum
     finally:
-        stop_processes(nodes)
+        for node, silent in zip(nodes, quiet, strict=True):
+            if node.poll() is None:  # (one that ended has its last words, a traceback say, shown)
+                silent.set()
+        stop_processes(nodes, groups=True)
         for pump in pumps:
             pump.join(5)
         if orchestrator is not None:

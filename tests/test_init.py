@@ -103,8 +103,13 @@ def test_launch_runs_modules_and_other_programs() -> None:
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [
-        (["--orchestrator", "nohost", "x.py"], "is not HOST:PORT"),
-        (["--orchestrator", "h:99999", "x.py"], "is not HOST:PORT"),
+        (["--orchestrator", "nohost", "x.py"], "must be 'host:port'"),
+        (["--orchestrator", "h:99999", "x.py"], "must be 'host:port'"),
+        (["--orchestrator", "a b:1234", "x.py"], "must be 'host:port'"),  # these three ran the nodes,
+        (["--orchestrator", "h:\uff11\uff12", "x.py"], "must be 'host:port'"),  # which crashed or
+        (["--orchestrator", "127.0.0.1:29500:1", "x.py"], "must be 'host:port'"),  # timed out
+        (["--timeout", "nan", "x.py"], "finite number of seconds > 0"),
+        (["--timeout", "0", "x.py"], "finite number of seconds > 0"),
         (["missing.py"], "no such script"),
         ([], "nothing to run"),
     ],
@@ -115,6 +120,76 @@ def test_launch_refuses_bad_arguments(argv: list[str], expected: str) -> None:
         capture_output=True, text=True, timeout=60, env=CLEAN,
     )  # fmt: skip
     assert result.returncode == 2 and expected in result.stderr, result.stderr
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie waiting for its reaper is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] not in "ZX"
+    except OSError:
+        return False
+
+
+def _segments(pids: list[int]) -> list[str]:
+    """The shared-memory segments of processes ``pids``."""
+    prefixes = tuple(f"collective-{pid}-" for pid in pids)
+    return [name for name in os.listdir("/dev/shm") if name.startswith(prefixes)]
+
+
+def _pids(proc: Proc, word: str) -> list[int]:
+    return [int(line.split()[-1]) for _, line in proc.lines if f"] {word} " in line]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_to_launch_stops_its_nodes_and_what_they_started(
+    tmp_path: Path, signum: int
+) -> None:
+    """launch died at once and its nodes (and orchestrator) ran on (a batch system's stop, a closed
+    terminal); now it stops them, and what each started, and exits 128 + the signal."""
+    script = tmp_path / "waits.py"
+    script.write_text(
+        "import os, subprocess, time\nchild = subprocess.Popen(['sleep', '60'])\n"
+        "print('node', os.getpid(), flush=True)\nprint('child', child.pid, flush=True)\ntime.sleep(60)\n"
+    )
+    launch = Proc([sys.executable, "-m", "collective", "launch", "--nodes", "2", str(script)], CLEAN)
+    for rank in range(2):
+        launch.wait_for(f"[node {rank}] child", 30)
+    pids = _pids(launch, "node") + _pids(launch, "child")
+    assert len(pids) == 4 and all(map(_running, pids)), launch.output()
+    launch.process.send_signal(signum)
+    assert launch.wait(30) == 128 + signum, launch.output()
+    deadline = time.monotonic() + 10
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(_running, pids)), [pid for pid in pids if _running(pid)]
+
+
+def test_a_failed_node_stops_what_others_started_and_ctrl_c_leaves_no_shared_memory(tmp_path: Path) -> None:
+    """launch signalled the nodes alone: a node's own children (a shell's, here) lived on; and a
+    node stopped by SIGTERM left its shared memory in /dev/shm (exit handlers skipped)."""
+    shell = ["sh", "-c", 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 61 & echo "child $!"; wait']
+    failing = Proc([sys.executable, "-m", "collective", "launch", "--nodes", "2", *shell], CLEAN)
+    assert failing.wait(30) == 3, failing.output()
+    children = _pids(failing, "child")
+    deadline = time.monotonic() + 10
+    while any(map(_running, children)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert children and not any(map(_running, children)), failing.output()
+
+    script = tmp_path / "blocked.py"  # every node waits in a barrier that rank 0 never enters
+    script.write_text(
+        "import os, time, collective as col\npeer = col.init()\nprint('node', os.getpid(), flush=True)\n"
+        "time.sleep(60) if peer == 0 else col.barrier(peer)\n"
+    )
+    launch = Proc([sys.executable, "-m", "collective", "launch", "--nodes", "3", str(script)], CLEAN)
+    for rank in range(3):
+        launch.wait_for(f"[node {rank}] node", 30)
+    nodes = _pids(launch, "node")
+    assert _segments(nodes), os.listdir("/dev/shm")
+    launch.process.send_signal(signal.SIGINT)
+    assert launch.wait(30) == 130, launch.output()
+    assert "Traceback" not in launch.output(), launch.output()
+    assert not _segments(nodes), _segments(nodes)
 
 
 def test_ctrl_c_stops_every_node_quietly(tmp_path: Path) -> None:
