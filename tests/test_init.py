@@ -54,6 +54,23 @@ def test_init_under_each_launcher(variables: Callable[[int, int, int], dict[str,
         assert f"OK {rank} {world}" in proc.output(), proc.output()
 
 
+def test_rank_0_dying_while_the_others_register_is_a_peer_lost_error_within_seconds() -> None:
+    """Rank 0 hosts the orchestrator: the others waited the whole timeout, then reported the
+    missing rank as if the orchestrator were still there."""
+    port = free_port()
+    procs = [
+        Proc([sys.executable, WORKER], {**CLEAN, "COLLECTIVE_TIMEOUT": "60", **torchrun(r, 3, port)})
+        for r in (0, 1)
+    ]
+    procs[1].wait_for("job 'init-", 30)  # "waiting 3s for the other nodes": it has heard the orchestrator
+    procs[0].kill()
+    killed = time.monotonic()
+    assert procs[1].wait(30) != 0
+    assert time.monotonic() - killed < 10, procs[1].output()
+    assert "PeerLostError: the orchestrator at" in procs[1].output(), procs[1].output()
+    procs[0].wait(10)
+
+
 @pytest.mark.parametrize(("how", "mib"), [("finish", 64), ("exit", 32)])
 def test_what_a_process_sent_arrives_though_it_leaves_at_once(how: str, mib: int) -> None:
     """Its sockets closed without lingering: after finish() the message was dropped (2 in 3 runs at

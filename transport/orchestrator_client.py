@@ -191,11 +191,23 @@ class OrchestratorClient:
         next_beat = started + HEARTBEAT_INTERVAL
         next_log = started + WAITING_LOG_EVERY
         state: dict[str, Any] | None = None  # the latest registration state the orchestrator sent
+        heard: float | None = None  # when it last answered (a heartbeat, say); None: not yet
+        looked = started
         while True:
             now = time.monotonic()
+            if heard is not None and now - looked > self._lost_after:  # this process was suspended:
+                heard = now  # that gap is no silence of the orchestrator's
+            looked = now
             if now >= deadline:
                 self._post({"t": "leave"})
                 raise self._timeout(state, num_nodes, now - started)
+            if heard is not None and now - heard > self._lost_after:  # it answers every heartbeat
+                raise PeerLostError(
+                    f"the orchestrator at {self.address} stopped answering ({self._lost_after:g}s) while "
+                    f"this node waited for the others to register (under init(), rank 0's process hosts "
+                    f"it: did it die?)",
+                    (),
+                )
             if now >= next_beat:
                 self._post({"t": "heartbeat"})
                 next_beat = now + HEARTBEAT_INTERVAL
@@ -218,6 +230,7 @@ class OrchestratorClient:
             message = unpack(self._socket.recv())
             if message is None or message["job"] != self.job:
                 continue
+            heard = time.monotonic()
             if message["t"] == "refused":
                 raise RegistrationError(
                     f"the orchestrator at {self.address} refused this node: {message.get('message')}"
