@@ -169,10 +169,9 @@ class ShmGroup:
         for peer in self.members:
             try:
                 segments.append(ring.segment_of(ring.node_of[peer]) if peer != me else ring.segment)
-            except (OSError, ValueError) as exc:
-                raise PeerLostError(
-                    f"{self._label}: the shared memory of peer {peer} cannot be mapped here: {exc}", [peer]
-                ) from exc
+            except (OSError, ValueError) as exc:  # (its process removes it when it leaves or ends)
+                gone = f"{self._label}: peer {peer} left the job or its process ended ({exc})"
+                raise ring.lost_peer(peer) or PeerLostError(gone, [peer]) from exc
         self._segments = segments
         self._others = [segment for rank, segment in enumerate(segments) if rank != self.rank]
 

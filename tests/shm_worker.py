@@ -338,8 +338,17 @@ def byte_order(peer: int, world: int) -> int:
     return count + 2
 
 
+def leaves(peer: int, world: int) -> int:
+    """Peer 1 finishes at once; the others' first collective is a PeerLostError saying it left."""
+    if peer != 1:
+        time.sleep(0.5)
+        col.all_reduce(peer, np.ones(2))
+    return 1
+
+
 MODES = {
     "byte_order": byte_order,
+    "leaves": leaves,
     "every": every, "many": many, "overlap": overlap, "lead_fails": lead_fails, "groups": groups,
     "evicted": evicted, "concurrent": concurrent, "mismatch": mismatch, "loop": loop, "crash": crash,
     "late": late, "crowded": crowded,
