@@ -250,8 +250,10 @@ def init(runtime: Runtime, device: str = "cpu", environ: Mapping[str, str] | Non
     env = os.environ if environ is None else environ
     with _lock:
         if runtime in _initialised:
+            finished = "" if runtime.has_job() else ", which has finished"
             raise RegistrationError(
-                f"init() was already called in this process (peer {_initialised[runtime]}); call it once"
+                f"init() was already called in this process (peer {_initialised[runtime]}{finished}): a "
+                f"process joins one job through init(); a new job is a new process"
             )
         if runtime.has_job():
             raise RegistrationError(

@@ -168,8 +168,12 @@ class Runtime:
         return self._mailbox
 
     def finish(self, peer_id: int) -> None:
-        """Leave the job; the last peer to leave ends it. Raises RegistrationError if not registered."""
+        """Leave the job once this peer's asynchronous calls have ended; the last peer to leave ends
+        it. Raises RegistrationError if not registered."""
         job = self._member(peer_id)
+        member = self._peers.get(peer_id)
+        for _, sequencer in list(member.routes.values()) if member is not None else ():
+            sequencer.wait_idle()  # (each ends by its own timeout at the latest)
         empty = job.leave(peer_id)  # checks membership under the job's lock
         with self._lock:
             self._finished.add(peer_id)

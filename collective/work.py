@@ -90,6 +90,7 @@ class Sequencer:
         self._name = name
         self._lock = threading.Lock()  # guards every field below (a plain lock: blocking calls take it)
         self._cv = threading.Condition(self._lock)  # the parked worker waits on it
+        self._idle = threading.Condition(self._lock)  # notified when no call runs or waits
         self._queue: deque[tuple[Callable[[], Any], Work]] = deque()
         self._active = False  # a call is running (in its caller's thread or the worker)
         self._parked = False  # the worker thread exists and waits for a hand-off
@@ -120,6 +121,13 @@ class Sequencer:
                 self._active = bool(self._queue)
                 if self._active:
                     self._hand_to_worker()
+                else:
+                    self._idle.notify_all()
+
+    def wait_idle(self) -> None:
+        """Wait until every call issued so far has ended (each is bounded by its own timeout)."""
+        with self._lock:
+            self._idle.wait_for(lambda: not self._active and not self._queue)
 
     def _hand_to_worker(self) -> None:
         """Make the worker the active party (lock held): wake it, or start one."""
@@ -136,6 +144,7 @@ class Sequencer:
             with self._lock:
                 while not self._queue:
                     self._active = self._handoff = False
+                    self._idle.notify_all()
                     self._parked = True
                     handed = self._cv.wait_for(lambda: self._handoff, timeout=self.LINGER)
                     self._parked = False

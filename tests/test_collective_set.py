@@ -1261,6 +1261,25 @@ def test_dropped_work_leaks_no_thread_once_it_completes(runtime: col.Runtime) ->
     assert threading.active_count() <= baseline
 
 
+def test_finish_lets_the_peers_queued_work_end_first(runtime: col.Runtime) -> None:
+    """finish() used to return at once: the queued calls were dropped and their wait() raised
+    RegistrationError 'peer 0 has finished'."""
+    _registered(runtime, 2)
+    works = [runtime.all_reduce(0, np.full(2, i), async_op=True) for i in range(5)]
+    finishing = threading.Thread(target=runtime.finish, args=(0,))
+    finishing.start()
+    time.sleep(0.2)
+    assert finishing.is_alive()  # peer 1 has not called yet: the works wait, and so does finish
+    for i in range(5):
+        np.testing.assert_array_equal(runtime.all_reduce(1, np.full(2, i)), [2 * i, 2 * i])
+    finishing.join(10)
+    assert not finishing.is_alive()
+    for i, work in enumerate(works):
+        np.testing.assert_array_equal(work.wait(5), [2 * i, 2 * i])
+    with pytest.raises(col.RegistrationError, match="peer 0 has finished"):
+        runtime.all_reduce(0, np.ones(2))
+
+
 # -- per-call timeouts -----------------------------------------------------------------------------
 
 TIMED: dict[str, Callable[..., Any]] = {
