@@ -95,7 +95,7 @@ def _declared_bytes(header: dict[str, Any]) -> int:
 
 
 class NodeNetwork:
-    """Node ``index``'s data service for job ``job``; ``lost()`` returns an error once the job is broken."""
+    """Node ``index``'s data service for job ``job``; ``lost(node)``: an error once ``node`` is gone."""
 
     def __init__(
         self,
@@ -108,7 +108,7 @@ class NodeNetwork:
     ) -> None:
         self.job = job
         self._context = context
-        self._lost = lost
+        self.lost = lost
         self._token = token
         self._router = make_socket(
             context, zmq.ROUTER, token=token, server=True, max_message=MAX_MESSAGE_BYTES,
@@ -269,7 +269,7 @@ class NodeNetwork:
                 raise PeerLostError(f"node {aborted[0]} gave up step {seq}: {aborted[1]}", ())
             if overflow is not None:
                 raise MismatchError(overflow)
-            error = self._lost(src)
+            error = self.lost(src)
             if error is not None:
                 raise error
             aborted = self._aborted.get((channel, seq))  # written by the drain thread too

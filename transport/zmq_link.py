@@ -9,6 +9,7 @@ collective's step and arguments, and a receiver compares them with its own: the 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,7 +20,7 @@ import zmq
 from collective.algorithms.ops import Array, ReduceOp, combine, copy_into
 from collective.errors import CollectiveTimeout, MismatchError
 from collective.transport.inproc import on_device_of
-from collective.transport.network import NodeNetwork
+from collective.transport.network import POLL_SLICE, NodeNetwork
 from collective.transport.wire import CHUNK_BYTES, SMALL_BYTES
 
 __all__ = ["ZmqLink"]
@@ -48,7 +49,7 @@ class ZmqLink:
         self._nodes = nodes if nodes is not None else list(range(network.size))
         self._rank = self._nodes.index(network.index)
         self._channel = channel
-        self._trackers: list[zmq.MessageTracker] = []
+        self._trackers: list[tuple[int, zmq.MessageTracker]] = []  # (destination node, tracker)
 
     @property
     def rank(self) -> int:
@@ -77,7 +78,7 @@ class ZmqLink:
             # as bytes: a bfloat16 array has no buffer format ZeroMQ could read
             tracker = self._network.send(dst, header, piece.view(np.uint8))
             if tracker is not None:
-                self._trackers.append(tracker)
+                self._trackers.append((dst, tracker))
 
     def _chunks(self, src: int, length: int, dtype: Any) -> Iterator[tuple[slice, np.ndarray]]:
         """(where, view) for each chunk of the next array from ``src``, validated against this step."""
@@ -144,12 +145,19 @@ class ZmqLink:
             combine(op, on_device_of(out, view), operand[where], out[where])
 
     def flush(self) -> None:
-        for tracker in self._trackers:
-            remaining = self._deadline - time.monotonic()
-            try:
-                tracker.wait(max(0.0, remaining))
-            except zmq.NotDone:
-                raise CollectiveTimeout(
-                    f"step {self._seq}: data sent by node {self._network.index} was not delivered in time"
-                ) from None
+        """Wait until ZeroMQ let go of every buffer sent; a lost destination is a PeerLostError at
+        once (not a timeout at the deadline, naming nobody)."""
+        for dst, tracker in self._trackers:
+            while not tracker.done:
+                remaining = self._deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CollectiveTimeout(
+                        f"step {self._seq}: data sent by node {self._network.index} to {self._describe(dst)} "
+                        f"was not delivered in time"
+                    )
+                with contextlib.suppress(zmq.NotDone):
+                    tracker.wait(min(remaining, POLL_SLICE))
+                error = self._network.lost(dst) if not tracker.done else None
+                if error is not None:
+                    raise error
         self._trackers.clear()
