@@ -18,6 +18,7 @@ from collective.errors import InvalidArgumentError
 Array = Any  # numpy.ndarray or cupy.ndarray: both expose the array API used here
 
 __all__ = [
+    "BITWISE",
     "NUMPY_UFUNCS",
     "Array",
     "ReduceOp",
@@ -39,6 +40,9 @@ class ReduceOp(enum.Enum):
     MAX = "max"
     MIN = "min"
     PROD = "prod"
+    BAND = "band"  # bitwise and, or, xor: integer dtypes only
+    BOR = "bor"
+    BXOR = "bxor"
 
     # Members are singletons compared by identity: hash them by identity too, in C (Enum's own
     # __hash__ is Python code, and ops are dict keys on every call: ufunc tables, signatures).
@@ -70,7 +74,11 @@ _UFUNC_NAMES = {
     ReduceOp.MAX: "maximum",
     ReduceOp.MIN: "minimum",
     ReduceOp.PROD: "multiply",
+    ReduceOp.BAND: "bitwise_and",
+    ReduceOp.BOR: "bitwise_or",
+    ReduceOp.BXOR: "bitwise_xor",
 }
+BITWISE = frozenset([ReduceOp.BAND, ReduceOp.BOR, ReduceOp.BXOR])
 
 
 NUMPY_UFUNCS = {op: getattr(np, name) for op, name in _UFUNC_NAMES.items()}

@@ -18,7 +18,7 @@ try:
 except ImportError:  # numpy 1
     from numpy import byte_bounds  # type: ignore[attr-defined,no-redef]
 
-from collective.algorithms.ops import Array, ReduceOp, array_module
+from collective.algorithms.ops import BITWISE, Array, ReduceOp, array_module
 from collective.errors import InvalidArgumentError, RegistrationError
 from collective.pool import pool
 
@@ -135,6 +135,8 @@ def _dtype_problem(dtype: np.dtype[Any], op: ReduceOp | None) -> str | None:
             f"unsupported dtype {dtype.name} (long double): its layout differs between platforms; "
             f"use {'float64' if dtype.kind == 'f' else 'complex128'}"
         )
+    if op in BITWISE and dtype.kind not in "iu":
+        return f"op {op.value} (bitwise) takes integer dtypes, not {dtype.name}"
     if dtype.kind in _ORDERED_KINDS or (dtype.kind == "V" and dtype.name == "bfloat16"):
         return None
     if dtype.kind == "c":
@@ -151,7 +153,7 @@ def as_array(value: Any) -> Any:
 
 def check_array(array: Any, device: Device, op: ReduceOp | None, name: str = "x") -> str | None:
     """Why ``array`` cannot be used by a peer on ``device`` with ``op``, or None if it can."""
-    if type(array) is np.ndarray and device.kind == "cpu":
+    if type(array) is np.ndarray and device.kind == "cpu" and op not in BITWISE:
         dtype = array.dtype
         if dtype.kind in _ORDERED_KINDS and dtype.itemsize <= 8:
             return None  # the common case, decided without building a Device

@@ -10,9 +10,10 @@ for ``async_op`` (and DDP), which returns a new ``TorchWork``.
 =============================  =====================================================
 torch                           ours
 =============================  =====================================================
-allreduce (SUM AVG PRODUCT      all_reduce (sum mean prod min max; PREMUL_SUM: the
-MIN MAX PREMUL_SUM)             input times the factor, then sum; bool: BOR/SUM/MAX
-                                as max, BAND/PRODUCT/MIN as min)
+allreduce (SUM AVG PRODUCT      all_reduce (sum mean prod min max band bor bxor;
+MIN MAX BAND BOR BXOR           PREMUL_SUM: the input times the factor, then sum;
+PREMUL_SUM)                     bool: BOR/SUM/MAX as max, BAND/PRODUCT/MIN as min,
+                                BXOR as bxor of its bytes)
 allreduce_coalesced             all_reduce_coalesced
 broadcast, reduce               broadcast (the root passes the tensor), reduce
 allgather, all_gather_single    all_gather (stacked, into the outputs)
@@ -53,9 +54,10 @@ dist: Any = importlib.import_module("torch.distributed")
 __all__ = ["Ops", "invalid", "reduce_op"]
 
 _KINDS = dist.ReduceOp.RedOpType
-_OPS = {_KINDS.SUM: "sum", _KINDS.AVG: "mean", _KINDS.PRODUCT: "prod", _KINDS.MIN: "min", _KINDS.MAX: "max"}
+_OPS = {_KINDS.SUM: "sum", _KINDS.AVG: "mean", _KINDS.PRODUCT: "prod", _KINDS.MIN: "min", _KINDS.MAX: "max",
+        _KINDS.BAND: "band", _KINDS.BOR: "bor", _KINDS.BXOR: "bxor"}  # fmt: skip
 _BOOL_OPS = {_KINDS.SUM: "max", _KINDS.MAX: "max", _KINDS.BOR: "max",
-             _KINDS.PRODUCT: "min", _KINDS.MIN: "min", _KINDS.BAND: "min"}  # fmt: skip
+             _KINDS.PRODUCT: "min", _KINDS.MIN: "min", _KINDS.BAND: "min", _KINDS.BXOR: "bxor"}  # fmt: skip
 
 
 def invalid(message: str) -> BaseException:

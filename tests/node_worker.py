@@ -40,7 +40,8 @@ def data(peer: int, length: int, salt: int = 0) -> np.ndarray:
 
 
 def reference(arrays: list[np.ndarray], op: str) -> np.ndarray:
-    ufunc = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}[op]
+    ufunc = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply,
+             "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op]  # fmt: skip
     total = arrays[0].copy()
     for other in arrays[1:]:
         ufunc(total, other, out=total)
@@ -48,7 +49,8 @@ def reference(arrays: list[np.ndarray], op: str) -> np.ndarray:
 
 
 def matrix(peer: int, world: int) -> int:
-    """Every op for all_reduce, sum and max reduce at every root, broadcast from every root."""
+    """Every op for all_reduce (the bitwise ones on integers), sum and max reduce at every root,
+    broadcast from every root."""
     count = 0
     for salt, length in enumerate(ELEMENTS):
         everyone = [data(p, length, salt) for p in range(world)]
@@ -58,6 +60,11 @@ def matrix(peer: int, world: int) -> int:
             np.testing.assert_allclose(
                 got, reference(everyone, op), rtol=1e-12, err_msg=f"all_reduce {op} {length}"
             )
+            count += 1
+        integers = [values.astype(np.int64) * 37 for values in everyone]
+        for op in ("band", "bor", "bxor"):
+            got = col.all_reduce(peer, integers[peer], op)
+            np.testing.assert_array_equal(got, reference(integers, op), err_msg=f"all_reduce {op} {length}")
             count += 1
         for root in range(world):
             for op in ("sum", "max"):

@@ -26,7 +26,8 @@ from collective.transport.shm_ring import NAME
 
 SIZES = [0, 1, 3, 17, 1000, 20_000, 300_001]  # elements: empty .. more than a chunk, odd
 DTYPES = ["float32", "float64", "int32", ml_dtypes.bfloat16]
-UFUNCS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply}
+UFUNCS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply,
+          "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}  # fmt: skip
 
 
 def say(line: str) -> None:
@@ -63,7 +64,8 @@ def every(peer: int, world: int) -> int:
         xs = [data(p, world * length, dtype, salt) for p in range(world)]
         x = xs[peer]
         k = length
-        for op in ("sum", "max", "mean", "prod") if length < 1000 or dtype == "float32" else ("sum",):
+        ops = ("sum", "max", "mean", "prod") + (("band", "bor", "bxor") if dtype == "int32" else ())
+        for op in ops if length < 1000 or dtype == "float32" else ("sum",):
             same(col.all_reduce(peer, x, op), reduced(xs, op), f"all_reduce {op} {length} {dtype}")
             count += 1
         same(col.reduce_scatter(peer, x), reduced(xs, "sum")[peer * k : (peer + 1) * k], "reduce_scatter")

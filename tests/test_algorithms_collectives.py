@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from collective.algorithms import strategies, tree
-from collective.algorithms.ops import ReduceOp
+from collective.algorithms.ops import BITWISE, ReduceOp
 from collective.algorithms.strategies import Centralized, Direct, Ring, Strategy, Tree
 from collective.errors import InvalidArgumentError
 from collective.transport.inproc import COPY_BELOW, Exchange, InProcessLink
@@ -136,8 +136,9 @@ def test_reduce_scatter_sum(strategy: Strategy, n: int, block: int, dtype: str) 
 @pytest.mark.parametrize("n", [1, 3, 4, 7])
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=ids)
 def test_reduce_scatter_every_op(strategy: Strategy, n: int, op: ReduceOp) -> None:
-    """Small integers in floats: every op is exact in any order, so every schedule matches bit for bit."""
-    src = inputs(n, n * 17, "float64", small=True)
+    """Small integers in floats (integers for the bitwise ops): every op is exact in any order, so
+    every schedule matches bit for bit."""
+    src = inputs(n, n * 17, "int64" if op in BITWISE else "float64", small=True)
     dst, _ = _reduce_scatter(strategy, src, op)
     expected = blocks_of(reference(src, "sum" if op is ReduceOp.MEAN else op.value), n)  # MEAN sums here
     for rank in range(n):

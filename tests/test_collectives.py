@@ -183,6 +183,36 @@ def test_prod_and_min_every_dtype_kind(link_runtime: col.Runtime, dtype_name: st
         assert_matches(results[1][i], reference(xs, op), n)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("dtype_name", ["int8", "uint16", "int64"])
+def test_bitwise_ops_on_integers_and_refused_on_floats_by_every_peer(fused: bool, dtype_name: str) -> None:
+    """band / bor / bxor (MPI's and torch's): all_reduce, reduce, reduce_scatter and a coalesced
+    list, fused at the rendezvous or by the strategies' schedules; floats are refused everywhere."""
+    n = 3
+    xs = [peer_input(p, (4 * n,), dtype_name) * np.array(37 + p, dtype_name) for p in range(n)]
+    rt = col.Runtime() if fused else col.Runtime(fuse_below=0, share_below=0)
+
+    def body(peer: int) -> Any:
+        rt.register(peer, "cpu", config(n, Ring()))
+        got = {op: rt.all_reduce(peer, xs[peer], op) for op in ("band", "bor", "bxor")}
+        got["reduce"] = rt.reduce(peer, xs[peer], col.ReduceOp.BXOR, root=2)
+        got["reduce_scatter"] = rt.reduce_scatter(peer, xs[peer], "BOR")
+        got["coalesced"] = rt.all_reduce_coalesced(peer, [xs[peer], xs[peer][:3]], "band")
+        with pytest.raises(col.InvalidArgumentError, match=r"op bxor \(bitwise\) takes integer dtypes"):
+            rt.all_reduce(peer, np.ones(3, np.float32), "bxor")
+        return got
+
+    with rt:
+        results = run_peers(n, body, rt)
+    for peer, got in enumerate(results):
+        for op in ("band", "bor", "bxor"):
+            np.testing.assert_array_equal(got[op], reference(xs, op))
+        assert (got["reduce"] is None) == (peer != 2)
+        np.testing.assert_array_equal(got["reduce_scatter"], reference(xs, "bor")[4 * peer : 4 * peer + 4])
+        np.testing.assert_array_equal(got["coalesced"][1], reference(xs, "band")[:3])
+    np.testing.assert_array_equal(results[2]["reduce"], reference(xs, "bxor"))
+
+
 def test_out_buffers_and_in_place(runtime: col.Runtime) -> None:
     n = 3
     xs = [peer_input(p, (1000,), "float32") for p in range(n)]

@@ -49,7 +49,7 @@ def test_three_nodes_of_two_peers_every_op_root_and_size(
     codes = finish_all(nodes, 150)
     for node, code in zip(nodes, codes, strict=True):
         assert code == 0, node.output()
-        assert node.output().count("OK 276") == 1, node.output()  # 138 collectives x 2 peers
+        assert node.output().count("OK 312") == 1, node.output()  # 156 collectives x 2 peers
 
 
 def test_two_jobs_at_the_same_time_on_one_orchestrator(orchestrator: str) -> None:

@@ -52,7 +52,9 @@ def combine(tensors: list[Any], op: Any) -> Any:
     if op == R.AVG:
         total = torch.stack([t.to(torch.complex128) for t in tensors]).sum(0) / len(tensors)
         return (total if tensors[0].dtype.is_complex else total.real).to(tensors[0].dtype)
-    combine_two = {R.SUM: torch.add, R.PRODUCT: torch.mul, R.MIN: torch.minimum, R.MAX: torch.maximum}[op]
+    combine_two = {R.SUM: torch.add, R.PRODUCT: torch.mul, R.MIN: torch.minimum, R.MAX: torch.maximum,
+                   R.BAND: torch.bitwise_and, R.BOR: torch.bitwise_or,
+                   R.BXOR: torch.bitwise_xor}[op]  # fmt: skip
     result = tensors[0].clone()
     for t in tensors[1:]:
         result = combine_two(result, t)
@@ -71,7 +73,7 @@ def check_ops(group: Any, ranks: list[int]) -> None:
     # all_reduce: every dtype x op, 17 elements (not divisible by the group size), 0-d and empty
     for dtype in DTYPES:
         ops = [R.SUM] if dtype.is_complex else [R.SUM, R.PRODUCT, R.MIN, R.MAX]  # torch: complex as real
-        ops += [R.AVG] if dtype.is_floating_point or dtype.is_complex else []
+        ops += [R.AVG] if dtype.is_floating_point or dtype.is_complex else [R.BAND, R.BOR, R.BXOR]
         for op in ops:
             t = value(rank, (17,), dtype)
             dist.all_reduce(t, op, **kw)
@@ -86,6 +88,9 @@ def check_ops(group: Any, ranks: list[int]) -> None:
     flags = torch.tensor([me == 0, False, True])
     dist.all_reduce(flags, R.MIN, **kw)
     assert flags.tolist() == [n == 1, False, True], flags
+    flags = torch.tensor([me == 0, False, True, me % 2 == 1])
+    dist.all_reduce(flags, R.BXOR, **kw)
+    assert flags.tolist() == [True, False, n % 2 == 1, (n // 2) % 2 == 1], flags  # (odd counts)
     if hasattr(dist, "_make_nccl_premul_sum"):
         t = value(rank, (5,), torch.float32)
         dist.all_reduce(t, dist._make_nccl_premul_sum(2.0), **kw)
@@ -204,7 +209,7 @@ def check_ops(group: Any, ranks: list[int]) -> None:
     assert scattered == [f"to {rank}"], scattered
     # errors: a mismatch is a DistBackendError with our message on every rank; the group goes on
     expect_error(lambda: dist.all_reduce(torch.ones(3 if me == 0 else 4), **kw), "MismatchError")
-    expect_error(lambda: dist.all_reduce(torch.ones(2), op=R.BAND, **kw), "ReduceOp.BAND")
+    expect_error(lambda: dist.all_reduce(torch.ones(2), op=R.BAND, **kw), "(bitwise) takes integer dtypes")
     t = torch.ones(2)
     dist.all_reduce(t, **kw)
     same(t, torch.full((2,), float(n)), "after the errors")
@@ -392,11 +397,12 @@ def mends() -> None:
         expect_error(lambda: dist.all_reduce(torch.ones(1), group=quick), "CollectiveTimeout")
     expect_error(lambda: dist.all_reduce(torch.ones(1).expand(3)), "elements that share memory")
     try:  # every error of the backend is caused by ours
-        dist.all_reduce(torch.ones(2, dtype=torch.int64), op=R.BXOR)
+        dist.all_reduce(torch.ones(2), op=R.BXOR)
     except dist.DistBackendError as exc:
         assert isinstance(exc.__cause__, col.InvalidArgumentError), repr(exc.__cause__)
+        assert "takes integer dtypes" in str(exc), exc
     else:
-        raise AssertionError("BXOR is not served")
+        raise AssertionError("BXOR of floats is not served")
     # a tag per message: the receives' threads end with their receives
     if rank == 0:
         for tag in range(40):
