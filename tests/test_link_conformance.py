@@ -101,13 +101,15 @@ def test_messages_between_a_pair_arrive_in_order(make_links: Any, length: int) -
 @pytest.mark.parametrize("op", list(ReduceOp))
 def test_recv_reduce_combines_message_and_operand(make_links: Any, op: ReduceOp) -> None:
     a, b = np.array([1.0, -2.0, 3.0]), np.array([4.0, 5.0, -6.0])
+    if op.ufunc_name.startswith("bitwise"):  # integers only
+        a, b = a.astype(np.int64), b.astype(np.int64)
     ufunc = getattr(np, op.ufunc_name)
 
     def body(link: Any) -> Any:
         if link.rank == 0:
             link.send(1, a)
             return None
-        out = np.empty(3)
+        out = np.empty(3, b.dtype)
         link.recv_reduce(0, b, out, op)
         in_place = b.copy()
         link.recv_reduce(0, in_place, in_place, op)

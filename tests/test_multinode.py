@@ -168,8 +168,8 @@ def test_launch_runs_a_script_on_every_node() -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
     assert (
-        "[node 0] OK 204" in result.stdout and "[node 1] OK 204" in result.stdout
-    )  # 102 collectives x 2 peers
+        "[node 0] OK 240" in result.stdout and "[node 1] OK 240" in result.stdout
+    )  # 120 collectives x 2 peers
 
 
 def test_launch_stops_the_others_when_a_node_fails(tmp_path: Path) -> None:
