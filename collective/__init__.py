@@ -22,6 +22,7 @@ from collective.api import (
     init,
     new_group,
     recv,
+    recv_any,
     reduce,
     reduce_scatter,
     register,
@@ -53,6 +54,6 @@ __all__ = [
     "Group", "InvalidArgumentError", "JobClosedError", "MismatchError", "PeerLostError", "ReduceOp",
     "RegistrationError", "Ring", "Runtime", "Tree", "Work",
     "all_gather", "all_reduce", "all_reduce_coalesced", "all_to_all", "barrier", "broadcast",
-    "default_runtime", "finish", "gather", "init", "new_group", "peer_ids_from_env", "recv", "reduce",
-    "reduce_scatter", "register", "reset", "scatter", "send", "world_size",
+    "default_runtime", "finish", "gather", "init", "new_group", "peer_ids_from_env", "recv", "recv_any",
+    "reduce", "reduce_scatter", "register", "reset", "scatter", "send", "world_size",
 ]  # fmt: skip

@@ -14,8 +14,8 @@ from collective.runtime import Runtime
 
 __all__ = [
     "all_gather", "all_reduce", "all_reduce_coalesced", "all_to_all", "barrier", "broadcast",
-    "default_runtime", "finish", "gather", "init", "new_group", "recv", "reduce", "reduce_scatter",
-    "register", "reset", "scatter", "send", "world_size",
+    "default_runtime", "finish", "gather", "init", "new_group", "recv", "recv_any", "reduce",
+    "reduce_scatter", "register", "reset", "scatter", "send", "world_size",
 ]  # fmt: skip
 
 Op = ReduceOp | str
@@ -145,6 +145,13 @@ def recv(
 ) -> Array:
     """The next array peer ``src`` sent to this peer with ``tag``."""
     return _default.recv(peer_id, src, tag, timeout=timeout, out=out)
+
+
+def recv_any(
+    peer_id: int, tag: int = 0, *, timeout: float | None = None, out: Array | None = None
+) -> tuple[int, Array]:
+    """(the sender, the array) of the next message to this peer with ``tag`` from any peer."""
+    return _default.recv_any(peer_id, tag, timeout=timeout, out=out)
 
 
 def all_reduce_coalesced(

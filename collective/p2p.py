@@ -9,6 +9,7 @@ left (or its node was lost) with nothing sent.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
@@ -46,7 +47,8 @@ class Mailbox:
 
     def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
         self._cv = threading.Condition()
-        self._boxes: dict[Key, deque[tuple[Array, bool]]] = {}  # (array, from another process)
+        self._boxes: dict[Key, deque[tuple[Array, bool, int]]] = {}  # (array, from another process, order)
+        self._order = itertools.count()  # of arrival: a receive from any source takes the earliest
         self._closed: CollectiveError | None = None
         self._limit = limit
         self._pending: dict[int, int] = {}  # src -> bytes from another process not yet received
@@ -99,7 +101,7 @@ class Mailbox:
 
     def _keep(self, src: int, dst: int, tag: int, data: Array, remote: bool) -> None:
         """Queue ``data`` (its bytes already counted if ``remote``) and wake receivers (lock held)."""
-        self._boxes.setdefault((src, dst, tag), deque()).append((data, remote))
+        self._boxes.setdefault((src, dst, tag), deque()).append((data, remote, next(self._order)))
         self._cv.notify_all()
 
     def _reserve(self, src: int, dst: int, tag: int, nbytes: int) -> bool:
@@ -118,7 +120,7 @@ class Mailbox:
 
     def take(
         self,
-        src: int,
+        src: int | None,
         dst: int,
         tag: int,
         deadline: float,
@@ -126,44 +128,52 @@ class Mailbox:
         gone: Callable[[int], CollectiveError | None],
         pump: Callable[[float], None] | None = None,
         refuse: Callable[[Array], str | None] | None = None,
-    ) -> Array:
-        """The next message from ``src`` to ``dst`` with ``tag``; raises at the deadline or on loss.
+    ) -> tuple[int, Array]:
+        """(the source, the next message from ``src`` to ``dst`` with ``tag``); raises at the deadline
+        or on loss. With ``src`` None, from any source: the earliest to arrive.
 
         ``pump(seconds)`` lets messages from other processes arrive while this waits. A message
         that ``refuse`` finds a problem with stays first in line (InvalidArgumentError).
         """
-        key = (src, dst, tag)
         while True:
             with self._cv:
-                box = self._boxes.get(key)
-                if box:
+                key = (src, dst, tag) if src is not None else self._earliest(dst, tag)
+                box = self._boxes.get(key) if key is not None else None
+                if key is not None and box:
                     problem = refuse(box[0][0]) if refuse is not None else None
                     if problem is not None:
                         raise InvalidArgumentError(problem)
-                    data, remote = box.popleft()
+                    data, remote, _ = box.popleft()
                     if not box:
                         del self._boxes[key]
                     if remote:
-                        self._pending[src] -= data.nbytes
-                    return data
+                        self._pending[key[0]] -= data.nbytes
+                    return key[0], data
                 if self._closed is not None:
                     raise self._closed
-                if src in self._overflowed:
-                    raise MismatchError(self._overflowed.pop(src))
-                lost = gone(src)
+                overflowed = src if src is not None else next(iter(self._overflowed), None)
+                if overflowed in self._overflowed:
+                    raise MismatchError(self._overflowed.pop(overflowed))
+                lost = gone(src) if src is not None else None
                 if lost is not None:
                     raise lost
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    sender = f"peer {src}" if src is not None else "any peer"
                     raise CollectiveTimeout(
-                        f"recv: peer {dst} waited {timeout:g}s for a message from peer {src} with tag {tag}; "
-                        f"check that peer {src} calls send(..., dst={dst}, tag={tag})",
-                        [src],
+                        f"recv: peer {dst} waited {timeout:g}s for a message from {sender} with tag {tag}; "
+                        f"check that {sender} calls send(..., dst={dst}, tag={tag})",
+                        [src] if src is not None else [],
                     )
                 if pump is None:
                     self._cv.wait(min(remaining, 0.05))
             if pump is not None:
                 pump(min(remaining, PUMP_SLICE))
+
+    def _earliest(self, dst: int, tag: int) -> Key | None:
+        """The key of the earliest message waiting for ``dst`` with ``tag``, from any source."""
+        found = [(box[0][2], key) for key, box in self._boxes.items() if key[1:] == (dst, tag) and box]
+        return min(found)[1] if found else None
 
     def wake(self) -> None:
         """Let waiting receivers look again (a peer left, a node was lost)."""
@@ -202,13 +212,17 @@ def recv(
     finished: set[int],
     peer: int,
     device: Device,
-    src: int,
+    src: int | None,
     tag: int,
     seconds: float,
     out: Any,
-) -> Any:
-    """Peer ``peer``'s receive from ``src``: the array (on ``device``), or ``out`` filled with it."""
-    src, tag = _check(job, peer, src, tag, "src")
+) -> tuple[int, Any]:
+    """Peer ``peer``'s receive from ``src`` (None: any source): (the source, the array on
+    ``device``, or ``out`` filled with it)."""
+    if src is None:
+        tag = _tag(tag)
+    else:
+        src, tag = _check(job, peer, src, tag, "src")
 
     def gone(source: int) -> CollectiveError | None:
         if source in finished or source in job.gone_among((source,)):
@@ -230,19 +244,21 @@ def recv(
         if tuple(target.shape) == tuple(data.shape) and target.dtype == data.dtype:
             return None
         return (
-            f"recv: out has shape {tuple(target.shape)} and dtype {target.dtype}; peer {src} sent "
+            f"recv: out has shape {tuple(target.shape)} and dtype {target.dtype}; "
+            f"{'the first message has' if src is None else f'peer {src} sent'} "
             f"{tuple(data.shape)} {data.dtype} (the message is still there for a recv that fits it)"
         )
 
-    remote = job.node is not None and not job.node.is_local(src, job.peer_ids)
+    remote = job.node is not None and (src is None or not job.node.is_local(src, job.peer_ids))
     pump = job.node.pump if remote and job.node is not None else None
     deadline = time.monotonic() + seconds
-    taken = mailbox.take(src, peer, tag, deadline, seconds, gone, pump, None if out is None else unfit)
+    refuse = None if out is None else unfit
+    source, taken = mailbox.take(src, peer, tag, deadline, seconds, gone, pump, refuse)
     data = device.adopt(taken)
     if out is None:
-        return data
+        return source, data
     target[...] = data
-    return out
+    return source, out
 
 
 MAX_TAG = (1 << 63) - 1  # tags travel between processes as signed 64-bit integers
@@ -250,11 +266,16 @@ MAX_TAG = (1 << 63) - 1  # tags travel between processes as signed 64-bit intege
 
 def _check(job: LocalJob, peer: int, other: Any, tag: Any, name: str) -> tuple[int, int]:
     """(the other peer, the tag) as ints; InvalidArgumentError naming what is wrong."""
-    other_id, tag_value = integer(other), integer(tag)
+    other_id = integer(other)
     if other_id is None or not 0 <= other_id < job.world:
         raise InvalidArgumentError(f"{name}={other!r} is not a peer of the job (peers 0..{job.world - 1})")
     if other_id == peer:
         raise InvalidArgumentError(f"peer {peer} cannot send to or receive from itself")
-    if tag_value is None or not 0 <= tag_value <= MAX_TAG:
+    return other_id, _tag(tag)
+
+
+def _tag(tag: Any) -> int:
+    value = integer(tag)
+    if value is None or not 0 <= value <= MAX_TAG:
         raise InvalidArgumentError(f"tag must be an integer from 0 to 2**63 - 1, got {tag!r}")
-    return other_id, tag_value
+    return value

@@ -326,6 +326,18 @@ class Runtime:
         self, peer_id: int, src: int, tag: int = 0, *, timeout: float | None = None, out: Array | None = None
     ) -> Array:
         """The next array ``src`` sent to this peer with ``tag`` (its shape and dtype, or into ``out``)."""
+        return self._receive(peer_id, src, tag, timeout, out)[1]
+
+    def recv_any(
+        self, peer_id: int, tag: int = 0, *, timeout: float | None = None, out: Array | None = None
+    ) -> tuple[int, Array]:
+        """(the sender, the array) of the next message to this peer with ``tag`` from any peer: the
+        earliest to arrive."""
+        return self._receive(peer_id, None, tag, timeout, out)
+
+    def _receive(
+        self, peer_id: int, src: int | None, tag: int, timeout: float | None, out: Array | None
+    ) -> tuple[int, Array]:
         job, member = self._member(peer_id), self._peer(peer_id)
         seconds = job.config.timeout if timeout is None else _seconds(timeout)
         finished = self._finished

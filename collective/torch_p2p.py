@@ -40,6 +40,7 @@ class PointToPoint:
     timeout: float
     launch: Callable[..., TorchWork]
     peer_of: Callable[[int], int]
+    members: tuple[int, ...]
     p2p_key: int
     _done: TorchWork
 
@@ -66,12 +67,25 @@ class PointToPoint:
             self.runtime.recv(self.peer, source, tag, timeout=self.timeout, out=array(buffer))
             store_back(buffer, tensor)
 
-        return self.launch("recv", body, [tensor], _ASYNC, (source, tag))
+        work = self.launch("recv", body, [tensor], _ASYNC, (source, tag))
+        work.sender = lambda: src
+        return work
 
     def recv_anysource(self, tensors: Sequence[Any], tag: int = 0) -> TorchWork:
-        raise backend_error(
-            InvalidArgumentError("recv without src (any source) is not supported by the collective backend")
-        )
+        """A receive from any rank of the group (the earliest message of its tag on the group);
+        the work's ``_source_rank()`` is the sender's group rank once it completed."""
+        tensor, tag = _single(tensors, "recv"), self._tag(tag)
+        sender: list[int] = []
+
+        def body() -> None:
+            buffer = host(tensor)
+            source, _ = self.runtime.recv_any(self.peer, tag, timeout=self.timeout, out=array(buffer))
+            store_back(buffer, tensor)
+            sender.append(source)
+
+        work = self.launch("recv", body, [tensor], _ASYNC, (-1, tag))
+        work.sender = lambda: self.members.index(sender[0])
+        return work
 
 
 def _single(tensors: Sequence[Any], what: str) -> Any:

@@ -100,6 +100,7 @@ class TorchWork(dist.Work):  # type: ignore[misc]
         self._done = threading.Event()  # set once the future is complete too
         self._error: BaseException | None = None
         self._completer: int | None = None  # the thread completing the future (running its callbacks)
+        self.sender: Callable[[], int] | None = None  # a receive's: the sending rank, once it completed
 
     @classmethod
     def completed(cls, outputs: Sequence[Any], label: str) -> TorchWork:
@@ -143,6 +144,12 @@ class TorchWork(dist.Work):  # type: ignore[misc]
         if self._error is not None:
             raise self._error
         return True
+
+    def _source_rank(self) -> int:
+        """The group rank a completed receive came from (torch's dist.recv(src=None) asks for it)."""
+        if self.sender is None or not self.is_success():
+            raise RuntimeError(f"{self._label}: the source rank is known once a receive has completed")
+        return self.sender()
 
     def get_future(self) -> Any:
         """A torch.futures.Future completed with the output tensors (or failed with the error)."""

@@ -342,6 +342,15 @@ def p2p(peer: int, world: int) -> int:
             np.testing.assert_array_equal(col.recv(peer, other, tag=7), np.arange(5.0) + other)
             np.testing.assert_array_equal(col.recv(peer, other, tag=8), _large(other, peer))
             count += 1
+    # from any source: every other peer sends peer 0 two messages; each source's in its order
+    if peer != 0:
+        for k in range(2):
+            col.send(peer, np.array([peer, k]), 0, tag=9)
+    else:
+        got = [col.recv_any(peer, tag=9, timeout=20) for _ in range(2 * (world - 1))]
+        assert all(int(array[0]) == source for source, array in got), got
+        for source in range(1, world):
+            assert [int(array[1]) for s, array in got if s == source] == [0, 1], got
     np.testing.assert_array_equal(col.all_reduce(peer, np.ones(3)), np.full(3, world))
     return count
 

@@ -234,3 +234,23 @@ def test_big_endian_arrays_are_computed_in_and_a_long_double_is_refused(runtime:
     for result in run_peers(3, body, runtime):
         assert result.dtype == np.dtype(">f4")
         np.testing.assert_array_equal(result, np.arange(4) * 6.0)
+
+
+def test_recv_any_takes_the_earliest_message_of_its_tag_from_any_peer(runtime: col.Runtime) -> None:
+    """MPI's ANY_SOURCE: (the sender, the array); a tag of its own; out=; a timeout naming no peer."""
+    _job(runtime, 3, timeout=5)
+    runtime.send(2, np.array([2.0]), 0, tag=4)
+    runtime.send(1, np.array([1.0]), 0, tag=4)
+    runtime.send(1, np.array([9.0]), 0, tag=5)
+    runtime.send(2, np.array([3.0]), 0, tag=4)
+    got = [runtime.recv_any(0, tag=4) for _ in range(2)]
+    assert [(source, float(array[0])) for source, array in got] == [(2, 2.0), (1, 1.0)]
+    out = np.zeros(1)
+    source, filled = runtime.recv_any(0, tag=4, out=out)
+    assert source == 2 and filled is out and out[0] == 3.0
+    assert runtime.recv(0, 1, tag=5)[0] == 9.0
+    with pytest.raises(col.CollectiveTimeout, match="from any peer with tag 4") as caught:
+        runtime.recv_any(0, tag=4, timeout=0.1)
+    assert caught.value.missing == ()
+    with pytest.raises(col.InvalidArgumentError, match="tag must be an integer"):
+        runtime.recv_any(0, tag=-1)

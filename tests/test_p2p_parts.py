@@ -27,7 +27,9 @@ def _parts(data: np.ndarray, ident: int = 7) -> list[tuple[P2PMessage, bytes]]:
 
 
 def _take(box: Mailbox, seconds: float = 0.2) -> np.ndarray:
-    return box.take(0, 1, 5, time.monotonic() + seconds, seconds, lambda _: None)
+    source, data = box.take(0, 1, 5, time.monotonic() + seconds, seconds, lambda _: None)
+    assert source == 0
+    return data
 
 
 def test_a_message_in_parts_is_kept_whole_once_its_last_part_is_in() -> None:

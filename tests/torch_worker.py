@@ -431,6 +431,24 @@ def mends() -> None:
         same(on_pair, torch.full((3,), 2.0), "a receive on a subgroup")
         same(on_world, torch.full((3,), 1.0), "a receive on the world")
     expect_error(lambda: dist.all_reduce(torch.ones(3).to_sparse()), "takes dense tensors")
+    # a receive from any rank: dist.recv returns the sender (in a subgroup, its global rank)
+    if rank != 0:
+        dist.send(torch.full((2,), float(rank)), 0, tag=11)
+    else:
+        senders = set()
+        for _ in range(world - 1):
+            got = torch.zeros(2)
+            sender = dist.recv(got, tag=11)
+            same(got, torch.full((2,), float(sender)), "a receive from any rank")
+            senders.add(sender)
+        assert senders == set(range(1, world)), senders
+    upper = dist.new_group([1, 2])
+    if rank == 2:
+        dist.send(torch.ones(1), 1, group=upper, tag=12)
+    if rank == 1:
+        work = dist.irecv(torch.zeros(1), group=upper, tag=12)
+        work.wait()
+        assert work._source_rank() == 1, work._source_rank()  # rank 2 is rank 1 of the group
     # a subgroup can be destroyed on its own
     passing = dist.new_group(list(range(world)))
     dist.barrier(group=passing)
