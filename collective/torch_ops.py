@@ -17,7 +17,7 @@ PREMUL_SUM)                     bool: BOR/SUM/MAX as max, BAND/PRODUCT/MIN as mi
 allreduce_coalesced             all_reduce_coalesced
 broadcast, reduce               broadcast (the root passes the tensor), reduce
 allgather, all_gather_single    all_gather (stacked, into the outputs)
-reduce_scatter(_single)         reduce_scatter
+reduce_scatter(_single)         reduce_scatter (a list of different sizes: padded)
 all_to_all_single, alltoall     all_to_all; uneven splits: padded to the largest block
                                 (collective.torch_all_to_all)
 gather, scatter, barrier        gather, scatter, barrier
@@ -196,21 +196,41 @@ class Ops:
     def reduce_scatter(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         output = _single(outputs, "reduce_scatter")
-        parts = list(_single(inputs, "reduce_scatter"))
-        if len(parts) != len(self.members) or any(p.shape != output.shape for p in parts):
+        parts, me = list(_single(inputs, "reduce_scatter")), self.members.index(self.peer)
+        if len(parts) != len(self.members) or parts[me].shape != output.shape:
             raise invalid(
-                f"reduce_scatter takes {len(self.members)} input tensors of the output's shape "
-                f"{tuple(output.shape)}, got {[tuple(p.shape) for p in parts]}"
+                f"reduce_scatter takes {len(self.members)} input tensors, this rank's ({me}) of the "
+                f"output's shape {tuple(output.shape)}, got {[tuple(p.shape) for p in parts]}"
             )
         op, factor = reduce_op(opts.reduceOp, output.dtype)
         kw = self._kw(opts)
+        sizes = [p.numel() for p in parts]
 
         def body() -> None:
-            stacked = np.stack([array(host(p)) for p in parts])
+            if all(part.shape == output.shape for part in parts):
+                stacked = np.stack([array(host(p)) for p in parts])
+            else:  # uneven (as gloo takes it): the ranks' sizes checked, then blocks padded to the largest
+                stacked = self._padded(parts, sizes, kw)
             source = stacked if factor is None else _scaled(stacked, factor)
-            fill(output, self.runtime.reduce_scatter(self.peer, source, op, **kw))
+            result = self.runtime.reduce_scatter(self.peer, source, op, **kw)
+            fill(output, result.reshape(-1)[: output.numel()].reshape(output.shape))
 
         return self.launch("reduce_scatter", body, [output], opts)
+
+    def _padded(self, parts: list[Any], sizes: list[int], kw: dict[str, Any]) -> Any:
+        """``parts`` flattened into the rows of one array, padded to the largest, once one small
+        all_reduce found every rank's sizes the same (else an error on every rank)."""
+        table = np.array(sizes, np.int64)
+        extremes = self.runtime.all_reduce(self.peer, np.concatenate([table, -table]), "max", **kw)
+        if not np.array_equal(extremes[: len(sizes)], -extremes[len(sizes) :]):
+            raise InvalidArgumentError(
+                f"reduce_scatter: the ranks' input lists differ in sizes (here {sizes}): every rank "
+                f"passes tensors of the same sizes, rank i's of its output's size"
+            )
+        stacked = np.zeros((len(parts), max(sizes)), dtype=array(host(parts[0])).dtype)
+        for row, part in zip(stacked, parts, strict=True):
+            row[: part.numel()] = array(host(part)).reshape(-1)
+        return stacked
 
     def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()

@@ -431,6 +431,14 @@ def mends() -> None:
         same(on_pair, torch.full((3,), 2.0), "a receive on a subgroup")
         same(on_world, torch.full((3,), 1.0), "a receive on the world")
     expect_error(lambda: dist.all_reduce(torch.ones(3).to_sparse()), "takes dense tensors")
+    # reduce_scatter of lists of tensors of different sizes (rank i's of its output's size), as gloo
+    uneven = [torch.arange(r + 1.0) + rank for r in range(world)]
+    out = torch.zeros(rank + 1)
+    dist.reduce_scatter(out, uneven)
+    same(out, world * torch.arange(rank + 1.0) + sum(range(world)), "uneven reduce_scatter")
+    sizes = [2, 1, 1] if rank == 1 else [1, 2, 1]  # rank 1 disagrees: an error on every rank
+    expect_error(lambda: dist.reduce_scatter(torch.zeros(sizes[rank]), [torch.ones(k) for k in sizes]),
+                 "input lists differ in sizes")  # fmt: skip
     # a receive from any rank: dist.recv returns the sender (in a subgroup, its global rank)
     if rank != 0:
         dist.send(torch.full((2,), float(rank)), 0, tag=11)
