@@ -283,6 +283,23 @@ class _Stopped(Exception):
         self.signum = signum
 
 
+_STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """Ctrl-C, SIGTERM and SIGHUP ignored in the block (launch is stopping its nodes already)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in _STOPPING}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
 @contextlib.contextmanager
 def _stopped_by_signals() -> Iterator[None]:
     """SIGTERM and SIGHUP raise _Stopped in the main thread (so launch stops its nodes first)."""
@@ -371,11 +388,12 @@ def _run(args: argparse.Namespace, out: IO[str]) -> int:
     except _Stopped as stopped:
         return 128 + stopped.signum
     finally:
-        for node, silent in zip(nodes, quiet, strict=True):
-            if node.poll() is None:  # (one that ended has its last words, a traceback say, shown)
-                silent.set()
-        stop_processes(nodes, groups=True)
-        for pump in pumps:
-            pump.join(5)
-        if orchestrator is not None:
-            stop_processes([orchestrator])
+        with _signals_held():  # a second Ctrl-C or SIGTERM must not cut the stopping short
+            for node, silent in zip(nodes, quiet, strict=True):
+                if node.poll() is None:  # (one that ended has its last words, a traceback say, shown)
+                    silent.set()
+            stop_processes(nodes, groups=True)
+            for pump in pumps:
+                pump.join(5)
+            if orchestrator is not None:
+                stop_processes([orchestrator])

@@ -157,15 +157,20 @@ def _pids(proc: Proc, word: str) -> list[int]:
     return [int(line.split()[-1]) for _, line in proc.lines if f"] {word} " in line]
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+@pytest.mark.parametrize(
+    ("signum", "twice"), [(signal.SIGTERM, False), (signal.SIGHUP, False), (signal.SIGTERM, True)]
+)
 def test_sigterm_or_sighup_to_launch_stops_its_nodes_and_what_they_started(
-    tmp_path: Path, signum: int
+    tmp_path: Path, signum: int, twice: bool
 ) -> None:
     """launch died at once and its nodes (and orchestrator) ran on (a batch system's stop, a closed
-    terminal); now it stops them, and what each started, and exits 128 + the signal."""
+    terminal); now it stops them, and what each started, and exits 128 + the signal. ``twice``: a
+    node that ignores SIGINT keeps launch stopping for a while, and a second SIGTERM then cut the
+    stopping short (launch died with a traceback, everything left running)."""
     script = tmp_path / "waits.py"
     script.write_text(
-        "import os, subprocess, time\nchild = subprocess.Popen(['sleep', '60'])\n"
+        ("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n" if twice else "")
+        + "import os, subprocess, time\nchild = subprocess.Popen(['sleep', '60'])\n"
         "print('node', os.getpid(), flush=True)\nprint('child', child.pid, flush=True)\ntime.sleep(60)\n"
     )
     launch = Proc([sys.executable, "-m", "collective", "launch", "--nodes", "2", str(script)], CLEAN)
@@ -174,7 +179,11 @@ def test_sigterm_or_sighup_to_launch_stops_its_nodes_and_what_they_started(
     pids = _pids(launch, "node") + _pids(launch, "child")
     assert len(pids) == 4 and all(map(_running, pids)), launch.output()
     launch.process.send_signal(signum)
+    if twice:
+        time.sleep(1)
+        launch.process.send_signal(signum)
     assert launch.wait(30) == 128 + signum, launch.output()
+    assert "Traceback" not in launch.output(), launch.output()
     deadline = time.monotonic() + 10
     while any(map(_running, pids)) and time.monotonic() < deadline:
         time.sleep(0.05)
