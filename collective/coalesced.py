@@ -49,10 +49,12 @@ def coalesced_all_reduce(
     except InvalidArgumentError as exc:  # (an unreadable tensor): still a step, failed on every peer
         problem = f"the list: {exc}"
     if isinstance(out, list | tuple):
-        try:
-            outs = [writable(o) for o in out]
-        except InvalidArgumentError as exc:
-            problem = problem or f"out: {exc}"
+        outs = []
+        for index, item in enumerate(out):
+            try:
+                outs.append(writable(item))
+            except InvalidArgumentError as exc:
+                problem = problem or f"out[{index}]: {exc}"
     if problem is None and (backs is not None or out is not None or not xs):
         problem = _problem(xs, arrays, out)
     if problem is not None:

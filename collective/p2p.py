@@ -125,12 +125,12 @@ class Mailbox:
         tag: int,
         deadline: float,
         timeout: float,
-        gone: Callable[[int], CollectiveError | None],
+        gone: Callable[[int | None], CollectiveError | None],
         pump: Callable[[float], None] | None = None,
         refuse: Callable[[Array], str | None] | None = None,
     ) -> tuple[int, Array]:
         """(the source, the next message from ``src`` to ``dst`` with ``tag``); raises at the deadline
-        or on loss. With ``src`` None, from any source: the earliest to arrive.
+        or on loss (``gone(src)``). With ``src`` None, from any source: the earliest to arrive.
 
         ``pump(seconds)`` lets messages from other processes arrive while this waits. A message
         that ``refuse`` finds a problem with stays first in line (InvalidArgumentError).
@@ -154,7 +154,7 @@ class Mailbox:
                 overflowed = src if src is not None else next(iter(self._overflowed), None)
                 if overflowed in self._overflowed:
                     raise MismatchError(self._overflowed.pop(overflowed))
-                lost = gone(src) if src is not None else None
+                lost = gone(src)
                 if lost is not None:
                     raise lost
                 remaining = deadline - time.monotonic()
@@ -224,7 +224,11 @@ def recv(
     else:
         src, tag = _check(job, peer, src, tag, "src")
 
-    def gone(source: int) -> CollectiveError | None:
+    def gone(source: int | None) -> CollectiveError | None:
+        """Why ``source`` can send no more; with None (any source): why no peer can."""
+        if source is None:
+            reasons = [gone(other) for other in range(job.world) if other != peer]
+            return reasons[0] if reasons and all(reasons) else None
         if source in finished or source in job.gone_among((source,)):
             return left_error(source, peer)
         return job.node.lost_peer(source) if job.node is not None else None

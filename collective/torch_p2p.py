@@ -11,11 +11,12 @@ seconds (heartbeats), not the end of the timeout.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from collective.errors import CollectiveError, InvalidArgumentError
+from collective.errors import CollectiveError, CollectiveTimeout, InvalidArgumentError
 from collective.runtime import Runtime
 from collective.torch_work import TorchWork, array, backend_error, host, store_back
 
@@ -60,32 +61,43 @@ class PointToPoint:
         return self._done
 
     def recv(self, tensors: Sequence[Any], src: int, tag: int = 0) -> TorchWork:
-        tensor, source, tag = _single(tensors, "recv"), self.peer_of(src), self._tag(tag)
+        tensor, source, wire = _single(tensors, "recv"), self.peer_of(src), self._tag(tag)
 
         def body() -> None:
             buffer = host(tensor)
-            self.runtime.recv(self.peer, source, tag, timeout=self.timeout, out=array(buffer))
+            with _named(wire, tag):
+                self.runtime.recv(self.peer, source, wire, timeout=self.timeout, out=array(buffer))
             store_back(buffer, tensor)
 
-        work = self.launch("recv", body, [tensor], _ASYNC, (source, tag))
+        work = self.launch("recv", body, [tensor], _ASYNC, (source, wire))
         work.sender = lambda: src
         return work
 
     def recv_anysource(self, tensors: Sequence[Any], tag: int = 0) -> TorchWork:
         """A receive from any rank of the group (the earliest message of its tag on the group);
         the work's ``_source_rank()`` is the sender's group rank once it completed."""
-        tensor, tag = _single(tensors, "recv"), self._tag(tag)
+        tensor, wire = _single(tensors, "recv"), self._tag(tag)
         sender: list[int] = []
 
         def body() -> None:
             buffer = host(tensor)
-            source, _ = self.runtime.recv_any(self.peer, tag, timeout=self.timeout, out=array(buffer))
+            with _named(wire, tag):
+                source, _ = self.runtime.recv_any(self.peer, wire, timeout=self.timeout, out=array(buffer))
             store_back(buffer, tensor)
             sender.append(source)
 
-        work = self.launch("recv", body, [tensor], _ASYNC, (-1, tag))
+        work = self.launch("recv", body, [tensor], _ASYNC, (-1, wire))
         work.sender = lambda: self.members.index(sender[0])
         return work
+
+
+@contextlib.contextmanager
+def _named(wire: int, tag: int) -> Iterator[None]:
+    """A receive's timeout names torch's tag, not the one with its group's key."""
+    try:
+        yield
+    except CollectiveTimeout as exc:
+        raise CollectiveTimeout(str(exc).replace(str(wire), str(tag)), exc.missing) from None
 
 
 def _single(tensors: Sequence[Any], what: str) -> Any:

@@ -181,8 +181,8 @@ def test_an_out_that_reads_only_as_a_copy_is_refused_on_every_peer(runtime: col.
             runtime.all_reduce(p, np.float32(p + 1), out=np.float32(0))
         with pytest.raises(col.InvalidArgumentError, match=f"peer 1: out: {scalar}"):
             runtime.broadcast(p, np.float64(5) if p == 0 else None, out=None if p == 0 else np.float64(0))
-        with pytest.raises(col.InvalidArgumentError, match=f"out: {scalar}"):
-            runtime.all_reduce_coalesced(p, [np.ones(2)], out=[np.float64(0)])
+        with pytest.raises(col.InvalidArgumentError, match=rf"out\[1\]: {scalar}"):
+            runtime.all_reduce_coalesced(p, [np.ones(2), np.ones(1)], out=[np.ones(2), np.float64(0)])
         runtime.send(p, np.float64(p + 7), dst=1 - p)
         with pytest.raises(col.InvalidArgumentError, match=f"recv: peer {p}: out: {scalar}"):
             runtime.recv(p, src=1 - p, out=np.float64(0))
@@ -254,3 +254,9 @@ def test_recv_any_takes_the_earliest_message_of_its_tag_from_any_peer(runtime: c
     assert caught.value.missing == ()
     with pytest.raises(col.InvalidArgumentError, match="tag must be an integer"):
         runtime.recv_any(0, tag=-1)
+    runtime.finish(1)
+    runtime.send(2, np.array([5.0]), 0, tag=4)
+    runtime.finish(2)  # what it sent is still received; then no peer is left to send: at once
+    assert runtime.recv_any(0, tag=4)[0] == 2
+    with pytest.raises(col.PeerLostError, match="left the job"):
+        runtime.recv_any(0, tag=4, timeout=30)

@@ -221,7 +221,7 @@ def test_a_tensor_that_cannot_be_read_fails_every_peer_and_keeps_the_job_in_step
 
     for first, second, after in run_peers(PEERS, body, rt):
         assert "peer 0: x: a torch tensor" in first and "cannot be read as an array" in first, first
-        assert "peer 1: out: a torch tensor" in second, second  # (its out list)
+        assert "peer 1: out[0]: a torch tensor" in second, second  # (its out list, by index)
         torch.testing.assert_close(after, torch.full((4,), 6.0))  # the next call pairs with its own
 
 

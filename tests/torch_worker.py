@@ -395,6 +395,8 @@ def mends() -> None:
     if rank == 1:
         time.sleep(3)
         expect_error(lambda: dist.all_reduce(torch.ones(1), group=quick), "CollectiveTimeout")
+        # a receive's timeout names torch's tag (not the one that carries the group's key)
+        expect_error(lambda: dist.recv(torch.zeros(1), 0, group=quick, tag=5), "with tag 5;")
     expect_error(lambda: dist.all_reduce(torch.ones(1).expand(3)), "elements that share memory")
     try:  # every error of the backend is caused by ours
         dist.all_reduce(torch.ones(2), op=R.BXOR)
