@@ -12,7 +12,7 @@ medians, the ratios and the issue's two targets:
 both with a new result per call (the ``+alloc`` rows), as the issue states them (the baseline
 makes a new result too).
 
-    python -m bench.vs_reference --reference-dir ../shared/reference-bench
+    python -m collective.bench.vs_reference --reference-dir ../shared/reference-bench
 """
 
 from __future__ import annotations

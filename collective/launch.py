@@ -380,7 +380,8 @@ def _run(args: argparse.Namespace, out: IO[str]) -> int:
             return 0
         rank, code = failed
         with lock:
-            message = f"collective launch: node {rank} exited with status {code}; stopping the others"
+            how = f"exited with status {code}" if code > 0 else f"was killed by signal {-code}"
+            message = f"collective launch: node {rank} {how}; stopping the others"
             print(message, file=sys.stderr)
         return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell reports it
     except KeyboardInterrupt:

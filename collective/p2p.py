@@ -187,7 +187,7 @@ class Mailbox:
 
 
 def left_error(src: int, dst: int) -> PeerLostError:
-    return PeerLostError(f"recv: peer {src} left the job (finish) before sending to peer {dst}", [src])
+    return PeerLostError(f"recv: peer {src} left the job (finish), nothing more sent to peer {dst}", [src])
 
 
 HOST = Device("cpu")
