@@ -85,6 +85,8 @@ def native(value: Any) -> tuple[Any, Back]:
 def writable(value: Any) -> Any:
     """The array viewing ``value`` as an ``out=`` buffer (InvalidArgumentError for what only reads
     as a copy: writes would be lost)."""
+    if value is None or type(value) is np.ndarray:  # (every call passes one)
+        return value
     if isinstance(value, np.generic):
         raise InvalidArgumentError(
             "a numpy scalar cannot be written: pass an array (np.empty(()) for a 0-d result)"

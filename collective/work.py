@@ -91,6 +91,7 @@ class Sequencer:
         self._lock = threading.Lock()  # guards every field below (a plain lock: blocking calls take it)
         self._cv = threading.Condition(self._lock)  # the parked worker waits on it
         self._idle = threading.Condition(self._lock)  # notified when no call runs or waits
+        self._idle_waiters = 0  # (a notify costs ~1 us: only when finish() waits)
         self._queue: deque[tuple[Callable[[], Any], Work]] = deque()
         self._active = False  # a call is running (in its caller's thread or the worker)
         self._parked = False  # the worker thread exists and waits for a hand-off
@@ -121,13 +122,17 @@ class Sequencer:
                 self._active = bool(self._queue)
                 if self._active:
                     self._hand_to_worker()
-                else:
+                elif self._idle_waiters:
                     self._idle.notify_all()
 
     def wait_idle(self) -> None:
         """Wait until every call issued so far has ended (each is bounded by its own timeout)."""
         with self._lock:
-            self._idle.wait_for(lambda: not self._active and not self._queue)
+            self._idle_waiters += 1
+            try:
+                self._idle.wait_for(lambda: not self._active and not self._queue)
+            finally:
+                self._idle_waiters -= 1
 
     def _hand_to_worker(self) -> None:
         """Make the worker the active party (lock held): wake it, or start one."""
@@ -144,7 +149,8 @@ class Sequencer:
             with self._lock:
                 while not self._queue:
                     self._active = self._handoff = False
-                    self._idle.notify_all()
+                    if self._idle_waiters:
+                        self._idle.notify_all()
                     self._parked = True
                     handed = self._cv.wait_for(lambda: self._handoff, timeout=self.LINGER)
                     self._parked = False
