@@ -180,7 +180,9 @@ class Worker:
 
     Queued calls (``submit``: async ops, DDP's buckets) run on the worker's own thread, started on
     first use and kept (waking it costs ~10 us where starting a thread costs ~100); a blocking call
-    (``call``) runs in the caller's thread once the queue has drained.
+    (``call``) runs in the caller's thread once the queue has drained. A call made on the worker's
+    thread itself (by a callback of a work's future, as DDP's PowerSGD hook does) runs there at
+    once: every rank makes it at the same point of its group's order (as the work completes).
     """
 
     def __init__(self, name: str) -> None:
@@ -192,6 +194,9 @@ class Worker:
 
     def submit(self, job: Callable[[], None]) -> None:
         """Queue ``job`` (which handles its own errors) behind every earlier call."""
+        if threading.current_thread() is self._thread:  # from a callback of this group's work:
+            job()  # queued, it would wait for the callback that waits for it
+            return
         with self._idle:
             self._pending += 1
             if self._thread is None:
@@ -201,7 +206,7 @@ class Worker:
 
     def call(self, job: Callable[[], None]) -> None:
         """Run ``job`` here, after the queued calls; its error is raised here."""
-        if self._pending:
+        if self._pending and threading.current_thread() is not self._thread:
             with self._idle:
                 self._idle.wait_for(lambda: not self._pending)
         job()

@@ -441,6 +441,15 @@ def mends() -> None:
     sizes = [2, 1, 1] if rank == 1 else [1, 2, 1]  # rank 1 disagrees: an error on every rank
     expect_error(lambda: dist.reduce_scatter(torch.zeros(sizes[rank]), [torch.ones(k) for k in sizes]),
                  "input lists differ in sizes")  # fmt: skip
+    # collectives issued from a callback of a work's future (DDP's PowerSGD hook does): they hung
+    nested = torch.ones(4) * (rank + 1)
+
+    def chained(_: Any) -> Any:
+        dist.all_reduce(nested)  # blocking, on the same group, from its worker's thread
+        return dist.all_reduce(nested, async_op=True).get_future().wait()
+
+    dist.all_reduce(torch.ones(2), async_op=True).get_future().then(chained).wait()
+    same(nested, torch.full((4,), world * sum(range(1, world + 1)) * 1.0), "collectives from a callback")
     # a receive from any rank: dist.recv returns the sender (in a subgroup, its global rank)
     if rank != 0:
         dist.send(torch.full((2,), float(rank)), 0, tag=11)
