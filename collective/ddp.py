@@ -26,15 +26,18 @@ torch module's parameters so backward calls ``ready`` by itself.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from collective.algorithms.ops import array_module
 from collective.api import default_runtime
-from collective.errors import InvalidArgumentError
+from collective.errors import InvalidArgumentError, MismatchError
 from collective.groups import Group
 from collective.runtime import Runtime
 from collective.tensors import native
@@ -125,6 +128,23 @@ class GradientSync:
         self._previous: list[_Bucket] | None = None
         self._spare = [_bucket_of(names, params) for names in groups] if stale else None
         self.paused = False  # attach_torch's hooks do nothing while set (torch_no_sync)
+        self._agree_on(params, bucket_bytes)
+
+    def _agree_on(self, params: Mapping[str, Any], bucket_bytes: int) -> None:
+        """One small all_reduce: every peer must hold the same parameters (names, shapes, dtypes, in
+        one order) and settings, else the buckets would average one peer's weights with another's."""
+        layout = [
+            (name, tuple(native(value)[0].shape), str(native(value)[0].dtype))
+            for name, value in params.items()
+        ]
+        digest = hashlib.blake2b(repr((layout, bucket_bytes, self.op, self.stale)).encode(), digest_size=7)
+        mine = int.from_bytes(digest.digest(), "little")
+        seen = self._runtime.all_reduce(self.peer, np.array([mine, -mine], np.int64), "max", group=self.group)
+        if int(seen[0]) != -int(seen[1]):
+            raise MismatchError(
+                "GradientSync: the peers' parameters differ (names, shapes, dtypes or their order), or "
+                "their bucket_bytes, op or stale: every peer must build it from the same model"
+            )
 
     @property
     def buckets(self) -> list[list[str]]:

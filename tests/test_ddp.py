@@ -254,7 +254,8 @@ def test_mixed_dtypes_share_a_bucket_one_all_reduce_per_dtype() -> None:
             return result
 
         per_peer = run_peers(N, body, rt)
-    assert sorted(calls) == sorted(list(range(N)) * 4)  # one all_reduce per dtype, not one per gradient
+    # one all_reduce per dtype, not one per gradient (and one that checks the peers' parameters agree)
+    assert sorted(calls) == sorted(list(range(N)) * (4 + 1))
     total = sum(peer + 1 for peer in range(N))
     for result in per_peer:
         for name, p in mixed.items():
@@ -326,3 +327,26 @@ def test_a_process_killed_mid_step_is_an_error_on_every_other_peer(victim: int) 
         if victim != 0:
             assert f"[{victim}]" in output, output  # the error names the dead peer
     assert took < 60  # answered by the loss of the peer, not by the 90 s collective timeout
+
+
+@pytest.mark.parametrize(
+    "theirs",
+    [
+        {"w": np.zeros((2, 4)), "b": np.zeros(2)},  # other shapes, the same total size
+        {"b": np.zeros(2), "w": np.zeros((4, 2))},  # the same parameters in another order
+        {"w2": np.zeros((4, 2)), "b": np.zeros(2)},  # another name
+    ],
+    ids=["shapes", "order", "names"],
+)
+def test_peers_with_different_parameters_are_refused_on_every_peer(theirs: dict[str, np.ndarray]) -> None:
+    """Only the flat buffers' sizes had to agree: a peer's weights were averaged with another's."""
+    mine = {"w": np.zeros((4, 2)), "b": np.zeros(2)}
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> Any:
+            rt.register(peer, "cpu", cfg())
+            with pytest.raises(col.MismatchError, match="the peers' parameters differ"):
+                GradientSync(peer, theirs if peer == 1 else mine, runtime=rt)
+            return GradientSync(peer, mine, runtime=rt).buckets  # the job goes on
+
+        assert run_peers(N, body, rt) == [[["b", "w"]]] * N
