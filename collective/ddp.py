@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -37,7 +37,7 @@ import numpy as np
 
 from collective.algorithms.ops import array_module
 from collective.api import default_runtime
-from collective.errors import InvalidArgumentError, MismatchError
+from collective.errors import CollectiveError, CollectiveTimeout, InvalidArgumentError, MismatchError
 from collective.groups import Group
 from collective.runtime import Runtime
 from collective.tensors import native
@@ -56,7 +56,8 @@ class _Bucket:
     sends: list[Any]  # ready() copies each gradient in here ...
     recvs: list[Any]  # ... and the synced ones come back here (persistent: no allocation per step)
     views: dict[str, tuple[Any, Any]]  # name -> its views of sends and recvs, in the parameter's shape
-    grads: dict[str, tuple[Any, Any]] = field(default_factory=dict)  # ready() this step: (grad, its view)
+    grads: dict[str, tuple[Any, Any, Any]] = field(default_factory=dict)  # ready() this step: (grad, its
+    # view, how a result goes back to the grad's kind)
     works: list[Work] = field(default_factory=list)
 
 
@@ -128,6 +129,7 @@ class GradientSync:
         self._previous: list[_Bucket] | None = None
         self._spare = [_bucket_of(names, params) for names in groups] if stale else None
         self.paused = False  # attach_torch's hooks do nothing while set (torch_no_sync)
+        self._inflight: list[Work] = []  # the all_reduces of a step whose wait() timed out
         self._agree_on(params, bucket_bytes)
 
     def _agree_on(self, params: Mapping[str, Any], bucket_bytes: int) -> None:
@@ -163,7 +165,8 @@ class GradientSync:
             raise InvalidArgumentError(f"ready({name!r}): not a parameter of this GradientSync")
         bucket = self._buckets[index]
         send, _ = bucket.views[name]
-        array, _ = native(grad)
+        self._settle()
+        array, back = native(grad)
         if array.shape != send.shape or array.dtype != send.dtype:
             raise InvalidArgumentError(
                 f"ready({name!r}): a gradient of shape {tuple(array.shape)} and dtype {array.dtype}, "
@@ -178,7 +181,7 @@ class GradientSync:
         held = self._accumulated.pop(name, None)
         if held is not None:
             send += held
-        bucket.grads[name] = (grad, array)
+        bucket.grads[name] = (grad, array, back)
         self._start_ready_buckets()
 
     def _accumulate(self, name: str, array: Any) -> None:
@@ -216,8 +219,18 @@ class GradientSync:
         Raises the collective's error (PeerLostError when a peer died mid-step, ...).
         """
         missing = [name for bucket in self._buckets for name in bucket.names if name not in bucket.grads]
-        if missing:
-            raise InvalidArgumentError(f"wait(): no gradient was made ready for {missing[:5]}")
+        if missing:  # (say backward raised): the step is dropped, the next one starts clean
+            self._settle()
+            for bucket in self._buckets:
+                for work in bucket.works:  # started buckets: the peers run them too
+                    with suppress(CollectiveError):
+                        work.wait()
+                bucket.grads, bucket.works = {}, []
+            self._next = 0
+            raise InvalidArgumentError(
+                f"wait(): no gradient was made ready for {missing[:5]}: this step is dropped (the next "
+                f"one starts clean); every peer must make every gradient ready each step"
+            )
         current = self._buckets
         self._next = 0
         if self.stale:
@@ -241,19 +254,30 @@ class GradientSync:
         for bucket in buckets:  # free for the next step, whatever happens below
             bucket.grads, bucket.works = {}, []
         synced: dict[str, Any] = {}
-        for bucket, grads, works in steps:
+        for index, (bucket, grads, works) in enumerate(steps):
             if bucket is run:
                 self._reduce(bucket, async_op=False)
-            for work in works:
-                work.wait(timeout)
-            for name, (grad, array) in grads.items():
+            try:
+                for work in works:
+                    work.wait(timeout)
+            except CollectiveTimeout:  # they still own their buffers: the next step waits for them
+                self._inflight = [work for _, _, later in steps[index:] for work in later]
+                raise
+            for name, (grad, array, back) in grads.items():
                 _, result = bucket.views[name]
-                if in_place:
+                if in_place and array.flags.writeable:
                     array[...] = result
                     synced[name] = grad
-                else:
-                    synced[name] = result.copy()
+                else:  # (stale, or a JAX gradient: immutable) a new array of the gradient's kind
+                    synced[name] = back(result.copy()) if in_place else result.copy()
         return synced
+
+    def _settle(self) -> None:
+        """Wait for the all_reduces of a step whose wait() timed out (bounded by their timeout)."""
+        inflight, self._inflight = self._inflight, []
+        for work in inflight:
+            with suppress(CollectiveError):  # (that step's error was raised to its wait())
+                work.wait()
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:

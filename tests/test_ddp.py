@@ -350,3 +350,67 @@ def test_peers_with_different_parameters_are_refused_on_every_peer(theirs: dict[
             return GradientSync(peer, mine, runtime=rt).buckets  # the job goes on
 
         assert run_peers(N, body, rt) == [[["b", "w"]]] * N
+
+
+def test_a_step_whose_wait_timed_out_keeps_its_buffers_until_its_sync_ends() -> None:
+    """wait(timeout) raised while the all_reduce went on; the next step wrote into its buffers: a
+    late peer averaged its step 0 with the others' step 1 (100.5 for 0.5), silently."""
+    params = {"w": np.zeros(4)}
+    with col.Runtime() as rt:
+        config = col.CollectiveConfig(num_devices=2, timeout=20)
+
+        def body(peer: int) -> list[Any]:
+            rt.register(peer, "cpu", config)
+            sync = GradientSync(peer, params, runtime=rt)
+            got: list[Any] = []
+            for step in range(3):
+                if peer == 1 and step == 0:
+                    time.sleep(1.0)  # late to step 0: peer 0 gives up waiting on it
+                sync.ready("w", np.full(4, 100.0 * step + (peer == 1)))
+                try:
+                    got.append(float(sync.wait(timeout=0.3 if peer == 0 else None)["w"][0]))
+                except col.CollectiveTimeout:
+                    got.append("timed out")
+            return got
+
+        first, second = run_peers(2, body, rt)
+    assert first == ["timed out", 100.5, 200.5], first
+    assert second == [0.5, 100.5, 200.5], second
+
+
+def test_a_step_with_missing_gradients_is_dropped_and_the_next_one_works() -> None:
+    """After a backward that raised, every step raised 'ready(...) called twice': no way back."""
+    params = {"a": np.zeros(2), "b": np.zeros(3)}
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> Any:
+            rt.register(peer, "cpu", cfg())
+            sync = GradientSync(peer, params, bucket_bytes=16, runtime=rt)
+            sync.ready("b", np.ones(3))  # backward raised before "a" was made
+            with pytest.raises(col.InvalidArgumentError, match=r"no gradient was made ready for \['a'\]"):
+                sync.wait()
+            sync.ready("b", np.full(3, peer + 1.0))
+            sync.ready("a", np.full(2, peer + 1.0))
+            return sync.wait()
+
+        for result in run_peers(N, body, rt):
+            np.testing.assert_array_equal(result["a"], np.full(2, 2.0))
+            np.testing.assert_array_equal(result["b"], np.full(3, 2.0))
+
+
+def test_immutable_gradients_come_back_as_new_arrays() -> None:
+    """A JAX gradient (read through numpy, read-only) raised a bare ValueError in wait()."""
+    params = {"w": np.zeros(3)}
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> Any:
+            rt.register(peer, "cpu", cfg())
+            sync = GradientSync(peer, params, runtime=rt)
+            grad = np.full(3, peer + 1.0)
+            grad.flags.writeable = False  # as np.asarray(jax_array) reads
+            sync.ready("w", grad)
+            return grad, sync.wait()["w"]
+
+        for grad, result in run_peers(N, body, rt):
+            assert result is not grad and result.flags.writeable
+            np.testing.assert_array_equal(result, np.full(3, 2.0))
