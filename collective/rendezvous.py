@@ -143,11 +143,11 @@ class Rendezvous:
         try:
             with job.lock:
                 job.check_member(peer)
-                if job.left:
-                    self._raise_gone(peer, call)
                 number = self._next[index]
-                self._next[index] = number + 1
                 slot = self._slots.get(number)
+                if job.left and (slot is None or slot.outcome is None):  # (a late peer: the step's
+                    self._raise_gone(peer, call)  # error, whoever left since)
+                self._next[index] = number + 1
                 if slot is None:
                     slot = self._slots[number] = _Slot(number)
                 calls = slot.calls

@@ -129,3 +129,21 @@ def test_errors_raised_to_the_caller_are_not_also_logged(caplog: pytest.LogCaptu
         )
     assert all(isinstance(o, col.MismatchError) for o in outcomes)
     assert "MismatchError" not in caplog.text and "peers disagree" not in caplog.text
+
+
+def test_a_late_peer_gets_the_steps_timeout_though_the_others_finished_since() -> None:
+    """It got PeerLostError ('peers 1-2 left the job') instead of the step's CollectiveTimeout."""
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> Any:
+            rt.register(peer, "cpu", col.CollectiveConfig(num_devices=3, timeout=10))
+            if peer == 0:
+                time.sleep(1.0)
+            try:
+                return rt.all_reduce(peer, np.ones(4), timeout=0.3)
+            finally:
+                rt.finish(peer)
+
+        outcomes = outcomes_of_peers(3, body, rt)
+    for outcome in outcomes:
+        assert isinstance(outcome, col.CollectiveTimeout) and outcome.missing == (0,), outcome
