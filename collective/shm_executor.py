@@ -280,9 +280,9 @@ class ShmGroup:
         buffer: np.ndarray = channel.buffers[parity]
         return buffer
 
-    def wait(self, rank: int, target: int, deadline: float, aborts: bool = True) -> None:
+    def wait(self, rank: int, target: int, deadline: float, aborts: bool = True, left: bool = False) -> None:
         """Until member ``rank`` reached ``target``; raises if it is gone, or gave up that step (with
-        ``aborts``: a wait for a step this process takes part in). What was read must be ours."""
+        ``aborts``). What was read must be ours. ``left``: a channel given away was left, too."""
         channel = self._theirs[rank]
         while True:  # (again when its process evicted this group's channel, and gives it another)
             channel = channel if channel is not None else self._find(rank, deadline)
@@ -295,6 +295,8 @@ class ShmGroup:
                     break
                 raise Moved
             except Moved:  # (what was cached of its channel goes: agreed calls hold views of it)
+                if left:  # (release: it evicts idle groups only, so it left their last step)
+                    return
                 channel = self._theirs[rank] = None
                 self._channels, self._agreed = [], {}
         value = channel.progress[0]
@@ -335,7 +337,7 @@ class ShmGroup:
                     and channel is not None
                     and self._segments[rank].find(self.key) is not None
                 ):
-                    self.wait(rank, at(self.last, ABORT), deadline, False)
+                    self.wait(rank, at(self.last, ABORT), deadline, False, left=True)
         self.index = None
         self._met = -1
         self._theirs = [None] * self.n
@@ -344,8 +346,7 @@ class ShmGroup:
         self._written = [None, None]
 
     def _watch(self, rank: int | None = None) -> None:
-        """Raise if the job closed or a member is gone (called while blocked), or Moved if the
-        channel of member ``rank`` waited on is no longer this group's."""
+        """Raise if the job closed or a member is gone (while blocked), or if ``rank``'s channel moved."""
         if rank is not None and self._segments[rank].keys[self._their_index[rank]] != self.key:
             raise Moved  # (its process gave this group's channel to another)
         ring = self.ring
