@@ -135,10 +135,8 @@ class GradientSync:
     def _agree_on(self, params: Mapping[str, Any], bucket_bytes: int) -> None:
         """One small all_reduce: every peer must hold the same parameters (names, shapes, dtypes, in
         one order) and settings, else the buckets would average one peer's weights with another's."""
-        layout = [
-            (name, tuple(native(value)[0].shape), str(native(value)[0].dtype))
-            for name, value in params.items()
-        ]
+        arrays = {name: native(value)[0] for name, value in params.items()}
+        layout = [(name, tuple(array.shape), str(array.dtype)) for name, array in arrays.items()]
         digest = hashlib.blake2b(repr((layout, bucket_bytes, self.op, self.stale)).encode(), digest_size=7)
         mine = int.from_bytes(digest.digest(), "little")
         seen = self._runtime.all_reduce(self.peer, np.array([mine, -mine], np.int64), "max", group=self.group)
