@@ -51,7 +51,7 @@ from collective.torch_work import (
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
 
-__all__ = ["Ops", "invalid", "reduce_op"]
+__all__ = ["Ops", "invalid", "reduce_op", "single"]
 
 _KINDS = dist.ReduceOp.RedOpType
 _OPS = {_KINDS.SUM: "sum", _KINDS.AVG: "mean", _KINDS.PRODUCT: "prod", _KINDS.MIN: "min", _KINDS.MAX: "max",
@@ -91,7 +91,8 @@ def _writable(tensor: Any, what: str) -> None:
         )
 
 
-def _single(tensors: Sequence[Any], what: str) -> Any:
+def single(tensors: Sequence[Any], what: str) -> Any:
+    """The one tensor of a call that takes one (torch passes lists)."""
     if len(tensors) != 1:
         raise invalid(f"{what} takes one tensor per call, got {len(tensors)}")
     return tensors[0]
@@ -165,7 +166,7 @@ class Ops:
         def run(source: Any, out: Any, op: str) -> None:
             self.runtime.all_reduce(self.peer, source, op, group=group, timeout=timeout, out=out)
 
-        return self._reduction(_single(tensors, "all_reduce"), opts, "all_reduce", run)
+        return self._reduction(single(tensors, "all_reduce"), opts, "all_reduce", run)
 
     def reduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.ReduceOptions()
@@ -174,7 +175,7 @@ class Ops:
         def run(source: Any, out: Any, op: str) -> None:
             self.runtime.reduce(self.peer, source, op, root, out=out, **kw)
 
-        return self._reduction(_single(tensors, "reduce"), opts, "reduce", run)
+        return self._reduction(single(tensors, "reduce"), opts, "reduce", run)
 
     def allreduce_coalesced(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
@@ -195,8 +196,8 @@ class Ops:
 
     def reduce_scatter(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
-        output = _single(outputs, "reduce_scatter")
-        parts, me = list(_single(inputs, "reduce_scatter")), self.members.index(self.peer)
+        output = single(outputs, "reduce_scatter")
+        parts, me = list(single(inputs, "reduce_scatter")), self.members.index(self.peer)
         if len(parts) != len(self.members) or parts[me].shape != output.shape:
             raise invalid(
                 f"reduce_scatter takes {len(self.members)} input tensors, this rank's ({me}) of the "
@@ -266,7 +267,7 @@ class Ops:
 
     def broadcast(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.BroadcastOptions()
-        tensor = _single(tensors, "broadcast")
+        tensor = single(tensors, "broadcast")
         _writable(tensor, "broadcast")
         is_root, kw = self.peer_of(opts.rootRank) == self.peer, self._kw(opts)
 
@@ -280,8 +281,8 @@ class Ops:
 
     def allgather(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
-        tensor = _single(inputs, "all_gather")
-        targets = list(_single(outputs, "all_gather"))
+        tensor = single(inputs, "all_gather")
+        targets = list(single(outputs, "all_gather"))
         if len(targets) != len(self.members) or any(t.shape != tensor.shape for t in targets):
             raise invalid(
                 f"all_gather takes a list of {len(self.members)} output tensors of the input's shape "
@@ -343,9 +344,9 @@ class Ops:
 
     def gather(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.GatherOptions()
-        tensor = _single(inputs, "gather")
+        tensor = single(inputs, "gather")
         root, kw = self.peer_of(opts.rootRank), self._kw(opts)
-        targets = list(_single(outputs, "gather")) if root == self.peer else []
+        targets = list(single(outputs, "gather")) if root == self.peer else []
         if root == self.peer and len(targets) != len(self.members):
             raise invalid(f"gather: the root passes {len(self.members)} output tensors, got {len(targets)}")
 
@@ -358,9 +359,9 @@ class Ops:
 
     def scatter(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.ScatterOptions()
-        output = _single(outputs, "scatter")
+        output = single(outputs, "scatter")
         root, kw = self.peer_of(opts.rootRank), self._kw(opts)
-        parts = list(_single(inputs, "scatter")) if root == self.peer else []
+        parts = list(single(inputs, "scatter")) if root == self.peer else []
         if root == self.peer and len(parts) != len(self.members):
             raise invalid(f"scatter: the root passes {len(self.members)} input tensors, got {len(parts)}")
 

@@ -16,8 +16,9 @@ import hashlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from collective.errors import CollectiveError, CollectiveTimeout, InvalidArgumentError
+from collective.errors import CollectiveError, CollectiveTimeout
 from collective.runtime import Runtime
+from collective.torch_ops import invalid, single
 from collective.torch_work import TorchWork, array, backend_error, host, store_back
 
 __all__ = ["PointToPoint", "group_key"]
@@ -47,13 +48,11 @@ class PointToPoint:
 
     def _tag(self, tag: int) -> int:
         if not 0 <= tag < 1 << 32:
-            raise backend_error(
-                InvalidArgumentError(f"tag {tag} is out of range: the collective backend takes 0..2**32-1")
-            )
+            raise invalid(f"tag {tag} is out of range: the collective backend takes 0..2**32-1")
         return self.p2p_key << 32 | tag
 
     def send(self, tensors: Sequence[Any], dst: int, tag: int = 0) -> TorchWork:
-        tensor, target, tag = _single(tensors, "send"), self.peer_of(dst), self._tag(tag)
+        tensor, target, tag = single(tensors, "send"), self.peer_of(dst), self._tag(tag)
         try:
             self.runtime.send(self.peer, array(host(tensor)), target, tag, timeout=self.timeout)
         except CollectiveError as exc:
@@ -61,7 +60,7 @@ class PointToPoint:
         return self._done
 
     def recv(self, tensors: Sequence[Any], src: int, tag: int = 0) -> TorchWork:
-        tensor, source, wire = _single(tensors, "recv"), self.peer_of(src), self._tag(tag)
+        tensor, source, wire = single(tensors, "recv"), self.peer_of(src), self._tag(tag)
 
         def body() -> None:
             buffer = host(tensor)
@@ -76,7 +75,7 @@ class PointToPoint:
     def recv_anysource(self, tensors: Sequence[Any], tag: int = 0) -> TorchWork:
         """A receive from any rank of the group (the earliest message of its tag on the group);
         the work's ``_source_rank()`` is the sender's group rank once it completed."""
-        tensor, wire = _single(tensors, "recv"), self._tag(tag)
+        tensor, wire = single(tensors, "recv"), self._tag(tag)
         sender: list[int] = []
 
         def body() -> None:
@@ -98,12 +97,6 @@ def _named(wire: int, tag: int) -> Iterator[None]:
         yield
     except CollectiveTimeout as exc:
         raise CollectiveTimeout(str(exc).replace(str(wire), str(tag)), exc.missing) from None
-
-
-def _single(tensors: Sequence[Any], what: str) -> Any:
-    if len(tensors) != 1:
-        raise backend_error(InvalidArgumentError(f"{what} takes one tensor per call, got {len(tensors)}"))
-    return tensors[0]
 
 
 class _Async:
