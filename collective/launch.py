@@ -283,39 +283,32 @@ class _Stopped(Exception):
         self.signum = signum
 
 
-_STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
 @contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """Ctrl-C, SIGTERM and SIGHUP ignored in the block (launch is stopping its nodes already)."""
+def _handled(signums: Sequence[int], handler: Any) -> Iterator[None]:
+    """``handler`` for ``signums`` in the block (in the main thread; elsewhere signals stay as they are)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {signum: signal.signal(signum, signal.SIG_IGN) for signum in _STOPPING}
+    previous = {signum: signal.signal(signum, handler) for signum in signums}
     try:
         yield
     finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+        for signum, old in previous.items():
+            signal.signal(signum, old)
 
 
-@contextlib.contextmanager
-def _stopped_by_signals() -> Iterator[None]:
+def _signals_held() -> contextlib.AbstractContextManager[None]:
+    """Ctrl-C, SIGTERM and SIGHUP ignored in the block (launch is stopping its nodes already)."""
+    return _handled((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), signal.SIG_IGN)
+
+
+def _stopped_by_signals() -> contextlib.AbstractContextManager[None]:
     """SIGTERM and SIGHUP raise _Stopped in the main thread (so launch stops its nodes first)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
 
     def stop(signum: int, frame: Any) -> None:
         raise _Stopped(signum)
 
-    previous = {signum: signal.signal(signum, stop) for signum in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
+    return _handled((signal.SIGTERM, signal.SIGHUP), stop)
 
 
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[str] = sys.stdout) -> int:
