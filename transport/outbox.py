@@ -15,6 +15,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 # Imported before any flush is registered: at exit, pyzmq lets go of the buffers of zero-copy
@@ -22,9 +23,26 @@ from typing import Any
 import zmq
 import zmq.utils.garbage
 
-__all__ = ["Outbox"]
+from collective.transport.network import POLL_SLICE
+
+__all__ = ["Outbox", "went_out"]
 
 Send = Callable[[int, dict[str, Any], Any], "zmq.MessageTracker | None"]
+
+
+def went_out(tracker: zmq.MessageTracker, deadline: float, lost: Callable[[], Any]) -> Any:
+    """Wait until ZeroMQ let go of ``tracker``'s message (None), its destination is lost (``lost()``'s
+    error, looked at between slices of waiting) or ``deadline`` passed (None: see ``tracker.done``)."""
+    while not tracker.done:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return None
+        error = lost()
+        if error is not None:
+            return error
+        with contextlib.suppress(zmq.NotDone):
+            tracker.wait(min(remaining, POLL_SLICE))
+    return None
 
 
 class Outbox:
@@ -52,9 +70,7 @@ class Outbox:
         with self._lock:
             pending, self._pending = self._pending, []
         for node, tracker in pending:
-            while not tracker.done and time.monotonic() < deadline and self._lost(node) is None:
-                with contextlib.suppress(zmq.NotDone):
-                    tracker.wait(0.05)
+            went_out(tracker, deadline, partial(self._lost, node))
 
     def close(self, limit: float) -> None:
         """Flush, and no longer at exit (the node left)."""

@@ -9,9 +9,8 @@ collective's step and arguments, and a receiver compares them with its own: the 
 
 from __future__ import annotations
 
-import contextlib
-import time
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -20,7 +19,8 @@ import zmq
 from collective.algorithms.ops import Array, ReduceOp, combine, copy_into
 from collective.errors import CollectiveTimeout, MismatchError
 from collective.transport.inproc import on_device_of
-from collective.transport.network import POLL_SLICE, NodeNetwork
+from collective.transport.network import NodeNetwork
+from collective.transport.outbox import went_out
 from collective.transport.wire import CHUNK_BYTES, SMALL_BYTES
 
 __all__ = ["ZmqLink"]
@@ -148,16 +148,12 @@ class ZmqLink:
         """Wait until ZeroMQ let go of every buffer sent; a lost destination is a PeerLostError at
         once (not a timeout at the deadline, naming nobody)."""
         for dst, tracker in self._trackers:
-            while not tracker.done:
-                remaining = self._deadline - time.monotonic()
-                if remaining <= 0:
-                    raise CollectiveTimeout(
-                        f"step {self._seq}: data sent by node {self._network.index} to {self._describe(dst)} "
-                        f"was not delivered in time"
-                    )
-                with contextlib.suppress(zmq.NotDone):
-                    tracker.wait(min(remaining, POLL_SLICE))
-                error = self._network.lost(dst) if not tracker.done else None
-                if error is not None:
-                    raise error
+            error = went_out(tracker, self._deadline, partial(self._network.lost, dst))
+            if error is not None:
+                raise error
+            if not tracker.done:
+                raise CollectiveTimeout(
+                    f"step {self._seq}: data sent by node {self._network.index} to {self._describe(dst)} "
+                    f"was not delivered in time"
+                )
         self._trackers.clear()
