@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import math
 from typing import Any, Protocol
 
 import numpy as np
@@ -133,7 +134,7 @@ class Chunks:
         self.others = [rank for rank in range(self.n) if rank != self.me]
         self.dtype = np.dtype(agreed.dtype)
         self.cap = CHUNK_BYTES // self.dtype.itemsize  # elements per buffer
-        self.total = int(np.prod(agreed.shape)) if agreed.shape is not None else 0
+        self.total = math.prod(agreed.shape) if agreed.shape is not None else 0
 
     def run(self) -> None:
         kind = self.agreed.kind

@@ -19,6 +19,7 @@ on equal blocks, and phase 3 picks every rank's block from its (node, local inde
 
 from __future__ import annotations
 
+import math
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -90,7 +91,7 @@ def _contribution(kind: str, agreed: Signature, srcs: list[Any], ranks: list[int
 def _product_size(kind: str, agreed: Signature, layout: Layout) -> int:
     """Elements of the node-level result this node receives."""
     n, m, width = len(layout.position), len(layout.nodes), layout.width
-    total = int(np.prod(agreed.shape)) if agreed.shape is not None else 0
+    total = math.prod(agreed.shape) if agreed.shape is not None else 0
     return {
         "all_gather": m * width * total,
         "gather": m * width * total,
@@ -118,7 +119,7 @@ def _take(kind: str, product: Any, rank: int, layout: Layout, dst: Array) -> Non
 def _contribution_size(kind: str, agreed: Signature, layout: Layout) -> int:
     """Elements of a node's contribution (the root node's, for broadcast and scatter)."""
     n, m, width = len(layout.position), len(layout.nodes), layout.width
-    total = int(np.prod(agreed.shape)) if agreed.shape is not None else 0
+    total = math.prod(agreed.shape) if agreed.shape is not None else 0
     return {
         "all_gather": width * total,
         "gather": width * total,
