@@ -77,6 +77,7 @@ class Pieces:
 
     def __init__(self, arrays: list[np.ndarray]) -> None:
         self.arrays = arrays
+        self._one = arrays[0] if len(arrays) == 1 and arrays[0].ndim == 1 else None  # a flat input
         self._flat: list[np.ndarray] = []  # (made by the first segments(): a bucket of one chunk
         self._starts: list[int] = []  # is packed whole, and needs neither)
 
@@ -86,6 +87,8 @@ class Pieces:
 
     def segments(self, lo: int, hi: int) -> list[tuple[int, np.ndarray]]:
         """Elements ``lo`` to ``hi`` of the concatenation: (offset from ``lo``, a view) per array."""
+        if self._one is not None:
+            return [(0, self._one[lo:hi])] if hi > lo else []
         if not self._flat:
             self._flat = list(map(np.ndarray.ravel, self.arrays))  # views (copies if not contiguous)
             self._starts = list(itertools.accumulate([array.size for array in self._flat], initial=0))
@@ -103,6 +106,9 @@ class Pieces:
 
     def copy(self, lo: int, hi: int, out: np.ndarray) -> None:
         """``out[: hi - lo]`` = elements ``lo`` to ``hi`` of the concatenation."""
+        if self._one is not None:
+            np.copyto(out[: hi - lo], self._one[lo:hi])
+            return
         views = [view for _, view in self.segments(lo, hi)]
         if len(views) == 1:
             np.copyto(out[: hi - lo], views[0])
