@@ -11,10 +11,12 @@ anything that exports its memory (memoryview, DLPack, torch.from_numpy hold the 
 the block): while any of them lives, the block's reference count is above the pool's own
 references and the block is not reused. Never a buffer still referenced, then.
 
-Idle blocks (nothing else refers to them) are kept up to ``limit`` bytes in all (the least
-recently used are dropped first, as results die; the block of the result dropped last stays until
-the pool trims again); ``COLLECTIVE_POOL_BYTES`` sets it (0: no pooling). A pooled
-result does not own its memory (``flags.owndata`` is False, so ``ndarray.resize`` refuses it).
+The blocks the pool keeps, idle or handed out, are bounded by ``limit`` bytes in all
+(``COLLECTIVE_POOL_BYTES``; 0: no pooling): a new block that would pass it first drops idle
+blocks, least recently handed out first, and when that is not enough the result is a plain
+array, freed as numpy frees any. So no result pays a finalizer, and what stays idle once results
+are dropped is within the limit. A pooled result does not own its memory (``flags.owndata`` is
+False, so ``ndarray.resize`` refuses it).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import math
 import os
 import sys
 import threading
-import weakref
 from typing import Any
 
 import numpy as np
@@ -63,29 +64,28 @@ class Pool:
                 del blocks[i]
                 self.reused += 1
             else:
+                if self._held + nbytes > self.limit:
+                    if not self._trim(self.limit - nbytes):  # the blocks handed out fill the pool
+                        return np.empty(shape, dtype)
+                    blocks = self._blocks.setdefault(nbytes, [])  # (the trim drops empty lists)
                 block = np.empty(nbytes, np.uint8)
                 self._held += nbytes
-                if self._held > self.limit:
-                    self._trim()
             blocks.append(block)
         result: np.ndarray = block.view(dtype).reshape(shape)
-        weakref.finalize(result, self.trim)  # bound what stays idle once results are dropped
         return result
 
-    def trim(self) -> None:
-        if self._held > self.limit:  # else idle blocks cannot exceed the limit
-            with self._lock:
-                self._trim()
-
-    def _trim(self) -> None:
-        """Drop idle blocks, least recently handed out first, until at most ``limit`` bytes idle."""
+    def _trim(self, target: int) -> bool:
+        """Drop idle blocks, least recently handed out first, until at most ``target`` bytes are
+        held; none when that cannot be reached (False)."""
         idle = [
             (size, block)
             for size, blocks in self._blocks.items()
             for block in blocks
             if sys.getrefcount(block) <= _OWN
         ]
-        excess = sum(size for size, _ in idle) - self.limit
+        excess = self._held - target
+        if excess > sum(size for size, _ in idle):
+            return False
         for size, block in idle:
             if excess <= 0:
                 break
@@ -94,6 +94,7 @@ class Pool:
             excess -= size
         for size in [size for size, blocks in self._blocks.items() if not blocks]:
             del self._blocks[size]
+        return True
 
     def idle_bytes(self) -> int:
         with self._lock:
