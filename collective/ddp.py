@@ -37,6 +37,7 @@ import numpy as np
 
 from collective.algorithms.ops import array_module
 from collective.api import default_runtime
+from collective.calls import AllReduce
 from collective.errors import CollectiveError, CollectiveTimeout, InvalidArgumentError, MismatchError
 from collective.groups import Group
 from collective.runtime import Runtime
@@ -200,12 +201,15 @@ class GradientSync:
             bucket.works = self._reduce(bucket, async_op=True)
             self._next += 1
 
-    def _reduce(self, bucket: _Bucket, async_op: bool) -> list[Work]:
-        """One all_reduce per buffer of ``bucket``: their Works, or [] once done (blocking)."""
-        works = [
-            self._runtime.all_reduce(self.peer, send, self.op, group=self.group, async_op=async_op, out=recv)
-            for send, recv in zip(bucket.sends, bucket.recvs, strict=True)
-        ]
+    def _reduce(self, bucket: _Bucket, async_op: bool, problem: str | None = None) -> list[Work]:
+        """One all_reduce per buffer of ``bucket``: their Works, or [] once done (blocking). With a
+        ``problem``, each fails on every peer with it (an InvalidArgumentError)."""
+        works = []
+        for send, recv in zip(bucket.sends, bucket.recvs, strict=True):
+            call = AllReduce(send, self.op, out=recv)
+            if problem is not None:
+                call.refuse(problem)
+            works.append(self._runtime.start(self.peer, call, self.group, None, async_op))
         return works if async_op else []
 
     def wait(self, timeout: float | None = None) -> dict[str, Any] | None:
@@ -219,16 +223,19 @@ class GradientSync:
         missing = [name for bucket in self._buckets for name in bucket.names if name not in bucket.grads]
         if missing:  # (say backward raised): the step is dropped, the next one starts clean
             self._settle()
+            problem = (
+                f"peer {self.peer} made no gradient ready for {missing[:5]}: this step is dropped (the "
+                f"next one starts clean); every peer must make every gradient ready each step"
+            )
+            for bucket in self._buckets[self._next :]:  # the others expect these: they fail with it
+                bucket.works = self._reduce(bucket, async_op=True, problem=problem)
             for bucket in self._buckets:
-                for work in bucket.works:  # started buckets: the peers run them too
+                for work in bucket.works:
                     with suppress(CollectiveError):
                         work.wait()
                 bucket.grads, bucket.works = {}, []
             self._next = 0
-            raise InvalidArgumentError(
-                f"wait(): no gradient was made ready for {missing[:5]}: this step is dropped (the next "
-                f"one starts clean); every peer must make every gradient ready each step"
-            )
+            raise InvalidArgumentError(f"wait(): {problem}")
         current = self._buckets
         self._next = 0
         if self.stale:
@@ -252,15 +259,21 @@ class GradientSync:
         for bucket in buckets:  # free for the next step, whatever happens below
             bucket.grads, bucket.works = {}, []
         synced: dict[str, Any] = {}
+        failed: CollectiveError | None = None
         for index, (bucket, grads, works) in enumerate(steps):
-            if bucket is run:
-                self._reduce(bucket, async_op=False)
             try:
+                if bucket is run:
+                    self._reduce(bucket, async_op=False)
                 for work in works:
                     work.wait(timeout)
             except CollectiveTimeout:  # they still own their buffers: the next step waits for them
                 self._inflight = [work for _, _, later in steps[index:] for work in later]
                 raise
+            except CollectiveError as exc:  # the step's later calls are still made: peers stay in step
+                failed = failed or exc
+                self._inflight.extend(works)
+            if failed is not None:
+                continue
             for name, (grad, array, back) in grads.items():
                 _, result = bucket.views[name]
                 if in_place and array.flags.writeable:
@@ -268,6 +281,8 @@ class GradientSync:
                     synced[name] = grad
                 else:  # (stale, or a JAX gradient: immutable) a new array of the gradient's kind
                     synced[name] = back(result.copy()) if in_place else result.copy()
+        if failed is not None:
+            raise failed
         return synced
 
     def _settle(self) -> None:

@@ -227,14 +227,14 @@ class Runtime:
         Raises RegistrationError, InvalidArgumentError, MismatchError, CollectiveTimeout,
         PeerLostError, JobClosedError (see docs/api.md).
         """
-        return self._start(peer_id, AllReduce(x, op, out=out), group, timeout, async_op)
+        return self.start(peer_id, AllReduce(x, op, out=out), group, timeout, async_op)
 
     def reduce(
         self, peer_id: int, x: Array, op: Op = "sum", root: int = 0, *, group: Group | None = None,
         timeout: float | None = None, async_op: bool = False, out: Array | None = None,
     ) -> Any:  # fmt: skip
         """Combine ``x`` of every peer with ``op`` onto ``root``: the result there, None elsewhere."""
-        return self._start(peer_id, Reduce(x, op, root, out), group, timeout, async_op)
+        return self.start(peer_id, Reduce(x, op, root, out), group, timeout, async_op)
 
     def broadcast(
         self, peer_id: int, x: Array | None, *, group: Group | None = None,
@@ -245,42 +245,42 @@ class Runtime:
         Other peers pass None (and optionally ``out`` to receive into). No array or several is a
         MismatchError on every peer.
         """
-        return self._start(peer_id, Broadcast(x, out=out), group, timeout, async_op)
+        return self.start(peer_id, Broadcast(x, out=out), group, timeout, async_op)
 
     def all_gather(
         self, peer_id: int, x: Array, *, group: Group | None = None,
         timeout: float | None = None, async_op: bool = False, out: Array | None = None,
     ) -> Any:  # fmt: skip
         """Every peer's ``x`` on every peer: shape (group size, *x.shape), in group-rank order."""
-        return self._start(peer_id, AllGather(x, out=out), group, timeout, async_op)
+        return self.start(peer_id, AllGather(x, out=out), group, timeout, async_op)
 
     def reduce_scatter(
         self, peer_id: int, x: Array, op: Op = "sum", *, group: Group | None = None,
         timeout: float | None = None, async_op: bool = False, out: Array | None = None,
     ) -> Any:  # fmt: skip
         """``op`` over every peer's ``x`` (x.shape[0] = size*k); rank i gets rows i*k..(i+1)*k-1."""
-        return self._start(peer_id, ReduceScatter(x, op, out=out), group, timeout, async_op)
+        return self.start(peer_id, ReduceScatter(x, op, out=out), group, timeout, async_op)
 
     def all_to_all(
         self, peer_id: int, x: Array, *, group: Group | None = None,
         timeout: float | None = None, async_op: bool = False, out: Array | None = None,
     ) -> Any:  # fmt: skip
         """x.shape[0] = size*k: block i of x goes to rank i; block j of the result came from rank j."""
-        return self._start(peer_id, AllToAll(x, out=out), group, timeout, async_op)
+        return self.start(peer_id, AllToAll(x, out=out), group, timeout, async_op)
 
     def gather(
         self, peer_id: int, x: Array, root: int = 0, *, group: Group | None = None,
         timeout: float | None = None, async_op: bool = False, out: Array | None = None,
     ) -> Any:  # fmt: skip
         """Every peer's ``x`` stacked (group size, *x.shape) on ``root``; None elsewhere."""
-        return self._start(peer_id, Gather(x, root=root, out=out), group, timeout, async_op)
+        return self.start(peer_id, Gather(x, root=root, out=out), group, timeout, async_op)
 
     def scatter(
         self, peer_id: int, x: Array | None, root: int = 0, *, group: Group | None = None,
         timeout: float | None = None, async_op: bool = False, out: Array | None = None,
     ) -> Any:  # fmt: skip
         """The root passes (group size, ...); rank i gets row i. The other peers pass None."""
-        return self._start(peer_id, Scatter(x, root=root, out=out), group, timeout, async_op)
+        return self.start(peer_id, Scatter(x, root=root, out=out), group, timeout, async_op)
 
     def barrier(
         self,
@@ -291,7 +291,7 @@ class Runtime:
         async_op: bool = False,
     ) -> Any:
         """Return once every peer of the group has entered the barrier."""
-        return self._start(peer_id, Barrier(), group, timeout, async_op)
+        return self.start(peer_id, Barrier(), group, timeout, async_op)
 
     def all_reduce_coalesced(
         self, peer_id: int, xs: Sequence[Array], op: Op = "sum", *, group: Group | None = None,
@@ -345,9 +345,10 @@ class Runtime:
 
     # -- the one road ---------------------------------------------------------------------------
 
-    def _start(
+    def start(
         self, peer_id: int, call: Call, group: Group | None, timeout: float | None, async_op: bool
     ) -> Any:
+        """Run any call object (the road of every collective; a refused call fails on every peer)."""
         member, (rendezvous, sequencer), seconds, problem = self._road(peer_id, group, timeout)
         if problem is not None:
             call.refuse(problem)

@@ -234,13 +234,14 @@ def test_mixed_dtypes_share_a_bucket_one_all_reduce_per_dtype() -> None:
     }
     with col.Runtime() as rt:
         calls: list[int] = []  # the peer of each all_reduce
-        all_reduce = rt.all_reduce
+        start = rt.start  # (the road of every call)
 
-        def counted(peer: int, *args: Any, **kwargs: Any) -> Any:
+        def counted(peer: int, call: Any, *args: Any) -> Any:
+            assert call.kind == "all_reduce"
             calls.append(peer)
-            return all_reduce(peer, *args, **kwargs)
+            return start(peer, call, *args)
 
-        rt.all_reduce = counted  # type: ignore[method-assign]
+        rt.start = counted  # type: ignore[method-assign]
 
         def body(peer: int) -> dict[str, np.ndarray]:
             rt.register(peer, "cpu", cfg())
@@ -387,7 +388,7 @@ def test_a_step_with_missing_gradients_is_dropped_and_the_next_one_works() -> No
             rt.register(peer, "cpu", cfg())
             sync = GradientSync(peer, params, bucket_bytes=16, runtime=rt)
             sync.ready("b", np.ones(3))  # backward raised before "a" was made
-            with pytest.raises(col.InvalidArgumentError, match=r"no gradient was made ready for \['a'\]"):
+            with pytest.raises(col.InvalidArgumentError, match=r"made no gradient ready for \['a'\]"):
                 sync.wait()
             sync.ready("b", np.full(3, peer + 1.0))
             sync.ready("a", np.full(2, peer + 1.0))
@@ -396,6 +397,32 @@ def test_a_step_with_missing_gradients_is_dropped_and_the_next_one_works() -> No
         for result in run_peers(N, body, rt):
             np.testing.assert_array_equal(result["a"], np.full(2, 2.0))
             np.testing.assert_array_equal(result["b"], np.full(3, 2.0))
+
+
+def test_a_gradient_missing_on_one_peer_fails_the_step_on_every_peer_at_once() -> None:
+    """Peer 0's backward made no gradient for "b": the others waited in its bucket's all_reduce for
+    the whole timeout. Now each of them gets peer 0's problem at once and the next step works."""
+    params = {"a": np.zeros(2), "b": np.zeros(2), "c": np.zeros(2)}  # one bucket each: c, b, a
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> Any:
+            rt.register(peer, "cpu", cfg(timeout=60))
+            sync = GradientSync(peer, params, bucket_bytes=16, runtime=rt)
+            for name in ("c", "b", "a"):
+                if name != "b" or peer != 0:
+                    sync.ready(name, np.ones(2))
+            started = time.monotonic()
+            with pytest.raises(col.InvalidArgumentError, match=r"peer 0 made no gradient ready for \['b'\]"):
+                sync.wait()
+            took = time.monotonic() - started
+            for name in ("c", "b", "a"):
+                sync.ready(name, np.full(2, peer + 1.0))
+            return took, sync.wait()
+
+        for took, result in run_peers(N, body, rt):
+            assert took < 30, took  # told by peer 0, not by the 60 s timeout
+            for name in params:
+                np.testing.assert_array_equal(result[name], np.full(2, 2.0))
 
 
 def test_immutable_gradients_come_back_as_new_arrays() -> None:
