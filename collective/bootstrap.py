@@ -29,6 +29,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import logging
 import os
 import re
 import socket
@@ -45,6 +46,8 @@ from collective.runtime import Runtime
 from collective.transport.orchestrator import Orchestrator
 
 __all__ = ["Launched", "Store", "init", "init_with_store", "launched_from", "meet_through_store"]
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SLURM_PORT = 29500
 
@@ -265,6 +268,11 @@ def init(runtime: Runtime, device: str = "cpu", environ: Mapping[str, str] | Non
         with _stopped_on_failure():
             launched = launched_from(env)
             _initialised[runtime] = launched.rank
+            log.debug(
+                "init(): rank %d of %d from %s's variables, job %r, orchestrator %s",
+                launched.rank, launched.world, launched.source, launched.job,
+                launched.orchestrator or f"hosted by rank 0 at {':'.join(map(str, launched.master or ()))}",
+            )  # fmt: skip
             runtime.register(launched.rank, device, _config(launched, env))
     except BaseException:
         with _lock:

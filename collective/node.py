@@ -248,6 +248,7 @@ class NodeJob:
             return None
         if any(self._host_of(node) != self._host_of(me) for node in nodes):
             return None
+        log.debug("group %s: through shared memory (its processes share this host)", members)
         return ShmGroup(self._host_ring(), members, members[nodes.index(me)])
 
     def tier(self, members: tuple[int, ...]) -> HostTier | None:
@@ -284,6 +285,7 @@ class NodeJob:
         me_peer = members[nodes.index(me)]
         purpose = f"host tier of {members}"  # another group with these processes here: another channel
         group = ShmGroup(self._host_ring(), here, me_peer, purpose) if len(here) > 1 else None
+        log.debug("group %s: host tier (%d hosts; this host's peers %s)", members, len(set(hosts)), here)
         return HostTier(group, here, members, layout)
 
     def _one_process_each(self, nodes: list[int]) -> bool:

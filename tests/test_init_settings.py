@@ -4,6 +4,7 @@ leaves nothing behind, launcher values in unusual forms, and ``collective launch
 from __future__ import annotations
 
 import gc
+import logging
 import socket
 import subprocess
 import sys
@@ -56,6 +57,19 @@ def test_a_failed_registration_stops_the_orchestrator_it_started() -> None:
         assert _port_is_free(port)
         assert init(rt, environ={**env, "WORLD_SIZE": "1", "COLLECTIVE_TIMEOUT": "20"}) == 0
         rt.finish(0)
+
+
+def test_init_logs_where_its_rank_and_meeting_point_came_from(caplog: pytest.LogCaptureFixture) -> None:
+    port = free_port()
+    env = {**CLEAN, **torchrun(0, 1, port), "COLLECTIVE_TIMEOUT": "20"}
+    with col.Runtime() as rt, caplog.at_level(logging.DEBUG, logger="collective"):
+        assert init(rt, environ=env) == 0
+        rt.finish(0)
+    said = [record.getMessage() for record in caplog.records if record.name == "collective.bootstrap"]
+    assert said == [
+        f"init(): rank 0 of 1 from torchrun's variables, job 'init-127.0.0.1:{port}', orchestrator "
+        f"hosted by rank 0 at 127.0.0.1:{port}"
+    ], said
 
 
 def test_a_token_with_surrounding_spaces_is_one_token_for_orchestrator_and_nodes() -> None:
