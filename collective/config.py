@@ -108,8 +108,8 @@ class CollectiveConfig:
             raise ConfigError(f"timeout must be a number of seconds, got {self.timeout!r}")
         if not (self.timeout > 0 and math.isfinite(self.timeout)):
             raise ConfigError(f"timeout must be a finite number of seconds > 0, got {self.timeout!r}")
-        if not isinstance(self.job, str) or not 0 < len(self.job) <= 200:
-            raise ConfigError(f"job must be a non-empty name of at most 200 characters, got {self.job!r}")
+        if (problem := job_problem(self.job)) is not None:
+            raise ConfigError(problem)
         if self.token is not None and (not isinstance(self.token, str) or not self.token):
             raise ConfigError("token must be a non-empty string (or None for no token)")
 
@@ -206,3 +206,10 @@ def _require_address(name: str, value: Any, lowest_port: int) -> None:
     problem = address_problem(value, lowest_port)
     if problem is not None:
         raise ConfigError(f"{name} {problem}")
+
+
+def job_problem(value: Any) -> str | None:
+    """Why ``value`` cannot name a job (None if it can)."""
+    if not isinstance(value, str) or not 0 < len(value) <= 200:
+        return f"job must be a non-empty name of at most 200 characters, got {value!r}"
+    return None

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
-from collective.config import address_problem
+from collective.config import address_problem, job_problem
 from collective.errors import ConfigError, RegistrationError
 
 __all__ = [
@@ -243,11 +243,13 @@ def add_launch_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--job", help="the job name (default: unique per launch)")
     parser.add_argument("--timeout", type=seconds_argument, help="COLLECTIVE_TIMEOUT for the nodes")
-    parser.add_argument("-m", dest="module", metavar="MODULE", help="run a Python module (as python -m)")
+    parser.add_argument(  # (everything after -m is the module's: its own options too)
+        "-m", dest="module", nargs=argparse.REMAINDER, help="-m MODULE [ARGS]: run a module (as python -m)"
+    )
     parser.add_argument(
         "program",
         nargs=argparse.REMAINDER,
-        help="what every node runs: a Python script and its arguments, or any program (or -m's arguments)",
+        help="what every node runs: a Python script and its arguments, or any program and its arguments",
     )
 
 
@@ -317,7 +319,13 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[st
         parser.error("argument --nodes/--devices: must be >= 1")
     if args.orchestrator is not None:
         _orchestrator_address(args.orchestrator, parser)
-    if args.program[:1] == ["--"]:  # "launch --nodes 2 -- prog ...": the separator is no program
+    if args.job is not None and (problem := job_problem(args.job)) is not None:
+        parser.error(f"argument --job: {problem}")
+    if args.module is not None:  # "-m module [args]": the module's arguments were taken with it
+        if not args.module or args.module[0].startswith("-"):
+            parser.error("argument -m: expected a module name")
+        args.module, args.program = args.module[0], args.module[1:]
+    elif args.program[:1] == ["--"]:  # "launch --nodes 2 -- prog ...": the separator is no program
         args.program = args.program[1:]
     if not args.program and args.module is None:
         parser.error("nothing to run: give a script, -m module, or a program (and its arguments)")
@@ -337,7 +345,7 @@ def _run(args: argparse.Namespace, out: IO[str]) -> int:
         address = args.orchestrator
         if address is None:
             orchestrator, address = start_orchestrator()
-        job = args.job or f"launch-{os.getpid()}-{int(time.time() * 1000)}"
+        job = args.job if args.job is not None else f"launch-{os.getpid()}-{int(time.time() * 1000)}"
         started = f"collective launch: job {job!r}, orchestrator {address}, {args.nodes} node(s)"
         print(started, file=sys.stderr)
         master_port = free_port()

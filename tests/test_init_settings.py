@@ -8,6 +8,7 @@ import logging
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -133,6 +134,31 @@ def test_launch_takes_a_separator_before_the_program() -> None:
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=CLEAN)
     assert done.returncode == 0, done.stderr
     assert "rank=0" in done.stdout
+
+
+def test_launch_gives_everything_after_m_module_to_the_module(tmp_path: Path) -> None:
+    """``-m mod --nodes 3`` started 3 nodes and gave the module no arguments (launch took them)."""
+    (tmp_path / "echo_args.py").write_text("import os, sys\nprint(os.environ['WORLD_SIZE'], sys.argv[1:])\n")
+    argv = [sys.executable, "-m", "collective", "launch", "--nodes", "1", "--timeout", "30",
+            "-m", "echo_args", "--nodes", "3", "--job", "x", "--help"]  # fmt: skip
+    env = {**CLEAN, "PYTHONPATH": str(tmp_path)}
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["[node 0] 1 ['--nodes', '3', '--job', 'x', '--help']"], done.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--job", ""], "argument --job: job must be a non-empty name"),
+     (["--job", "j" * 201], "argument --job: job must be a non-empty name of at most 200"),
+     (["-m"], "argument -m: expected a module name"), (["-m", "--x"], "argument -m: expected a module name")],
+)  # fmt: skip
+def test_launch_refuses_a_bad_job_name_or_module_before_starting(args: list[str], message: str) -> None:
+    argv = [sys.executable, "-m", "collective", "launch", "--nodes", "1", *args]
+    if args[0] != "-m":
+        argv += ["-m", "json.tool"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=CLEAN)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
 def test_launcher_values_in_unusual_forms() -> None:
