@@ -9,7 +9,6 @@ and a ZeroMQ Link among the group's nodes.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import logging
@@ -24,26 +23,19 @@ from typing import Any, TypeVar
 import numpy as np
 import zmq
 
-from collective.calls import rules_of
+from collective.call_exchange import CallExchange
 from collective.config import CollectiveConfig
-from collective.errors import CollectiveError, CollectiveTimeout, MismatchError, PeerLostError
+from collective.errors import CollectiveError, PeerLostError
 from collective.host_tier import HostTier
 from collective.layout import Layout
 from collective.protocol import (
     PART_BYTES,
-    VERDICT_GRACE,
-    CallMessage,
     P2PMessage,
-    VerdictMessage,
-    as_sent,
     check_fields,
-    decode_call,
-    given_up,
-    verdict_error,
 )
 from collective.shm_executor import ShmGroup
 from collective.shm_host import HostRing
-from collective.signature import Signature, agree
+from collective.signature import Signature
 from collective.transport.inproc import clone_error
 from collective.transport.network import NodeNetwork
 from collective.transport.orchestrator_client import OrchestratorClient, Topology
@@ -342,79 +334,11 @@ class NodeJob:
 
         ``mine`` is this node's locally agreed call, or the error its local step ended with.
         Returns the agreed call and the small contributions that came with the calls (by node
-        position in the group).
+        position in the group). See collective.call_exchange.
         """
-        network, layout, channel = self._network, self.layout(members), self.channel(members)
-        me = network.index
-        now = time.time()  # (wall clock: what every node's deadline is told in)
-        # calls that came long enough ago to matter are sorted already: no drain before our call
-        # goes out (a drain here delays it, and every node's next message with it)
-        late = given_up(network.queued(list(layout.nodes), step, "call", channel, drain=False), now)
-        if late is not None and not isinstance(mine, CollectiveError):  # too late: a timeout, everywhere
-            here = [peer for rank, peer in enumerate(members) if layout.position[rank] == layout.me]
-            mine = CollectiveTimeout(
-                f"step {step}: {self._describe(me)} came {late[1]:.2f}s after the deadline of "
-                f"{self._describe(late[0])}, too late to join the step",
-                here,
-            )
-        if isinstance(mine, CollectiveError):
-            message: CallMessage | VerdictMessage = VerdictMessage.of(step, mine)
-        else:
-            until = now + deadline - time.monotonic() + VERDICT_GRACE  # when this node gives up
-            message = CallMessage(step, mine, None if small is None else small.tobytes(), until)
-        header = {**message.encode(), "ch": channel}
-        for other in layout.nodes:
-            if other != me:
-                network.send(other, header)
-        calls: dict[int, Signature] = {}
-        payloads: dict[int, Any] = {layout.me: small}
-        verdicts = [(me, message)] if isinstance(message, VerdictMessage) else []
-        for position, other in enumerate(layout.nodes):
-            if other == me:
-                continue
-            try:
-                theirs, _ = network.receive(
-                    other, step, deadline + VERDICT_GRACE, f"the call of {self._describe(other)}", channel
-                )
-            except CollectiveTimeout as exc:  # name the group's peers there (transport knows no peers)
-                there = [peer for rank, peer in enumerate(members) if layout.position[rank] == position]
-                error = CollectiveTimeout(str(exc), there)
-                verdict = {**VerdictMessage.of(step, error).encode(), "ch": channel}
-                for node in layout.nodes:  # a late node must not complete the step the others gave up
-                    if node != me:
-                        with contextlib.suppress(PeerLostError):
-                            network.send(node, verdict)
-                raise error from None
-            try:
-                decoded = decode_call(theirs)
-            except WireError as exc:
-                raise MismatchError(
-                    f"step {step}: {self._describe(other)} sent an unusable call: {exc} "
-                    f"(the nodes called different numbers of collectives?)"
-                ) from None
-            if decoded.seq != step:
-                raise MismatchError(
-                    f"step {step}: {self._describe(other)} sent the call of step {decoded.seq}: "
-                    f"the nodes called different numbers of collectives"
-                )
-            if isinstance(decoded, VerdictMessage):
-                verdicts.append((other, decoded))
-                continue
-            calls[other] = decoded.signature
-            payloads[position] = decoded.small
-        if not verdicts:  # a node that timed out waiting for this one said so, after its call
-            others = [node for node in layout.nodes if node != me]
-            for other, found in network.queued(others, step, "verdict", channel):
-                told = decode_call(found)
-                if isinstance(told, VerdictMessage):
-                    verdicts.append((other, told))
-        if verdicts:
-            raise verdict_error(step, verdicts, self._describe)
-        assert not isinstance(mine, CollectiveError)
-        calls[me] = as_sent(mine)  # (a long list of parts travels as its digest)
-        topology = self.topology
-        assert topology is not None  # a node's call stands for its peers of the group: name those
-        who = lambda nodes: ", ".join(topology.describe(node, members) for node in nodes)  # noqa: E731
-        agreed = agree(calls, f"#{step}", rules_of, who=who)
+        assert self.topology is not None
+        channel = self.channel(members)
+        exchange = CallExchange(self._network, self.topology, self.layout(members), members, channel)
+        agreed, payloads = exchange.run(step, mine, small, deadline)
         self._agreed[channel] = step
         return agreed, payloads

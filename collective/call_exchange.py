@@ -1,0 +1,123 @@
+"""The call exchange of one step among a group's nodes: every node checks every other node's call
+before any data moves, so a mismatch anywhere is the same error everywhere.
+
+Each node sends its locally agreed call (or the error its local step ended with, as a verdict) to
+every other node of the group, then reads theirs. A node that timed out waiting for another tells
+the others, so a late node cannot complete a step the others gave up; any verdict ends the step
+with the same error on every node. (collective.node.NodeJob.agree runs it for ThreePhase.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from collective.calls import rules_of
+from collective.errors import CollectiveError, CollectiveTimeout, MismatchError, PeerLostError
+from collective.layout import Layout
+from collective.protocol import (
+    VERDICT_GRACE,
+    CallMessage,
+    VerdictMessage,
+    as_sent,
+    decode_call,
+    given_up,
+    verdict_error,
+)
+from collective.signature import Signature, agree
+from collective.transport.network import NodeNetwork
+from collective.transport.orchestrator_client import Topology
+from collective.transport.wire import WireError
+
+__all__ = ["CallExchange"]
+
+
+class CallExchange:
+    """The exchange of the group ``members`` (placed by ``layout``) on ``channel`` of ``network``."""
+
+    def __init__(
+        self, network: NodeNetwork, topology: Topology, layout: Layout, members: tuple[int, ...], channel: int
+    ) -> None:
+        self.network = network
+        self.topology = topology
+        self.layout = layout
+        self.members = members
+        self.channel = channel
+
+    def run(
+        self, step: int, mine: Signature | CollectiveError, small: Any, deadline: float
+    ) -> tuple[Signature, dict[int, Any]]:
+        """The agreed call and the small contributions that came with the calls (by node position)."""
+        network, layout, channel, members = self.network, self.layout, self.channel, self.members
+        describe = self.topology.describe
+        me = network.index
+        now = time.time()  # (wall clock: what every node's deadline is told in)
+        # calls that came long enough ago to matter are sorted already: no drain before our call
+        # goes out (a drain here delays it, and every node's next message with it)
+        late = given_up(network.queued(list(layout.nodes), step, "call", channel, drain=False), now)
+        if late is not None and not isinstance(mine, CollectiveError):  # too late: a timeout, everywhere
+            here = [peer for rank, peer in enumerate(members) if layout.position[rank] == layout.me]
+            mine = CollectiveTimeout(
+                f"step {step}: {describe(me)} came {late[1]:.2f}s after the deadline of "
+                f"{describe(late[0])}, too late to join the step",
+                here,
+            )
+        if isinstance(mine, CollectiveError):
+            message: CallMessage | VerdictMessage = VerdictMessage.of(step, mine)
+        else:
+            until = now + deadline - time.monotonic() + VERDICT_GRACE  # when this node gives up
+            message = CallMessage(step, mine, None if small is None else small.tobytes(), until)
+        header = {**message.encode(), "ch": channel}
+        for other in layout.nodes:
+            if other != me:
+                network.send(other, header)
+        calls: dict[int, Signature] = {}
+        payloads: dict[int, Any] = {layout.me: small}
+        verdicts = [(me, message)] if isinstance(message, VerdictMessage) else []
+        for position, other in enumerate(layout.nodes):
+            if other == me:
+                continue
+            try:
+                theirs, _ = network.receive(
+                    other, step, deadline + VERDICT_GRACE, f"the call of {describe(other)}", channel
+                )
+            except CollectiveTimeout as exc:  # name the group's peers there (transport knows no peers)
+                there = [peer for rank, peer in enumerate(members) if layout.position[rank] == position]
+                error = CollectiveTimeout(str(exc), there)
+                verdict = {**VerdictMessage.of(step, error).encode(), "ch": channel}
+                for node in layout.nodes:  # a late node must not complete the step the others gave up
+                    if node != me:
+                        with contextlib.suppress(PeerLostError):
+                            network.send(node, verdict)
+                raise error from None
+            try:
+                decoded = decode_call(theirs)
+            except WireError as exc:
+                raise MismatchError(
+                    f"step {step}: {describe(other)} sent an unusable call: {exc} "
+                    f"(the nodes called different numbers of collectives?)"
+                ) from None
+            if decoded.seq != step:
+                raise MismatchError(
+                    f"step {step}: {describe(other)} sent the call of step {decoded.seq}: "
+                    f"the nodes called different numbers of collectives"
+                )
+            if isinstance(decoded, VerdictMessage):
+                verdicts.append((other, decoded))
+                continue
+            calls[other] = decoded.signature
+            payloads[position] = decoded.small
+        if not verdicts:  # a node that timed out waiting for this one said so, after its call
+            others = [node for node in layout.nodes if node != me]
+            for other, found in network.queued(others, step, "verdict", channel):
+                told = decode_call(found)
+                if isinstance(told, VerdictMessage):
+                    verdicts.append((other, told))
+        if verdicts:
+            raise verdict_error(step, verdicts, describe)
+        assert not isinstance(mine, CollectiveError)
+        calls[me] = as_sent(mine)  # (a long list of parts travels as its digest)
+        topology = self.topology  # a node's call stands for its peers of the group: name those
+        who = lambda nodes: ", ".join(topology.describe(node, members) for node in nodes)  # noqa: E731
+        return agree(calls, f"#{step}", rules_of, who=who), payloads
