@@ -134,10 +134,15 @@ class NodeJob:
     def is_local(self, peer: int, local_peers: tuple[int, ...]) -> bool:
         return peer in local_peers
 
-    def lost_peer(self, peer: int) -> CollectiveError | None:
-        """The error to raise for a peer that cannot send any more (its node lost or left), if any."""
+    def lost_peer(self, peer: int, orchestrator: bool = True) -> CollectiveError | None:
+        """The error to raise for a peer that cannot send any more (its node lost or left), if any.
+
+        ``orchestrator=False``: not the orchestrator's own loss. The Shm executor watches the
+        processes of this host directly (pids, segments), so a group of this host goes on without
+        an orchestrator, and its members all complete a step or all fail it.
+        """
         node = self._node_of.get(peer)
-        return None if node is None else self._lost(node)
+        return None if node is None else self._lost(node, orchestrator)
 
     # -- point to point ---------------------------------------------------------------------------
 
@@ -200,8 +205,8 @@ class NodeJob:
                 self._network.abort(step, f"{type(exc).__name__}: {exc}", nodes, channel)
             raise
 
-    def _lost(self, src: int) -> CollectiveError | None:
-        error = self._client.lost()
+    def _lost(self, src: int, orchestrator: bool = True) -> CollectiveError | None:
+        error = self._client.lost() if orchestrator else None
         if error is not None:
             return clone_error(error)
         left = self._client.left(src)
@@ -302,7 +307,8 @@ class NodeJob:
             infos, mine = self.topology.infos, self._host_of(self.topology.index)
             rings = {node: info.get("ring") for node, info in enumerate(infos)}
             here = sum(self._host_of(node) == mine for node in range(len(infos)))
-            self._ring = HostRing(self._ring_segment, rings, self._node_of, self.lost_peer, here)  # type: ignore[arg-type]
+            watched = partial(self.lost_peer, orchestrator=False)
+            self._ring = HostRing(self._ring_segment, rings, self._node_of, watched, here)  # type: ignore[arg-type]
         return self._ring
 
     def layout(self, members: tuple[int, ...]) -> Layout:

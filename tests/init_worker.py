@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -31,8 +32,26 @@ def send_then_leave(peer: int, how: str, mib: int) -> int:
     return 0
 
 
+def the_orchestrator_leaves(peer: int) -> int:
+    """Rank 0 (hosting the orchestrator) leaves; ranks 1 and 2 go on in a group of this host through
+    the moment they notice: every call completes on both (one of them raised, the other did not)."""
+    col.all_reduce(peer, np.ones(1))
+    if peer == 0:
+        col.finish(peer)
+        return 0
+    pair = col.new_group([1, 2])
+    for _ in range(400):  # about 5 s: the loss of the orchestrator is noticed in 2-3 s
+        assert col.all_reduce(peer, np.ones(1), group=pair)[0] == 2.0
+        time.sleep(0.0125)
+    print(f"PAIR OK {peer}", flush=True)
+    col.finish(peer)
+    return 0
+
+
 def main() -> int:
     peer = col.init()
+    if sys.argv[1:] == ["orchestrator_leaves"]:
+        return the_orchestrator_leaves(peer)
     if len(sys.argv) > 1:
         return send_then_leave(peer, sys.argv[1], int(sys.argv[2]))
     world = col.world_size()

@@ -71,6 +71,18 @@ def test_rank_0_dying_while_the_others_register_is_a_peer_lost_error_within_seco
     procs[0].wait(10)
 
 
+def test_a_group_of_one_host_goes_on_when_rank_0_leaves_with_the_orchestrator() -> None:
+    """docs/failures.md: a group whose processes share a host goes on without the orchestrator. One
+    member raised 'the orchestrator ... stopped answering' while the other got its result."""
+    port = free_port()
+    env = lambda rank: {**CLEAN, "COLLECTIVE_TIMEOUT": "30", **torchrun(rank, 3, port)}  # noqa: E731
+    procs = [Proc([sys.executable, WORKER, "orchestrator_leaves"], env(r)) for r in range(3)]
+    for proc, code in zip(procs, finish_all(procs, 90), strict=True):
+        assert code == 0, proc.output()
+    for rank in (1, 2):
+        assert f"PAIR OK {rank}" in procs[rank].output(), procs[rank].output()
+
+
 @pytest.mark.parametrize(("how", "mib"), [("finish", 64), ("exit", 32)])
 def test_what_a_process_sent_arrives_though_it_leaves_at_once(how: str, mib: int) -> None:
     """Its sockets closed without lingering: after finish() the message was dropped (2 in 3 runs at
