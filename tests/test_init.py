@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 import collective as col
-from collective.bootstrap import first_host, init, launched_from
+from collective.bootstrap import init
 from collective.launch import free_port
+from collective.launchers import first_host, launched_from
 from tests.processes import Proc, finish_all
 
 pytestmark = pytest.mark.timeout(120)
@@ -275,14 +276,42 @@ def test_what_each_launcher_says() -> None:
         2,
         4,
         ("127.0.0.1", 1234),
-        "abc",
+        "abc.0",
     )
     run = launched_from({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[07-09]",
                          "SLURM_JOB_ID": "5"})  # fmt: skip
     assert (run.master, run.job) == (("gpu07", 29500), "slurm-5.0")
-    run = launched_from({**open_mpi(1, 2, 99), "COLLECTIVE_GLOBAL_ADDRESS": "10.0.0.1:7"})
-    assert (run.source, run.orchestrator) == ("Open MPI", "10.0.0.1:7")
+    named = {"COLLECTIVE_GLOBAL_ADDRESS": "10.0.0.1:7", "PMIX_NAMESPACE": "p@1"}
+    run = launched_from({**open_mpi(1, 2, 99), **named})
+    assert (run.source, run.orchestrator, run.job) == ("Open MPI", "10.0.0.1:7", "ompi-p@1")
     assert first_host("a1,b2") == "a1" and first_host("n[3-4,9]") == "n3"
+
+
+def test_each_job_has_its_own_name_and_one_name() -> None:
+    """Jobs on one orchestrator are told apart by name: two mpirun jobs (no name of their own) sharing
+    it were merged, silently (each computed with the other's processes); a torchrun restart read the
+    previous attempt's orchestrator address; MASTER_ADDR=localhost and 127.0.0.1 made two jobs."""
+    again = {"TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "2"}
+    restarted = launched_from({**torchrun(0, 2, 1234), **again})
+    assert restarted.job == "r.2"
+    mpi = {**open_mpi(1, 2, 99), "COLLECTIVE_GLOBAL_ADDRESS": "10.0.0.1:7"}
+    assert launched_from({**mpi, "OMPI_MCA_orte_ess_jobid": "1234"}).job == "ompi-1234"
+    assert launched_from({**mpi, "COLLECTIVE_JOB": "mine"}).job == "mine"
+    for unnamed in (mpi, {**torchrun(1, 2, 99), "COLLECTIVE_GLOBAL_ADDRESS": "10.0.0.1:7"}):
+        with pytest.raises(col.ConfigError, match="nothing names this job: set COLLECTIVE_JOB"):
+            launched_from(unnamed)
+    hosts = ("localhost", "127.0.0.1")
+    spelled = [launched_from({**torchrun(1, 2, 99), "MASTER_ADDR": host}).job for host in hosts]
+    assert spelled == ["init-127.0.0.1:99"] * 2
+
+
+def test_slurm_meets_at_the_first_host_of_the_step() -> None:
+    """A step on part of the allocation (srun -w, --relative): its task 0 is not on the job's first host."""
+    env = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "a1,b[1-2]"}
+    assert launched_from({**env, "SLURM_STEP_NODELIST": "b[1-2]"}).master == ("b1", 29500)
+    assert launched_from(env).master == ("a1", 29500)
+    blank = {**env, "SLURM_JOB_NODELIST": " ", "SLURM_NODELIST": "c3"}
+    assert launched_from(blank).master == ("c3", 29500)
 
 
 def test_init_twice_and_init_after_register_are_refused() -> None:

@@ -15,8 +15,9 @@ import pytest
 
 import collective as col
 from collective import bootstrap
-from collective.bootstrap import first_host, init, launched_from
+from collective.bootstrap import init
 from collective.launch import free_port
+from collective.launchers import first_host, launched_from
 from tests.test_init import CLEAN, slurm, torchrun
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,6 +47,20 @@ def test_a_bad_setting_is_refused_before_rank_0_starts_its_orchestrator() -> Non
         assert init(rt, environ={**env, "COLLECTIVE_TIMEOUT": "20"}) == 0  # fixed: it works
         np.testing.assert_array_equal(rt.all_reduce(0, np.ones(2)), np.ones(2))
         rt.finish(0)
+
+
+def test_rank_0_says_why_it_cannot_host_the_orchestrator() -> None:
+    """It always said "pick a free MASTER_PORT": wrong advice for an address of another machine."""
+    with col.Runtime() as rt:
+        elsewhere = {**CLEAN, **torchrun(0, 1, free_port()), "MASTER_ADDR": "192.0.2.1"}  # (TEST-NET-1)
+        with pytest.raises(col.ConfigError, match="MASTER_ADDR is not an address of this machine"):
+            init(rt, environ=elsewhere)
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            busy = {**CLEAN, **torchrun(0, 1, taken.getsockname()[1])}
+            with pytest.raises(col.ConfigError, match="something listens there already"):
+                init(rt, environ=busy)
 
 
 def test_a_failed_registration_stops_the_orchestrator_it_started() -> None:
@@ -177,15 +192,17 @@ def test_a_named_orchestrator_without_master_addr_gives_the_address_reaching_it(
         asked.append((host, variable))
         return "10.1.2.3"
 
-    monkeypatch.setattr(bootstrap, "_reaching", reaching)
+    monkeypatch.setattr(bootstrap, "reaching", reaching)
     env = {**CLEAN, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
-           "COLLECTIVE_GLOBAL_ADDRESS": "192.0.2.10:29500"}  # fmt: skip
+           "COLLECTIVE_GLOBAL_ADDRESS": "192.0.2.10:29500", "COLLECTIVE_JOB": "j"}  # fmt: skip
     config = bootstrap._config(launched_from(env), env)  # rank 1 with a named orchestrator: starts nothing
     assert asked == [("192.0.2.10", "COLLECTIVE_GLOBAL_ADDRESS")]
     assert (config.node_address, config.global_address) == ("10.1.2.3:0", "192.0.2.10:29500")
     given = {**env, "COLLECTIVE_NODE_ADDRESS": "10.9.9.9:0"}  # an address given is used as it is
     assert bootstrap._config(launched_from(given), given).node_address == "10.9.9.9:0"
-    assert len(asked) == 1
+    torchrun_given = {**CLEAN, **torchrun(1, 2, 1234), "COLLECTIVE_NODE_ADDRESS": "10.9.9.9:0"}
+    assert bootstrap._config(launched_from(torchrun_given), torchrun_given).node_address == "10.9.9.9:0"
+    assert len(asked) == 1  # (with MASTER_ADDR set too: it was ignored there)
 
 
 @pytest.mark.parametrize(("signal_number", "status"), [(9, 137), (15, 143)])
