@@ -31,6 +31,7 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from collective.config import address_problem
 from collective.errors import ConfigError
 
 __all__ = ["Launched", "first_host", "launched_from", "reaching", "resolve"]
@@ -112,6 +113,8 @@ def launched_from(environ: Mapping[str, str] | None = None) -> Launched:
     """
     env = os.environ if environ is None else environ
     orchestrator = env.get("COLLECTIVE_GLOBAL_ADDRESS", "").strip() or None
+    if orchestrator is not None and (problem := address_problem(orchestrator, lowest_port=1)) is not None:
+        raise ConfigError(f"COLLECTIVE_GLOBAL_ADDRESS {problem}: name the orchestrator's host and port")
     job = env.get("COLLECTIVE_JOB", "").strip()
     if env.get("COLLECTIVE_PEER_IDS", "").strip():
         return _from_collective_launch(env, orchestrator, job)

@@ -262,6 +262,8 @@ def test_ctrl_c_stops_every_node_quietly(tmp_path: Path) -> None:
         ({"SLURM_PROCID": "0"}, "SLURM_NTASKS not set"),
         ({"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "2"}, "contradicts OMPI_COMM_WORLD_SIZE=2"),
         ({"COLLECTIVE_PEER_IDS": "2,3", "COLLECTIVE_NUM_DEVICES": "2"}, "one peer per process"),
+        ({**torchrun(1, 2, 9), "COLLECTIVE_GLOBAL_ADDRESS": "orchestra"}, "ADDRESS must be 'host:port'"),
+        ({**torchrun(1, 2, 9), "COLLECTIVE_GLOBAL_ADDRESS": "h:0"}, "ADDRESS must be 'host:port'"),
     ],
 )
 def test_missing_or_contradictory_variables_are_named(env: dict[str, str], expected: str) -> None:
