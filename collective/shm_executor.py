@@ -32,7 +32,6 @@ from typing import Any
 
 import numpy as np
 
-from collective import errors
 from collective.algorithms.ops import Array
 from collective.arrays import CPU
 from collective.call import reduce_all
@@ -40,13 +39,12 @@ from collective.calls import rules_of
 from collective.errors import (
     CollectiveError,
     CollectiveTimeout,
-    InvalidArgumentError,
     MismatchError,
     PeerLostError,
     describe_peers,
 )
 from collective.shm_chunks import ABORT, ARRIVE, END, REDUCING, Chunks, Pieces, at
-from collective.shm_host import HostRing, Moved, SignatureCodec
+from collective.shm_host import HostRing, Moved, SignatureCodec, error_of_record, record_of
 from collective.signature import Signature, agree
 from collective.transport.shm_ring import INLINE_BYTES, MESSAGE_BYTES, RingSegment, Waiting
 from collective.transport.wire import WireError
@@ -71,7 +69,9 @@ class ShmGroup:
         self.key = int.from_bytes(hashlib.blake2b(named.encode(), digest_size=8).digest(), "little") | 1
         self.index: int | None = None
         self.busy = False
-        self.last = -1  # the last step this process ran in the group
+        self.last = -1  # the last step this process ran in the group (through a channel)
+        self.ended: tuple[int, str | None] = (-1, None)  # the last step it went through, and why it gave
+        # it up (a record): a channel given to the group later starts there
         self._active: int | None = None  # the step in flight (for abort)
         self._label = ""
         self._timeout = 0.0
@@ -98,7 +98,7 @@ class ShmGroup:
         self._timeout = step.timeout
         self.busy = True
         try:
-            index = self.ring.channel(self, s, step.deadline)
+            index = self.ring.channel(self, s, step.deadline, self._label)
             self.mine = self.ring.segment.channels[index]
             self._active = s
             self.last = s
@@ -108,6 +108,8 @@ class ShmGroup:
         except CollectiveError as exc:
             if self._active is not None:
                 self._give_up(s, exc)
+            else:  # (no channel yet: the one the group gets next tells the others)
+                self.ended = (s, record_of(exc))
             raise
         finally:
             self.busy = False
@@ -157,23 +159,14 @@ class ShmGroup:
             call.part(agreed, inputs, None, self.rank, dst)
         if not host:
             target.set(dst)  # a CuPy result
-        self._active = None
-        self.post(at(s, END))
+        self._finished(s)
         STEPS[agreed.kind] += 1
         return result
 
     def _map(self, s: int) -> None:
         """Map every other member's segment (a failure is this process giving up the step)."""
-        ring, me = self.ring, self.members[self.rank]
-        segments = []
-        for peer in self.members:
-            try:
-                segments.append(ring.segment_of(ring.node_of[peer]) if peer != me else ring.segment)
-            except (OSError, ValueError) as exc:  # (its process removes it when it leaves or ends)
-                gone = f"{self._label}: peer {peer} left the job or its process ended ({exc})"
-                raise ring.lost_peer(peer) or PeerLostError(gone, [peer]) from exc
-        self._segments = segments
-        self._others = [segment for rank, segment in enumerate(segments) if rank != self.rank]
+        self._segments = self.ring.segments_of(self.members, self.members[self.rank], self._label)
+        self._others = [segment for rank, segment in enumerate(self._segments) if rank != self.rank]
 
     def _publish(self, s: int, slot: int, message: bytes, digest: int, data: np.ndarray | None) -> None:
         mine = self.mine
@@ -259,9 +252,13 @@ class ShmGroup:
 
     def _finish_with(self, s: int, error: CollectiveError) -> Any:
         """A verdict every member reaches by itself: leave the step normally, then raise it."""
-        self._active = None
-        self.post(at(s, END))
+        self._finished(s)
         raise error
+
+    def _finished(self, s: int) -> None:
+        self._active = None
+        self.ended = (s, None)
+        self.post(at(s, END))
 
     # -- progress -------------------------------------------------------------------------------
 
@@ -280,9 +277,9 @@ class ShmGroup:
         buffer: np.ndarray = channel.buffers[parity]
         return buffer
 
-    def wait(self, rank: int, target: int, deadline: float, aborts: bool = True, left: bool = False) -> None:
+    def wait(self, rank: int, target: int, deadline: float, aborts: bool = True) -> None:
         """Until member ``rank`` reached ``target``; raises if it is gone, or gave up that step (with
-        ``aborts``). What was read must be ours. ``left``: a channel given away was left, too."""
+        ``aborts``). What was read must be ours."""
         channel = self._theirs[rank]
         while True:  # (again when its process evicted this group's channel, and gives it another)
             channel = channel if channel is not None else self._find(rank, deadline)
@@ -295,8 +292,6 @@ class ShmGroup:
                     break
                 raise Moved
             except Moved:  # (what was cached of its channel goes: agreed calls hold views of it)
-                if left:  # (release: it evicts idle groups only, so it left their last step)
-                    return
                 channel = self._theirs[rank] = None
                 self._channels, self._agreed = [], {}
         value = channel.progress[0]
@@ -326,18 +321,19 @@ class ShmGroup:
         self._their_index[rank] = index
         return channel
 
-    def release(self, deadline: float) -> None:
-        """Give up this group's channel: wait until every member left its last step (lock held)."""
-        if self.last >= 0:
-            self._active = None
-            for rank in range(self.n):
-                channel = self._theirs[rank]
-                if (
-                    rank != self.rank
-                    and channel is not None
-                    and self._segments[rank].find(self.key) is not None
-                ):
-                    self.wait(rank, at(self.last, ABORT), deadline, False, left=True)
+    def releasable(self) -> bool:
+        """Whether every member left this group's last step here (it may give its channel up now)."""
+        for rank in range(self.n) if self.last >= 0 else ():
+            channel, segment = self._theirs[rank], self._segments[rank]
+            if rank == self.rank or channel is None or segment.keys[self._their_index[rank]] != self.key:
+                continue  # (as release(): a member whose channel moved left this group's steps)
+            if channel.progress[0] < at(self.last, ABORT) and segment.alive() and not segment.closed:
+                return False
+        return True
+
+    def release(self) -> None:
+        """Give up this group's channel (lock held; only once ``releasable``: nobody reads it)."""
+        self._active = None
         self.index = None
         self._met = -1
         self._theirs = [None] * self.n
@@ -383,11 +379,12 @@ class ShmGroup:
         return reason
 
     def _time_out(self, target: int) -> None:
-        missing = [
-            self.members[rank]
-            for rank in range(self.n)
-            if rank != self.rank and (self._theirs[rank] is None or self._theirs[rank].progress[0] < target)
-        ]
+        missing = []
+        for rank in range(self.n):  # (a channel not looked up yet is looked up now)
+            segment, key = self._segments[rank], self.key
+            index = None if rank == self.rank else segment.find(key)
+            if rank != self.rank and (index is None or segment.channels[index].progress[0] < target):
+                missing.append(self.members[rank])
         who = describe_peers(missing) if missing else "the others"
         raise CollectiveTimeout(
             f"{self._label}: peer {self.members[self.rank]} waited {self._timeout:g}s for {who} "
@@ -398,23 +395,15 @@ class ShmGroup:
     def _give_up(self, s: int, error: CollectiveError) -> None:
         """Tell the other members this process left step ``s`` without finishing it."""
         self._active = None
-        peers = getattr(error, "missing", None) or getattr(error, "peers", None) or ()
-        text = f"{type(error).__name__}|{','.join(map(str, peers))}|{error}"
-        self.mine.write_record(s, text)
+        self.ended = (s, record_of(error))
+        self.mine.write_record(s, self.ended[1])
         self.post(at(s, ABORT))
 
     def _theirs_error(self, rank: int, reason: str) -> CollectiveError:
         """The error a member recorded when it gave a step up, as its class (a lost peer by default)."""
-        name, peers_text, message = [*reason.split("|", 2), "", ""][:3]
-        peers = [int(p) for p in peers_text.split(",") if p.strip().lstrip("-").isdigit()]
-        cls = getattr(errors, name, None)
-        text = f"{self._label}: peer {self.members[rank]} gave up: {message}"
-        if cls is CollectiveTimeout:
-            return CollectiveTimeout(text, peers)
-        if cls in (MismatchError, InvalidArgumentError, CollectiveError):
-            verdict: CollectiveError = cls(text)  # reached elsewhere (the host tier's leader passes it on)
-            return verdict
-        return PeerLostError(text, peers or [self.members[rank]])  # (its job closed: lost to the others)
+        return error_of_record(
+            f"{self._label}: peer {self.members[rank]} gave up", reason, self.members[rank]
+        )
 
     def _who(self, ranks: list[int]) -> str:
         return describe_peers([self.members[rank] for rank in ranks])

@@ -3,7 +3,7 @@
 ``HostRing`` owns this process's ring segment, maps the segments of the job's other processes on
 this host when a group first needs them, and lends the segment's channels to groups: a group
 keeps its channel while it is used; when every channel is taken, the group used least recently
-(and not inside a step) gives its channel up once every member has left its last step.
+of those not inside a step whose members all left its last step gives its channel up.
 ``SignatureCodec`` is how a call travels in a slot: msgpack of collective.protocol's fields,
 decoded with bounds, both cached (a group calls the same few collectives over and over).
 """
@@ -19,14 +19,23 @@ from typing import Any, Protocol
 
 import msgpack
 
-from collective.errors import CollectiveError, JobClosedError, describe_peers
+from collective import errors
+from collective.errors import (
+    CollectiveError,
+    CollectiveTimeout,
+    InvalidArgumentError,
+    JobClosedError,
+    MismatchError,
+    PeerLostError,
+    describe_peers,
+)
 from collective.protocol import as_sent, digested, signature_fields, signature_from_fields
-from collective.shm_chunks import at
+from collective.shm_chunks import ABORT, END, at
 from collective.signature import Signature
 from collective.transport.shm_ring import CHANNELS, MESSAGE_BYTES, RingSegment
 from collective.transport.wire import WireError
 
-__all__ = ["HostRing", "Moved", "SignatureCodec"]
+__all__ = ["HostRing", "Moved", "SignatureCodec", "error_of_record", "record_of"]
 
 log = logging.getLogger(__name__)
 
@@ -38,8 +47,11 @@ class User(Protocol):
     key: int
     index: int | None
     busy: bool
+    ended: tuple[int, str | None]  # the last step this process went through, and why it gave it up
 
-    def release(self, deadline: float) -> None: ...
+    def releasable(self) -> bool: ...
+
+    def release(self) -> None: ...
 
 
 class HostRing:
@@ -73,38 +85,89 @@ class HostRing:
             found = self._segments[node] = RingSegment.attach(name, pid)
         return found
 
-    def channel(self, group: User, step: int, deadline: float) -> int:
-        """This process's channel for ``group`` (given one, evicting an idle group if all are taken)."""
-        with self._lock:
-            index = group.index
-            if index is not None and self._users[index] is group:
-                self._used[index] = time.monotonic()
+    def segments_of(self, members: tuple[int, ...], me: int, label: str) -> list[RingSegment]:
+        """Every member's segment, by rank (mapped; PeerLostError for a member whose is gone)."""
+        segments = []
+        for peer in members:
+            try:
+                segments.append(self.segment_of(self.node_of[peer]) if peer != me else self.segment)
+            except (OSError, ValueError) as exc:  # (its process removes it when it leaves or ends)
+                gone = f"{label}: peer {peer} left the job or its process ended ({exc})"
+                raise self.lost_peer(peer) or PeerLostError(gone, [peer]) from exc
+        return segments
+
+    def channel(self, group: User, step: int, deadline: float, label: str) -> int:
+        """This process's channel for ``group``: its own, a free one, or one given up by an idle
+        group (the least recently used of those whose members all left its last step). While there
+        is none (each holder is inside a step, or waits for a member still in its last one) this
+        waits, until ``deadline``."""
+        while True:
+            with self._lock:
+                index = self._take(group)
+            if index is not None:
                 return index
-            free = [i for i in range(CHANNELS) if self._users[i] is None]
-            if not free:
-                idle = [i for i, user in enumerate(self._users) if user is not None and not user.busy]
-                if not idle:
-                    raise CollectiveError(
-                        f"{CHANNELS} groups of this process are inside a collective at once: the "
-                        f"shared-memory ring has no channel for group {describe_peers(list(group.members))}"
-                    )
-                victim = min(idle, key=self._used.__getitem__)
-                user = self._users[victim]
-                assert user is not None
-                user.release(deadline)  # returns once its readers have left its last step
-                free = [victim]
-            index = free[0]
-            self._users[index] = group
+            if self.closed is not None:
+                raise self.closed
+            if time.monotonic() >= deadline:
+                holders = ", ".join(describe_peers(list(user.members)) for user in self._users if user)
+                raise CollectiveTimeout(
+                    f"{label}: no shared-memory channel of this process came free for group "
+                    f"{describe_peers(list(group.members))} in time: its {CHANNELS} channels are held by "
+                    f"groups inside a collective or waiting for a member to leave their last step "
+                    f"({holders})",
+                    [],
+                )
+            time.sleep(0.0005)
+
+    def _take(self, group: User) -> int | None:
+        index = group.index
+        if index is not None and self._users[index] is group:
             self._used[index] = time.monotonic()
-            self.segment.assign(group.key, index, at(step, 0) - 1)  # as if step - 1 had ended
-            group.index = index
-            log.debug("group %s uses channel %d of %s", group.members, index, self.segment.name)
             return index
+        free = [i for i in range(CHANNELS) if self._users[i] is None]
+        if not free:
+            idle = [i for i, user in enumerate(self._users) if user and not user.busy and user.releasable()]
+            if not idle:
+                return None
+            victim = min(idle, key=self._used.__getitem__)
+            user = self._users[victim]
+            assert user is not None
+            user.release()
+            free = [victim]
+        index = free[0]
+        self._users[index] = group
+        self._used[index] = time.monotonic()
+        last, reason = group.ended  # how this process left the group's step before: truly told
+        progress = at(last, END if reason is None else ABORT)
+        self.segment.assign(group.key, index, progress, None if reason is None else (last, reason))
+        group.index = index
+        log.debug("group %s uses channel %d of %s", group.members, index, self.segment.name)
+        return index
 
     def close(self) -> None:
         """The job is over: waits raise JobClosedError, the others see this process left."""
         self.closed = JobClosedError("the job was closed")
         self.segment.close()
+
+
+def record_of(error: CollectiveError) -> str:
+    """What a process records in its channel when it gives a step up: the error's class, peers, text."""
+    peers = getattr(error, "missing", None) or getattr(error, "peers", None) or ()
+    return f"{type(error).__name__}|{','.join(map(str, peers))}|{error}"
+
+
+def error_of_record(context: str, reason: str, peer: int) -> CollectiveError:
+    """The error ``record_of`` recorded, as its class (a PeerLostError naming ``peer`` by default)."""
+    name, peers_text, message = [*reason.split("|", 2), "", ""][:3]
+    peers = [int(p) for p in peers_text.split(",") if p.strip().lstrip("-").isdigit()]
+    cls = getattr(errors, name, None)
+    text = f"{context}: {message}"
+    if cls is CollectiveTimeout:
+        return CollectiveTimeout(text, peers)
+    if cls in (MismatchError, InvalidArgumentError, CollectiveError):
+        verdict: CollectiveError = cls(text)  # reached elsewhere (the host tier's leader passes it on)
+        return verdict
+    return PeerLostError(text, peers or [peer])  # (its job closed: lost to the others)
 
 
 class Moved(Exception):

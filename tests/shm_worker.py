@@ -229,10 +229,10 @@ def crash(peer: int, world: int) -> int:
     return 1
 
 
-def late(peer: int, world: int, delay: str = "2") -> int:
-    """The last peer comes ``delay`` s late: the others time out naming it, so does it; then all
-    go on."""
-    if peer == world - 1:
+def late(peer: int, world: int, delay: str = "2", who: str = "-1") -> int:
+    """Peer ``who`` (the last by default) comes ``delay`` s late: the others time out naming it, so
+    does it; then all go on."""
+    if peer == int(who) % world:
         time.sleep(float(delay))
     try:
         col.all_reduce(peer, np.ones(3), timeout=1.0)
@@ -348,12 +348,76 @@ def leaves(peer: int, world: int) -> int:
     return 1
 
 
+BUSY = [(0, 1), (0, 2), (0, 3), (0, 4), (0, 1, 2), (0, 1, 3), (0, 1, 4), (0, 2, 3)]  # peer 0's 8 channels
+
+
+def no_channel(peer: int, world: int, elements: str = "16") -> int:
+    """Peer 0 keeps 8 groups inside a step (their other members come 2 s later), so its call on a
+    9th group G waits for a channel until its 0.5 s timeout. Peers 2 and 4 wait in that step of G:
+    they must get peer 0's reason once it gets a channel for G's next step. They summed the data
+    the channel's previous group had left in it, as if peer 0 had taken part."""
+    n, group = int(elements), col.new_group([0, 2, 4])
+    count = 0
+    if peer == 0:
+        works = [col.all_reduce(0, np.full(n, 100.0 + k), group=col.new_group(list(m)), async_op=True)
+                 for k, m in enumerate(BUSY)]  # fmt: skip
+        time.sleep(0.2)
+        try:
+            col.all_reduce(0, np.full(n, 1000.0), group=group, timeout=0.5)
+            raise AssertionError("a step of G without a channel")
+        except col.CollectiveTimeout as exc:
+            say(f"NOCHANNEL {exc}")
+        for k, work in enumerate(works):
+            same(work.wait(), np.full(n, 100.0 + k + sum(p + 1.0 for p in BUSY[k] if p)), "busy")
+        count = len(works)
+    else:
+        time.sleep(2)
+        for members in [m for m in BUSY if peer in m]:
+            col.all_reduce(peer, np.full(n, peer + 1.0), group=col.new_group(list(members)))
+            count += 1
+        if peer in (2, 4):
+            try:
+                col.all_reduce(peer, np.full(n, peer + 1.0), group=group, timeout=30)
+                raise AssertionError("G's step without peer 0 gave a result")
+            except col.CollectiveTimeout as exc:
+                say(f"TOLD {exc}")
+    if peer in (0, 2, 4):  # the next step of G works
+        same(col.all_reduce(peer, np.full(n, peer + 1.0), group=group), np.full(n, 9.0), "G after")
+    col.barrier(peer)
+    return count + 1
+
+
+def absent(peer: int, world: int) -> int:
+    """Peer 1 never comes to the second step of G = [0, 1]: peer 0 times out. Then peer 0 needs its
+    channels for 8 other groups: G's, waiting for peer 1, must not be the one given up (its release
+    waited for peer 1 until each new group's timeout), nor stall the others."""
+    g = col.new_group([0, 1])
+    if peer in (0, 1):
+        col.all_reduce(peer, np.ones(2), group=g)
+    if peer == 0:
+        try:
+            col.all_reduce(peer, np.ones(2), group=g, timeout=0.5)
+        except col.CollectiveTimeout as exc:
+            say(f"TIMEOUT {exc}")
+    if peer != 1:
+        col.barrier(peer, group=col.new_group([0, 2, 3, 4]))
+    count = 0
+    others = [m for r in (2, 3, 4) for m in itertools.combinations((0, 2, 3, 4), r)]  # 11 groups
+    for members in others if peer != 1 else ():
+        if peer in members:
+            got = col.all_reduce(peer, np.full(2, peer + 1.0), group=col.new_group(list(members)), timeout=20)
+            same(got, np.full(2, sum(p + 1.0 for p in members)), f"group {members}")
+            count += 1
+    col.barrier(peer)
+    return count
+
+
 MODES = {
     "byte_order": byte_order,
     "leaves": leaves,
     "every": every, "many": many, "overlap": overlap, "lead_fails": lead_fails, "groups": groups,
     "evicted": evicted, "concurrent": concurrent, "mismatch": mismatch, "loop": loop, "crash": crash,
-    "late": late, "crowded": crowded,
+    "late": late, "crowded": crowded, "no_channel": no_channel, "absent": absent,
 }  # fmt: skip
 
 

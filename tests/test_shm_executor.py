@@ -92,6 +92,34 @@ def test_a_channel_evicted_by_one_member_is_found_anew_by_the_others(orchestrato
         proc.wait_for("OK", 1)
 
 
+@pytest.mark.parametrize("elements", ["16", "300000"])
+def test_a_step_a_process_gave_up_before_it_had_a_channel_fails_for_the_others(
+    orchestrator: str, elements: str
+) -> None:
+    """Its next step's channel said the step had ended: the others summed the data another group had
+    left in that channel (a silent wrong result), inline or in chunks."""
+    procs = start(orchestrator, 5, "no_channel", elements)
+    for proc, code in zip(procs, finish_all(procs, 100), strict=True):
+        assert code == 0, proc.output()
+    _, line = procs[0].wait_for("NOCHANNEL", 1)
+    assert "no shared-memory channel of this process came free for group peers 0, 2, 4" in line, line
+    for rank in (2, 4):
+        _, line = procs[rank].wait_for("TOLD", 1)
+        assert "peer 0 gave up" in line and "no shared-memory channel" in line, line
+
+
+def test_a_group_waiting_for_an_absent_member_keeps_its_channel(orchestrator: str) -> None:
+    """Every later group of peer 0 that needed a channel gave up G's: its release waited for peer 1
+    until that group's timeout, naming peer 1 (no member), and the next group chose G again."""
+    procs = start(orchestrator, 5, "absent")
+    for proc, code in zip(procs, finish_all(procs, 100), strict=True):
+        assert code == 0, proc.output()
+    _, line = procs[0].wait_for("TIMEOUT", 1)
+    assert "waited 0.5s for peer 1" in line, line
+    _, line = procs[0].wait_for("OK", 1)
+    assert line.split()[1] == "7", line  # peer 0's groups among the 11 of peers 0, 2, 3, 4
+
+
 def test_two_groups_of_one_process_run_at_once_from_two_threads(orchestrator: str) -> None:
     procs = start(orchestrator, 3, "concurrent")
     for proc, code in zip(procs, finish_all(procs, 100), strict=True):
@@ -151,12 +179,16 @@ def test_a_process_failing_inside_a_step_fails_the_others_at_once_and_the_job_go
     assert all("AFTER" in proc.output() for proc in procs)
 
 
-def test_a_late_process_is_named_by_the_timeout_everywhere_and_the_job_goes_on(orchestrator: str) -> None:
-    procs = start(orchestrator, 3, "late")
+@pytest.mark.parametrize("late", [2, 1])
+def test_a_late_process_is_named_by_the_timeout_everywhere_and_the_job_goes_on(
+    orchestrator: str, late: int
+) -> None:
+    """Peer 1 late: peer 0 named peers 1 and 2 (it had not looked peer 2's channel up yet)."""
+    procs = start(orchestrator, 3, "late", "2", str(late))
     for proc, code in zip(procs, finish_all(procs, 60), strict=True):
         assert code == 0, proc.output()
         _, line = proc.wait_for("TIMEOUT", 1)
-        assert line.startswith("TIMEOUT [2]") and "peer 2" in line, line
+        assert line.startswith(f"TIMEOUT [{late}]") and f"peer {late}" in line, line
 
 
 def test_four_processes_on_two_cores_do_not_starve_each_other(orchestrator: str) -> None:

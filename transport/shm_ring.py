@@ -292,13 +292,17 @@ class RingSegment:
                 return index
         return None
 
-    def assign(self, key: int, index: int, progress: int) -> Channel:
-        """Give channel ``index`` to ``key`` with its progress at ``progress`` (owner only)."""
+    def assign(self, key: int, index: int, progress: int, record: tuple[int, str] | None = None) -> Channel:
+        """Give channel ``index`` to ``key`` with its progress at ``progress`` and, if given, the
+        record of why a step was given up (owner only). Nothing of the channel's last user stays
+        readable: its records and its slots' heads are cleared."""
         channel = self.channels[index]
         self.keys[index] = 0
-        channel.progress[0] = progress
-        for head in channel.heads:
+        for head in (*channel.heads, *channel.slot_heads):
             head[0] = -1
+        if record is not None:
+            channel.write_record(*record)
+        channel.progress[0] = progress
         self.keys[index] = key  # last: readers that find the key see the channel ready
         return channel
 
