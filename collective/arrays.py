@@ -28,6 +28,7 @@ __all__ = [
     "as_array",
     "check_array",
     "check_out",
+    "dtype_problem",
     "flat",
     "integer",
     "new_result",
@@ -129,7 +130,7 @@ def _device_of(array: Array) -> Device:
     return Device("cuda", int(array.device.id))
 
 
-def _dtype_problem(dtype: np.dtype[Any], op: ReduceOp | None) -> str | None:
+def dtype_problem(dtype: np.dtype[Any], op: ReduceOp | None) -> str | None:
     if dtype.kind in "fc" and dtype.itemsize > (8 if dtype.kind == "f" else 16):
         return (
             f"unsupported dtype {dtype.name} (long double): its layout differs between platforms; "
@@ -166,7 +167,7 @@ def check_array(array: Any, device: Device, op: ReduceOp | None, name: str = "x"
         )
     if _device_of(array) != device:
         return f"{name} is on {_device_of(array)} but the peer was registered on {device}"
-    return _dtype_problem(array.dtype, op)
+    return dtype_problem(array.dtype, op)
 
 
 def check_out(

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 
 from collective.algorithms.ops import Array, array_module
+from collective.arrays import dtype_problem
+from collective.call import parse_op
 from collective.calls import Coalesced
 from collective.errors import InvalidArgumentError
 from collective.pool import pool
@@ -80,6 +82,13 @@ def coalesced_all_reduce(
         return _views(execute(_bucket(arrays, op, parts, sum(sizes))), shapes, sizes)
     results: list[Array] = [None] * len(arrays)
     checks = None if outs is None else list(zip(outs, arrays, strict=True))  # all with the first bucket
+    parsed, _ = parse_op(op)  # (an unknown op fails the first bucket's call anyway)
+    for dtype in kinds if parsed is not None else ():  # every bucket's op checked before any data moves
+        if (wrong := dtype_problem(np.dtype(dtype), parsed)) is not None:
+            refused = _bucket([arrays[by_dtype[0][0]]], op, parts, sizes[by_dtype[0][0]])
+            refused.refuse(f"the list: {wrong}")
+            execute(refused)
+            raise AssertionError("unreachable: a refused call raises")
     for indices in by_dtype:
         its_sizes = [sizes[i] for i in indices]
         reduced = execute(_bucket([arrays[i] for i in indices], op, parts, sum(its_sizes), checks))

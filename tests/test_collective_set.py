@@ -798,6 +798,23 @@ def test_a_coalesced_list_with_a_non_array_item_is_invalid_on_every_peer(rt: col
         assert "peer 1: every item of the list must be an array" in str(error)
 
 
+def test_a_coalesced_op_a_later_dtype_cannot_take_fails_before_any_array_is_written(rt: col.Runtime) -> None:
+    """bxor over int32 and float32 arrays: the int32 bucket ran (its out written), then the float32
+    one failed with "invalid arguments, so no peer ran it"."""
+    outs: dict[int, list[np.ndarray]] = {}
+
+    def step(peer: int) -> Any:
+        xs = [np.full(3, 5, np.int32), np.ones(2, np.float32)]
+        outs[peer] = [x.copy() for x in xs]
+        return rt.all_reduce_coalesced(peer, xs, "bxor", out=outs[peer])
+
+    for error in run_failing_step(rt, 2, step):
+        assert isinstance(error, col.InvalidArgumentError), error
+        assert "bxor" in str(error) and "float32" in str(error), error
+    for written in outs.values():
+        np.testing.assert_array_equal(written[0], np.full(3, 5, np.int32))  # untouched
+
+
 def test_a_large_coalesced_object_array_is_invalid_on_every_peer(rt: col.Runtime) -> None:
     """Its bucket (past the pool's threshold) cannot come from the pool's byte blocks: the dtype is
     refused by the call on every peer, not by the pool on one."""
