@@ -85,8 +85,8 @@ class LocalJob:
 
     @property
     def world(self) -> int:
-        """Peers in the whole job (every node's)."""
-        return self.node.world if self.node is not None else len(self.peer_ids)
+        """Peers in the whole job (every node's; 0 while the nodes have not all joined)."""
+        return self.node.world if self.node is not None else self.size
 
     @property
     def members(self) -> tuple[int, ...]:

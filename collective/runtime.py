@@ -21,7 +21,7 @@ from typing import Any
 
 from collective import p2p
 from collective.algorithms.ops import Array, ReduceOp
-from collective.arrays import Device
+from collective.arrays import Device, integer
 from collective.call import Call
 from collective.calls import (
     AllGather,
@@ -107,16 +107,18 @@ class Runtime:
         if not isinstance(config, CollectiveConfig):
             raise ConfigError(f"config must be a CollectiveConfig, got {type(config).__name__}")
         parsed = Device.parse(device)
-        valid_id = isinstance(peer_id, int) and not isinstance(peer_id, bool) and peer_id >= 0
-        if config.is_multi_node and not valid_id:
+        number = integer(peer_id)  # (a numpy integer is an id too)
+        if config.is_multi_node and (number is None or number < 0):
             raise RegistrationError(
                 f"peer id {peer_id!r} must be an integer >= 0 (the job's peers are 0..world-1)"
             )
-        if not config.is_multi_node and (not valid_id or peer_id >= config.num_devices):
+        if not config.is_multi_node and (number is None or not 0 <= number < config.num_devices):
             raise RegistrationError(
                 f"peer id {peer_id!r} is outside the job: with num_devices={config.num_devices} "
                 f"the peers are 0..{config.num_devices - 1}"
             )
+        assert number is not None
+        peer_id = number
         deadline = time.monotonic() + config.timeout
         with self._lock:
             job = self._job
@@ -213,6 +215,8 @@ class Runtime:
         job = self._job
         if job is None:
             raise RegistrationError("world_size(): no job: register a peer (or call init()) first")
+        if not job.world:
+            raise RegistrationError("world_size(): the job is forming: its size is known once its nodes join")
         return job.world
 
     # -- collectives --------------------------------------------------------------------------

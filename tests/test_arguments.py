@@ -5,6 +5,8 @@ peer order by the Centralized and Direct schedules whichever peer is the root (t
 from __future__ import annotations
 
 import math
+import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -43,6 +45,24 @@ def test_numpy_integers_name_peers_roots_tags_and_group_members(runtime: col.Run
     np.testing.assert_array_equal(results[2][2], np.full(1, 2.0))
     with pytest.raises(col.InvalidArgumentError, match="not peer ids"):
         col.new_group([np.True_, 1])
+
+
+def test_a_numpy_integer_registers_a_peer_and_groups_are_made_while_the_job_forms() -> None:
+    """register(np.int64(0)) said the id was outside the job; while peer 0 waited in register,
+    world_size() was 0 and new_group([0, 1]) said the job's peers were 0..-1."""
+    config = col.CollectiveConfig(num_devices=2, timeout=20)
+    first = threading.Thread(target=col.register, args=(np.int64(0), "cpu", config))
+    first.start()
+    waited = time.monotonic() + 10
+    while not col.default_runtime().has_job() and time.monotonic() < waited:
+        time.sleep(0.01)
+    assert col.world_size() == 2
+    assert col.new_group([0, 1]).members == (0, 1)
+    col.register(np.int32(1), "cpu", config)
+    first.join(10)
+    results = run_peers(2, lambda p: col.all_reduce(p, np.ones(1), group=col.new_group([0, 1])))
+    assert [float(r[0]) for r in results] == [2.0, 2.0]
+    run_peers(2, col.finish)
 
 
 BAD_OUTS = {  # for an input x
