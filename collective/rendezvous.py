@@ -11,6 +11,7 @@ and its own slots, so calls on different groups run concurrently.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from contextlib import AbstractContextManager
@@ -54,10 +55,11 @@ _CAME = Barrier()  # what a failed slot keeps of a call: that it came (no arrays
 class _Slot:
     """Where the local peers' calls of one step meet (created by the first to arrive)."""
 
-    __slots__ = ("calls", "number", "outcome", "reporter")
+    __slots__ = ("calls", "deadline", "number", "outcome", "reporter")
 
     def __init__(self, number: int, calls: dict[int, Call] | None = None) -> None:
         self.number = number
+        self.deadline = math.inf  # the earliest of the peers' deadlines: the step's, for every peer
         self.calls: dict[int, Call] = {} if calls is None else calls  # by local index
         self.outcome: Plan | CollectiveError | None = None
         self.reporter: int | None = None  # multi-node: the local index that tells the other nodes it failed
@@ -108,9 +110,9 @@ class Rendezvous:
         if self._alone:
             number, outcome = self._decide_alone(peer, call)
         else:
-            slot, verdict = self._arrive(index, peer, call)
+            slot, verdict = self._arrive(index, peer, call, deadline)
             outcome = verdict if verdict is not None else self._await(slot, index, call, deadline, timeout)
-            number, reporter = slot.number, slot.reporter
+            number, reporter, deadline = slot.number, slot.reporter, slot.deadline
         if isinstance(outcome, CollectiveError):
             if reporter == index and self.job.site.node is not None:
                 return self._reporting(number, peer, index, call, outcome, deadline, timeout)
@@ -133,7 +135,9 @@ class Rendezvous:
         plan = Plan(number, label, call.signature, [call], self.members, executor, clone_error(error))
         return Step(plan, peer, index, self._ranks[index], call, deadline, timeout)
 
-    def _arrive(self, index: int, peer: int, call: Call) -> tuple[_Slot, Plan | CollectiveError | None]:
+    def _arrive(
+        self, index: int, peer: int, call: Call, deadline: float
+    ) -> tuple[_Slot, Plan | CollectiveError | None]:
         """Post the call at this peer's next step; the last peer to arrive decides the outcome.
 
         Returns the slot and its verdict, or None: then this peer's bell is armed, and rung with it.
@@ -152,6 +156,7 @@ class Rendezvous:
                     slot = self._slots[number] = _Slot(number)
                 calls = slot.calls
                 calls[index] = call
+                slot.deadline = min(slot.deadline, deadline)
                 if len(calls) < len(self.local) or slot.outcome is not None:
                     if slot.outcome is None:
                         self.bells[index].arm()

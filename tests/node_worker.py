@@ -355,7 +355,23 @@ def p2p(peer: int, world: int) -> int:
     return count
 
 
+def staggered(peer: int, world: int) -> int:
+    """2 nodes x 2 peers, timeout 4 s: peer 1 comes at once, peer 0 3 s later, node 1's peers past
+    peer 1's deadline and its 2 s of grace but within peer 0's deadline. One outcome for every
+    peer: peer 1 timed out while the others completed (each local peer ran to its own deadline)."""
+    col.barrier(peer)
+    time.sleep({1: 0.0, 0: 3.0}.get(peer, 6.5))
+    try:
+        col.all_reduce(peer, np.ones(2), timeout=4.0)
+        say(f"COMPLETED {peer}")
+    except col.CollectiveTimeout as exc:
+        say(f"TIMEOUT {peer} {exc}")
+    assert col.all_reduce(peer, np.ones(2))[0] == world  # the job goes on
+    return 2
+
+
 MODES = {
+    "staggered": staggered,
     "p2p": p2p,
     "matrix": matrix,
     "loop": loop,

@@ -76,6 +76,14 @@ def test_a_node_killed_mid_collective_is_a_peer_lost_error_everywhere_within_sec
         finish_all(nodes, 30)
 
 
+def test_local_peers_arriving_apart_share_one_deadline_and_one_outcome(orchestrator: str) -> None:
+    nodes = start_nodes(orchestrator, job_name(), 2, 2, "staggered")
+    for node, code in zip(nodes, finish_all(nodes, 60), strict=True):
+        assert code == 0, node.output()
+    lines = [line for node in nodes for _, line in node.lines if line.startswith(("TIMEOUT", "COMPLETED"))]
+    assert sorted(line.split()[:2] for line in lines) == [["TIMEOUT", str(p)] for p in range(4)], lines
+
+
 def test_the_orchestrator_killed_is_a_peer_lost_error_on_every_node() -> None:
     proc, address = start_orchestrator()
     nodes = start_nodes(address, job_name(), 2, 2, "loop")
