@@ -9,6 +9,7 @@ and a ZeroMQ Link among the group's nodes.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import logging
@@ -29,6 +30,7 @@ from collective.errors import CollectiveError, PeerLostError
 from collective.host_tier import HostTier
 from collective.layout import Layout
 from collective.protocol import (
+    FINISHED_TAG,
     PART_BYTES,
     P2PMessage,
     check_fields,
@@ -86,6 +88,7 @@ class NodeJob:
         self._closed = False
         self._agreed: dict[int, int] = {}  # channel -> the last step whose calls every node agreed on
         self._local: frozenset[int] = frozenset()
+        self._finished_peers: set[int] = set()  # other nodes' peers that called finish()
         self._p2p_ids = itertools.count()  # tells apart the messages this process sends in parts
         self._layouts: dict[tuple[int, ...], Layout] = {}
         shm = os.environ.get("COLLECTIVE_SHM", "1") != "0"  # 0: never the Shm executor (e.g. to compare)
@@ -134,6 +137,17 @@ class NodeJob:
     def is_local(self, peer: int, local_peers: tuple[int, ...]) -> bool:
         return peer in local_peers
 
+    def finished(self, peer: int) -> None:
+        """Local peer ``peer`` called finish() while this node stays: the other nodes are told (after
+        what it sent, on the same connections), so their waits for it end at once."""
+        topology = self.topology
+        assert topology is not None
+        notice = P2PMessage(peer, -1, FINISHED_TAG, (0,), "uint8").encode()
+        for node, peers in enumerate(topology.peers):
+            if node != topology.index:
+                with contextlib.suppress(CollectiveError):  # (a node that is gone needs no notice)
+                    self._outbox.send(node, {**notice, "to": peers[0]}, np.empty(0, np.uint8))
+
     def lost_peer(self, peer: int, orchestrator: bool = True) -> CollectiveError | None:
         """The error to raise for a peer that cannot send any more (its node lost or left), if any.
 
@@ -141,6 +155,8 @@ class NodeJob:
         processes of this host directly (pids, segments), so a group of this host goes on without
         an orchestrator, and its members all complete a step or all fail it.
         """
+        if peer in self._finished_peers:
+            return PeerLostError(f"peer {peer} called finish() (it left the job)", [peer])
         node = self._node_of.get(peer)
         return None if node is None else self._lost(node, orchestrator)
 
@@ -167,6 +183,11 @@ class NodeJob:
             message = P2PMessage.decode(header)
             if self._node_of.get(message.sender) != node or message.receiver not in self._local:
                 raise WireError(f"peer {message.sender} -> {message.receiver} does not match node {node}")
+            if message.tag == FINISHED_TAG:
+                self._finished_peers.add(message.sender)
+                if self._mailbox is not None:
+                    self._mailbox().wake()  # (a receive from it ends)
+                return
             if self._mailbox is not None:
                 self._mailbox().arrived(node, message, payload.buffer if payload is not None else b"")
         except WireError as exc:

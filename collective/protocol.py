@@ -194,6 +194,7 @@ def decode_call(header: dict[str, Any]) -> CallMessage | VerdictMessage:
 
 
 PART_BYTES = CHUNK_BYTES  # an array larger than this travels between processes in parts of this size
+FINISHED_TAG = 1 << 63  # (past every user tag) a p2p message with it says its sender called finish()
 
 
 @dataclass(frozen=True)

@@ -183,8 +183,10 @@ class Runtime:
             if empty and self._job is job:
                 self._job = None
         self._mailbox.wake()
-        if empty and job.node is not None:
+        if job.node is not None and empty:
             job.node.close()  # the last local peer leaves: so does this node
+        elif job.node is not None:
+            job.node.finished(peer_id)
 
     def reset(self) -> None:
         """Drop the job: every peer blocked in it wakes with JobClosedError (for tests)."""
@@ -318,9 +320,7 @@ class Runtime:
 
     def send(self, peer_id: int, x: Array, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
         """Hand ``x`` (copied) to peer ``dst``; returns at once, whether or not ``dst`` is receiving.
-
-        ``timeout`` is checked like every call's (a send never waits, so it bounds nothing).
-        """
+        ``timeout`` is checked like every call's (a send never waits, so it bounds nothing)."""
         job, member = self._member(peer_id), self._peer(peer_id)
         if timeout is not None:
             _seconds(timeout)
@@ -344,8 +344,7 @@ class Runtime:
     ) -> tuple[int, Array]:
         job, member = self._member(peer_id), self._peer(peer_id)
         seconds = job.config.timeout if timeout is None else _seconds(timeout)
-        finished = self._finished
-        return p2p.recv(job, self._mailbox, finished, peer_id, member.device, src, tag, seconds, out)
+        return p2p.recv(job, self._mailbox, self._finished, peer_id, member.device, src, tag, seconds, out)
 
     # -- the one road ---------------------------------------------------------------------------
 

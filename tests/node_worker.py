@@ -370,7 +370,26 @@ def staggered(peer: int, world: int) -> int:
     return 2
 
 
+def remote_finish(peer: int, world: int) -> int:
+    """2 nodes x 2 peers: peer 3 finishes while its node stays (peer 2 is busy). Peer 0's receive
+    from it and peer 1's collective on [1, 3] (shared memory) waited their whole timeout."""
+    col.barrier(peer)
+    if peer == 2:
+        time.sleep(6)
+    if peer in (0, 1):
+        started = time.monotonic()
+        try:
+            if peer == 0:
+                col.recv(peer, src=3, timeout=20)
+            else:
+                col.all_reduce(peer, np.ones(2), group=col.new_group([1, 3]), timeout=20)
+        except col.PeerLostError as exc:
+            say(f"LOST {peer} {time.monotonic() - started:.1f} {exc}")
+    return 1
+
+
 MODES = {
+    "remote_finish": remote_finish,
     "staggered": staggered,
     "p2p": p2p,
     "matrix": matrix,

@@ -84,6 +84,17 @@ def test_local_peers_arriving_apart_share_one_deadline_and_one_outcome(orchestra
     assert sorted(line.split()[:2] for line in lines) == [["TIMEOUT", str(p)] for p in range(4)], lines
 
 
+def test_a_peer_of_another_node_that_finished_is_lost_at_once(orchestrator: str) -> None:
+    """Its node stays (another peer there is busy): a receive from it, and a collective with it,
+    waited for the whole timeout and raised CollectiveTimeout, not PeerLostError."""
+    nodes = start_nodes(orchestrator, job_name(), 2, 2, "remote_finish")
+    for node, code in zip(nodes, finish_all(nodes, 60), strict=True):
+        assert code == 0, node.output()
+    for peer in (0, 1):
+        _, line = nodes[0].wait_for(f"LOST {peer}", 1)
+        assert float(line.split()[2]) < 3 and "peer 3 called finish()" in line, line  # (node 1 left at 6 s)
+
+
 def test_the_orchestrator_killed_is_a_peer_lost_error_on_every_node() -> None:
     proc, address = start_orchestrator()
     nodes = start_nodes(address, job_name(), 2, 2, "loop")
