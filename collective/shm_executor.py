@@ -201,6 +201,11 @@ class ShmGroup:
         heads = self._heads[slot]
         key: tuple[Any, ...] = (slot,)
         for rank, head in enumerate(heads):
+            if rank != self.rank and (  # it gave the step up since it came (and let the channel go)
+                channels[rank].progress[0] == at(s, ABORT)
+                or self._segments[rank].keys[self._their_index[rank]] != self.key
+            ):
+                raise self._theirs_error(rank, channels[rank].record(s) or "||left the step")
             if head[0] != s or not 0 <= head[1] <= MESSAGE_BYTES:
                 problem = f"{self._label}: {self._who([rank])} published step {head[0]}, not {s}"
                 self._finish_with(s, MismatchError(problem))
@@ -322,12 +327,15 @@ class ShmGroup:
         return channel
 
     def releasable(self) -> bool:
-        """Whether every member left this group's last step here (it may give its channel up now)."""
-        for rank in range(self.n) if self.last >= 0 else ():
-            channel, segment = self._theirs[rank], self._segments[rank]
-            if rank == self.rank or channel is None or segment.keys[self._their_index[rank]] != self.key:
-                continue  # (as release(): a member whose channel moved left this group's steps)
-            if channel.progress[0] < at(self.last, ABORT) and segment.alive() and not segment.closed:
+        """Whether every member left this group's last step here (it may give its channel up now):
+        a member whose channel was never looked up is looked up (it may be reading this one)."""
+        for rank in range(self.n) if self.last >= 0 and self._segments else ():
+            segment = self._segments[rank]
+            index = None if rank == self.rank else segment.find(self.key)
+            if index is None:
+                continue  # (no channel for the group: it reads none of ours)
+            busy = segment.channels[index].progress[0] < at(self.last, ABORT)
+            if busy and segment.alive() and not segment.closed:
                 return False
         return True
 

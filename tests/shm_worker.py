@@ -229,13 +229,15 @@ def crash(peer: int, world: int) -> int:
     return 1
 
 
-def late(peer: int, world: int, delay: str = "2", who: str = "-1") -> int:
+def late(peer: int, world: int, delay: str = "2", who: str = "-1", early: str = "") -> int:
     """Peer ``who`` (the last by default) comes ``delay`` s late: the others time out naming it, so
-    does it; then all go on."""
+    does it; then all go on. With ``early``: only peer 0 times out (at 1 s), the others would wait
+    on: every peer fails the step all the same (one saw the others come and completed it)."""
     if peer == int(who) % world:
         time.sleep(float(delay))
     try:
-        col.all_reduce(peer, np.ones(3), timeout=1.0)
+        col.all_reduce(peer, np.ones(3), timeout=1.0 if peer == 0 or not early else 20)
+        raise AssertionError("a result of a step peer 0 gave up")
     except col.CollectiveTimeout as exc:
         say(f"TIMEOUT {list(exc.missing)} {exc}")
     same(col.all_reduce(peer, np.ones(3)), np.full(3, float(world)), "after the timeout")
@@ -412,12 +414,64 @@ def absent(peer: int, world: int) -> int:
     return count
 
 
+def gave_up(peer: int, world: int) -> int:
+    """G = (0, 1, 2), 6 processes. Peer 0 times out in G's step 0 waiting for the late peer 1 (it
+    never looked peer 2's channel up); peer 2 waits on. Peer 0 then needs channels for 8 groups:
+    it gave G's to H = (0, 1, 3), whose step 0 was the same call, and peer 2 summed H's data once
+    peer 1 came. Every member of G's step must fail; the job goes on."""
+    g, others = (0, 1, 2), [(0, 3), (0, 4), (0, 5), (0, 3, 4), (0, 3, 5), (0, 4, 5), (0, 3, 4, 5), (0, 1, 3)]
+
+    def run(members: tuple[int, ...], value: float, timeout: float = 20) -> Any:
+        return col.all_reduce(peer, np.full(2, value), group=col.new_group(list(members)), timeout=timeout)
+
+    if peer in (0, 2):
+        try:
+            run(g, 1000.0 if peer == 0 else 3.0, 0.5 if peer == 0 else 20)
+            raise AssertionError("a result of a step peer 0 gave up")
+        except col.CollectiveError as exc:
+            say(f"GAVE {type(exc).__name__} {exc}")
+    for members in others if peer != 2 else ():
+        if peer in members:
+            same(run(members, peer + 1.0), np.full(2, sum(p + 1.0 for p in members)), f"group {members}")
+    if peer == 1:
+        try:
+            run(g, 2.0, 5)
+            raise AssertionError("a result of a step peer 0 gave up")
+        except col.CollectiveError as exc:
+            say(f"GAVE {type(exc).__name__} {exc}")
+    col.barrier(peer)
+    return 1
+
+
+def unmapped(peer: int, world: int) -> int:
+    """Peer 1 finishes at once: peer 0's first step on [0, 1] fails mapping peer 1's segment. Then
+    peer 0 needs channels for more groups than it has: giving that group's up raised IndexError."""
+    if peer == 1:
+        return 0
+    if peer == 0:
+        time.sleep(0.5)
+        try:
+            col.all_reduce(peer, np.ones(2), group=col.new_group([0, 1]))
+            raise AssertionError("a step with a peer that left")
+        except col.PeerLostError as exc:
+            say(f"LEFT {exc}")
+    rest = [p for p in range(world) if p != 1]
+    count = 0
+    for members in [c for r in range(2, len(rest) + 1) for c in itertools.combinations(rest, r) if 0 in c]:
+        if peer in members:
+            got = col.all_reduce(peer, np.full(2, peer + 1.0), group=col.new_group(list(members)), timeout=10)
+            same(got, np.full(2, sum(p + 1.0 for p in members)), f"group {members}")
+            count += 1
+    return count
+
+
 MODES = {
     "byte_order": byte_order,
     "leaves": leaves,
     "every": every, "many": many, "overlap": overlap, "lead_fails": lead_fails, "groups": groups,
     "evicted": evicted, "concurrent": concurrent, "mismatch": mismatch, "loop": loop, "crash": crash,
     "late": late, "crowded": crowded, "no_channel": no_channel, "absent": absent,
+    "gave_up": gave_up, "unmapped": unmapped,
 }  # fmt: skip
 
 

@@ -120,6 +120,26 @@ def test_a_group_waiting_for_an_absent_member_keeps_its_channel(orchestrator: st
     assert line.split()[1] == "7", line  # peer 0's groups among the 11 of peers 0, 2, 3, 4
 
 
+def test_a_step_given_up_fails_for_every_member_and_its_channel_waits_for_them(orchestrator: str) -> None:
+    """A member still inside a step another gave up summed the data of the group that got the
+    giver's channel (it had never looked that member's channel up, so gave it away)."""
+    procs = start(orchestrator, 6, "gave_up")
+    for proc, code in zip(procs, finish_all(procs, 100), strict=True):
+        assert code == 0, proc.output()
+    for rank in (0, 1, 2):
+        _, line = procs[rank].wait_for("GAVE", 1)
+        assert line.startswith("GAVE CollectiveTimeout") and "waited 0.5s for peer 1" in line, line
+
+
+def test_a_group_that_never_mapped_its_members_gives_its_channel_up(orchestrator: str) -> None:
+    """Its first step failed mapping a member that had left: every later eviction raised IndexError."""
+    procs = start(orchestrator, 6, "unmapped")
+    for proc, code in zip(procs, finish_all(procs, 100), strict=True):
+        assert code == 0, proc.output()
+    _, line = procs[0].wait_for("OK", 1)
+    assert line.split()[1] == "15", line  # every group of peers 0, 2, 3, 4, 5 with peer 0
+
+
 def test_two_groups_of_one_process_run_at_once_from_two_threads(orchestrator: str) -> None:
     procs = start(orchestrator, 3, "concurrent")
     for proc, code in zip(procs, finish_all(procs, 100), strict=True):
@@ -179,12 +199,13 @@ def test_a_process_failing_inside_a_step_fails_the_others_at_once_and_the_job_go
     assert all("AFTER" in proc.output() for proc in procs)
 
 
-@pytest.mark.parametrize("late", [2, 1])
+@pytest.mark.parametrize(("late", "early"), [(2, ""), (1, ""), (1, "early")])
 def test_a_late_process_is_named_by_the_timeout_everywhere_and_the_job_goes_on(
-    orchestrator: str, late: int
+    orchestrator: str, late: int, early: str
 ) -> None:
-    """Peer 1 late: peer 0 named peers 1 and 2 (it had not looked peer 2's channel up yet)."""
-    procs = start(orchestrator, 3, "late", "2", str(late))
+    """Peer 1 late: peer 0 named peers 1 and 2 (it had not looked peer 2's channel up yet). With only
+    peer 0 timing out, peer 2, which had seen peer 0 come, completed the step the others failed."""
+    procs = start(orchestrator, 3, "late", "2", str(late), early)
     for proc, code in zip(procs, finish_all(procs, 60), strict=True):
         assert code == 0, proc.output()
         _, line = proc.wait_for("TIMEOUT", 1)
