@@ -128,7 +128,8 @@ def _stopped_on_failure() -> Iterator[None]:
 def _config(launched: Launched, env: Mapping[str, str]) -> CollectiveConfig:
     """The job's settings, every one checked before rank 0 starts an orchestrator."""
     if env.get("COLLECTIVE_NODE_ADDRESS", "").strip():  # (a machine of several networks: the one to use)
-        host = env["COLLECTIVE_NODE_ADDRESS"].strip().rpartition(":")[0] or "127.0.0.1"
+        given = env["COLLECTIVE_NODE_ADDRESS"].strip()
+        host = given.rpartition(":")[0] if ":" in given else given  # (its port: 0 or the service's)
     elif launched.master is not None:
         host = reaching(launched.master[0])
     else:  # the address of this machine that the named orchestrator's host reaches

@@ -210,6 +210,6 @@ def _require_address(name: str, value: Any, lowest_port: int) -> None:
 
 def job_problem(value: Any) -> str | None:
     """Why ``value`` cannot name a job (None if it can)."""
-    if not isinstance(value, str) or not 0 < len(value) <= 200:
-        return f"job must be a non-empty name of at most 200 characters, got {value!r}"
+    if not isinstance(value, str) or not 0 < len(value) <= 200 or value != value.strip():
+        return f"job must be a name of 1 to 200 characters without surrounding spaces, got {value!r}"
     return None

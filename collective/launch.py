@@ -324,7 +324,8 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[st
     if args.module is not None:  # "-m module [args]": the module's arguments were taken with it
         if not args.module or args.module[0].startswith("-"):
             parser.error("argument -m: expected a module name")
-        args.module, args.program = args.module[0], args.module[1:]
+        rest = args.program[1:] if args.program[:1] == ["--"] and len(args.module) == 1 else args.program
+        args.module, args.program = args.module[0], [*args.module[1:], *rest]  # (argparse stops at --)
     elif args.program[:1] == ["--"]:  # "launch --nodes 2 -- prog ...": the separator is no program
         args.program = args.program[1:]
     if not args.program and args.module is None:

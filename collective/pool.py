@@ -54,7 +54,7 @@ class Pool:
         if nbytes < MIN_BYTES or self.limit <= 0 or dtype.hasobject:  # bytes cannot hold references
             return np.empty(shape, dtype)
         with self._lock:
-            blocks = self._blocks.setdefault(nbytes, [])
+            blocks = self._blocks.get(nbytes, [])
             i = 0
             for block in blocks:  # (not enumerate: its cached tuple would hold one more reference)
                 if sys.getrefcount(block) <= _OWN:
@@ -64,13 +64,11 @@ class Pool:
                 del blocks[i]
                 self.reused += 1
             else:
-                if self._held + nbytes > self.limit:
-                    if not self._trim(self.limit - nbytes):  # the blocks handed out fill the pool
-                        return np.empty(shape, dtype)
-                    blocks = self._blocks.setdefault(nbytes, [])  # (the trim drops empty lists)
+                if self._held + nbytes > self.limit and not self._trim(self.limit - nbytes):
+                    return np.empty(shape, dtype)  # the blocks handed out fill the pool
                 block = np.empty(nbytes, np.uint8)
                 self._held += nbytes
-            blocks.append(block)
+            self._blocks.setdefault(nbytes, []).append(block)  # (the trim may have dropped the list)
         result: np.ndarray = block.view(dtype).reshape(shape)
         return result
 

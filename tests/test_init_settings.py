@@ -160,12 +160,17 @@ def test_launch_gives_everything_after_m_module_to_the_module(tmp_path: Path) ->
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.splitlines() == ["[node 0] 1 ['--nodes', '3', '--job', 'x', '--help']"], done.stdout
+    for given, expected in ((["--", "--lr", "1"], "['--lr', '1']"), (["a", "--", "b"], "['a', '--', 'b']")):
+        argv = [sys.executable, "-m", "collective", "launch", "--nodes", "1", "-m", "echo_args", *given]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
+        assert done.stdout.splitlines() == [f"[node 0] 1 {expected}"], (given, done.stdout)  # (python -m's)
 
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--job", ""], "argument --job: job must be a non-empty name"),
-     (["--job", "j" * 201], "argument --job: job must be a non-empty name of at most 200"),
+    [(["--job", ""], "argument --job: job must be a name of 1 to 200 characters"),
+     (["--job", "j" * 201], "argument --job: job must be a name of 1 to 200 characters"),
+     (["--job", " "], "without surrounding spaces"),
      (["-m"], "argument -m: expected a module name"), (["-m", "--x"], "argument -m: expected a module name")],
 )  # fmt: skip
 def test_launch_refuses_a_bad_job_name_or_module_before_starting(args: list[str], message: str) -> None:
@@ -202,6 +207,8 @@ def test_a_named_orchestrator_without_master_addr_gives_the_address_reaching_it(
     assert bootstrap._config(launched_from(given), given).node_address == "10.9.9.9:0"
     torchrun_given = {**CLEAN, **torchrun(1, 2, 1234), "COLLECTIVE_NODE_ADDRESS": "10.9.9.9:0"}
     assert bootstrap._config(launched_from(torchrun_given), torchrun_given).node_address == "10.9.9.9:0"
+    portless = {**torchrun_given, "COLLECTIVE_NODE_ADDRESS": "10.9.9.8"}  # (it became 127.0.0.1)
+    assert bootstrap._config(launched_from(portless), portless).node_address == "10.9.9.8:0"
     assert len(asked) == 1  # (with MASTER_ADDR set too: it was ignored there)
 
 

@@ -93,3 +93,13 @@ def test_coalesced_buckets_come_from_the_pool_and_stay_while_their_results_live(
             del results
         assert (held[0] == 1).all() and (held[1] == 2).all()
         assert pool.reused - before >= 2  # each later call took the bucket the one before dropped
+
+
+def test_a_full_pool_keeps_no_trace_of_the_sizes_it_could_not_hold() -> None:
+    """Each size asked of a pool full of results held added an empty list it scanned ever after."""
+    blocks = Pool(2 * MIN_BYTES)
+    held = [blocks.empty((ELEMENTS,), np.float32) for _ in range(2)]
+    for extra in range(1, 200):
+        assert blocks.empty((ELEMENTS + extra,), np.float32).base is None  # past the limit: plain
+    assert len(blocks._blocks) == 1, sorted(blocks._blocks)
+    del held
