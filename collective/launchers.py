@@ -116,14 +116,15 @@ def launched_from(environ: Mapping[str, str] | None = None) -> Launched:
     if orchestrator is not None and (problem := address_problem(orchestrator, lowest_port=1)) is not None:
         raise ConfigError(f"COLLECTIVE_GLOBAL_ADDRESS {problem}: name the orchestrator's host and port")
     job = env.get("COLLECTIVE_JOB", "").strip()
+    attempt = ""  # torchrun's restart: a new job
     if env.get("COLLECTIVE_PEER_IDS", "").strip():
         return _from_collective_launch(env, orchestrator, job)
     if env.get("RANK", "").strip() or env.get("WORLD_SIZE", "").strip():
         rank, world = _rank_and_world(env, "RANK", "WORLD_SIZE")
         master = _master(env)
         run = env.get("TORCHELASTIC_RUN_ID", "").strip()
-        attempt = env.get("TORCHELASTIC_RESTART_COUNT", "").strip() or "0"  # a restart is a new job
-        job = job or (f"{run}.{attempt}" if run and run != "none" else "")
+        attempt = "." + (env.get("TORCHELASTIC_RESTART_COUNT", "").strip() or "0") if run else ""
+        job = job or (f"{run}{attempt}" if run and run != "none" else "")
         source = "torchrun"
         local = env.get("LOCAL_RANK")
         agent = env.get("TORCHELASTIC_USE_AGENT_STORE", "").strip().lower() == "true"
@@ -158,7 +159,7 @@ def launched_from(environ: Mapping[str, str] | None = None) -> Launched:
         )
     if not job:  # rank 0's own orchestrator serves this job alone
         assert master is not None
-        job = f"init-{resolve(master[0])}:{master[1]}"  # (localhost and 127.0.0.1 are one job)
+        job = f"init-{resolve(master[0])}:{master[1]}{attempt}"  # (localhost and 127.0.0.1: one job)
     local_rank = int(local) if local is not None and local.strip().isdecimal() else None
     return Launched(source, rank, world, local_rank, orchestrator, master, job, agent)
 

@@ -296,6 +296,8 @@ def test_each_job_has_its_own_name_and_one_name() -> None:
     again = {"TORCHELASTIC_RUN_ID": "r", "TORCHELASTIC_RESTART_COUNT": "2"}
     restarted = launched_from({**torchrun(0, 2, 1234), **again})
     assert restarted.job == "r.2"
+    static = {**torchrun(0, 2, 1234), **again, "TORCHELASTIC_RUN_ID": "none"}  # --master-port: no run id
+    assert launched_from(static).job == "init-127.0.0.1:1234.2"
     mpi = {**open_mpi(1, 2, 99), "COLLECTIVE_GLOBAL_ADDRESS": "10.0.0.1:7"}
     assert launched_from({**mpi, "OMPI_MCA_orte_ess_jobid": "1234"}).job == "ompi-1234"
     assert launched_from({**mpi, "COLLECTIVE_JOB": "mine"}).job == "mine"
