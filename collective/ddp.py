@@ -229,6 +229,8 @@ class GradientSync:
             )
             for bucket in self._buckets[self._next :]:  # the others expect these: they fail with it
                 bucket.works = self._reduce(bucket, async_op=True, problem=problem)
+            if self.stale:  # in step with the others: this step's error comes with the next wait()
+                return self._rotate(timeout)
             for bucket in self._buckets:
                 for work in bucket.works:
                     with suppress(CollectiveError):
@@ -236,20 +238,25 @@ class GradientSync:
                 bucket.grads, bucket.works = {}, []
             self._next = 0
             raise InvalidArgumentError(f"wait(): {problem}")
+        if self.stale:
+            return self._rotate(timeout)
         current = self._buckets
         self._next = 0
-        if self.stale:
-            finished, self._previous = self._previous, current
-            if finished is None:  # the first step: the next one fills the spare buffers
-                assert self._spare is not None
-                self._buckets, self._spare = self._spare, None
-                return None
-            self._buckets = finished
-            return self._collect(finished, timeout, in_place=False)
         last: _Bucket | None = current[-1]
         if timeout is not None:  # a bounded wait needs Works to bound
             current[-1].works, last = self._reduce(current[-1], async_op=True), None
         return self._collect(current, timeout, in_place=True, run=last)
+
+    def _rotate(self, timeout: float | None) -> dict[str, Any] | None:
+        """stale=True: this step's all_reduces go on; the previous step's averages come back."""
+        self._next = 0
+        finished, self._previous = self._previous, self._buckets
+        if finished is None:  # the first step: the next one fills the spare buffers
+            assert self._spare is not None
+            self._buckets, self._spare = self._spare, None
+            return None
+        self._buckets = finished
+        return self._collect(finished, timeout, in_place=False)
 
     def _collect(
         self, buckets: list[_Bucket], timeout: float | None, in_place: bool, run: _Bucket | None = None

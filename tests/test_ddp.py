@@ -425,6 +425,32 @@ def test_a_gradient_missing_on_one_peer_fails_the_step_on_every_peer_at_once() -
                 np.testing.assert_array_equal(result[name], np.full(2, 2.0))
 
 
+def test_with_stale_a_missing_gradient_fails_the_same_wait_on_every_peer() -> None:
+    """stale=True: the peer that missed a gradient raised at once while the others returned the
+    previous averages; they then fell out of step (each raised at a different wait)."""
+    params = {"a": np.zeros(2), "b": np.zeros(2), "c": np.zeros(2)}
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> list[Any]:
+            rt.register(peer, "cpu", cfg())
+            sync = GradientSync(peer, params, bucket_bytes=16, op="sum", runtime=rt, stale=True)
+            seen: list[Any] = []
+            for step in range(1, 5):
+                for name in ("c", "b", "a"):
+                    if not (step == 2 and peer == 0 and name == "b"):
+                        sync.ready(name, np.full(2, 10.0 * step + peer))
+                try:
+                    got = sync.wait()
+                    seen.append(None if got is None else float(got["a"][0]))
+                except col.InvalidArgumentError as exc:
+                    assert "peer 0 made no gradient ready for ['b']" in str(exc)
+                    seen.append("error")
+            return seen
+
+        for seen in run_peers(N, body, rt):
+            assert seen == [None, 33.0, "error", 93.0], seen  # (step k's sum over 3 peers: 30k + 3)
+
+
 def test_immutable_gradients_come_back_as_new_arrays() -> None:
     """A JAX gradient (read through numpy, read-only) raised a bare ValueError in wait()."""
     params = {"w": np.zeros(3)}
