@@ -201,11 +201,12 @@ class ShmGroup:
         heads = self._heads[slot]
         key: tuple[Any, ...] = (slot,)
         for rank, head in enumerate(heads):
-            if rank != self.rank and (  # it gave the step up since it came (and let the channel go)
-                channels[rank].progress[0] == at(s, ABORT)
-                or self._segments[rank].keys[self._their_index[rank]] != self.key
-            ):
-                raise self._theirs_error(rank, channels[rank].record(s) or "||left the step")
+            value = channels[rank].progress[0]  # it gave the step up since it came (and may be on)
+            gave_up = value >= at(s, ABORT) and value != at(s, END) and channels[rank].record(s)
+            if rank != self.rank and gave_up:
+                raise self._theirs_error(rank, gave_up)
+            if rank != self.rank and self._segments[rank].keys[self._their_index[rank]] != self.key:
+                raise self._theirs_error(rank, "||left the step")  # (and let its channel go)
             if head[0] != s or not 0 <= head[1] <= MESSAGE_BYTES:
                 problem = f"{self._label}: {self._who([rank])} published step {head[0]}, not {s}"
                 self._finish_with(s, MismatchError(problem))
