@@ -363,9 +363,9 @@ class ShmGroup:
             segment = self._segments[rank]
             lost = ring.lost_peer(peer)
             alive = lost is None and segment.alive()
-            theirs, s = self._theirs[rank], self._active  # it may leave once its part of step s is done:
-            done = theirs is not None and s is not None and theirs.progress[0] >= at(s, END)
-            if (alive and not segment.closed) or done:
+            s, index = self._active, segment.find(self.key)  # it may leave once its part of step s is
+            done = s is not None and index is not None and segment.channels[index].progress[0] >= at(s, END)
+            if (alive and not segment.closed) or done:  # done (its channel looked up: maybe never yet)
                 continue
             reason = self._given_up(rank)
             if reason is not None:  # it gave this step up (and then exited): its reason is the news
