@@ -250,8 +250,9 @@ class Orchestrator:
             reply = {"t": "pong", "job": name} if job.formed else job.waiting()
             if not job.formed and self._watch is not None:
                 count, recent = self._watch.refused()
-                if count:
-                    reply["bad_token"] = {"count": count, "latest": recent[-1][1]}
+                if count:  # (the latest whose address was read: a refused connection may be gone first)
+                    known = [peer for _, peer in recent if peer != "an unknown address"] or [recent[-1][1]]
+                    reply["bad_token"] = {"count": count, "latest": known[-1]}
         elif node is not None:
             reply = {"t": "evicted", "job": name, "reason": f"it {node.gone}"}
         else:
