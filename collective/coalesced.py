@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -60,10 +60,7 @@ def coalesced_all_reduce(
     if problem is None and (backs is not None or out is not None or not xs):
         problem = _problem(xs, arrays, out)
     if problem is not None:
-        refused = Coalesced(np.zeros(0, np.float32), op, ())
-        refused.refuse(problem)
-        execute(refused)  # raises the problem on every peer
-        raise AssertionError("unreachable: a refused call raises")
+        _refuse(problem, op, execute)
     dtypes = list(map(_DTYPE, arrays))
     shapes = list(map(_SHAPE, arrays))
     sizes = list(map(_SIZE, arrays))
@@ -83,12 +80,9 @@ def coalesced_all_reduce(
     results: list[Array] = [None] * len(arrays)
     checks = None if outs is None else list(zip(outs, arrays, strict=True))  # all with the first bucket
     parsed, _ = parse_op(op)  # (an unknown op fails the first bucket's call anyway)
-    for dtype in kinds if parsed is not None else ():  # every bucket's op checked before any data moves
-        if (wrong := dtype_problem(np.dtype(dtype), parsed)) is not None:
-            refused = _bucket([arrays[by_dtype[0][0]]], op, parts, sizes[by_dtype[0][0]])
-            refused.refuse(f"the list: {wrong}")
-            execute(refused)
-            raise AssertionError("unreachable: a refused call raises")
+    for dtype in kinds if parsed is not None and len(kinds) > 1 else ():  # every bucket's op, checked
+        if (wrong := dtype_problem(np.dtype(dtype), parsed)) is not None:  # before any bucket's data moves
+            _refuse(f"the list: {wrong}", op, execute)
     for indices in by_dtype:
         its_sizes = [sizes[i] for i in indices]
         reduced = execute(_bucket([arrays[i] for i in indices], op, parts, sum(its_sizes), checks))
@@ -100,6 +94,14 @@ def coalesced_all_reduce(
             else:
                 results[i] = view if backs is None else backs[i](view)
     return results
+
+
+def _refuse(problem: str, op: Any, execute: Callable[[Coalesced], Array]) -> NoReturn:
+    """One step whose call carries ``problem``: every peer gets the InvalidArgumentError, in step."""
+    refused = Coalesced(np.zeros(0, np.float32), op, ())
+    refused.refuse(problem)
+    execute(refused)  # raises the problem on every peer
+    raise AssertionError("unreachable: a refused call raises")
 
 
 def _views(flat: Array, shapes: list[Any], sizes: list[int]) -> list[Array]:
