@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from collective.calls import rules_of
@@ -33,17 +34,15 @@ from collective.transport.wire import WireError
 __all__ = ["CallExchange"]
 
 
+@dataclass(frozen=True)
 class CallExchange:
     """The exchange of the group ``members`` (placed by ``layout``) on ``channel`` of ``network``."""
 
-    def __init__(
-        self, network: NodeNetwork, topology: Topology, layout: Layout, members: tuple[int, ...], channel: int
-    ) -> None:
-        self.network = network
-        self.topology = topology
-        self.layout = layout
-        self.members = members
-        self.channel = channel
+    network: NodeNetwork
+    topology: Topology
+    layout: Layout
+    members: tuple[int, ...]
+    channel: int
 
     def run(
         self, step: int, mine: Signature | CollectiveError, small: Any, deadline: float

@@ -142,12 +142,12 @@ class NodeJob:
         what it sent, on the same connections), so their waits for it end at once."""
         topology = self.topology
         assert topology is not None
-        notice = P2PMessage(peer, -1, FINISHED_TAG, (0,), "uint8").encode()
         with self._join_lock:  # (the last local peer's close() waits: its sockets stay open meanwhile)
             for node, peers in enumerate(topology.peers) if not self._closed else ():
+                notice = P2PMessage(peer, peers[0], FINISHED_TAG, (0,), "uint8")  # (to any peer there)
                 if node != topology.index:
                     with contextlib.suppress(CollectiveError):  # (a node that is gone needs no notice)
-                        self._outbox.send(node, {**notice, "to": peers[0]}, np.empty(0, np.uint8))
+                        self._outbox.send(node, notice.encode(), np.empty(0, np.uint8))
 
     def lost_peer(self, peer: int, orchestrator: bool = True) -> CollectiveError | None:
         """The error to raise for a peer that cannot send any more (its node lost or left), if any.

@@ -331,14 +331,17 @@ class ShmGroup:
         """Whether every member left this group's last step here (it may give its channel up now):
         a member whose channel was never looked up is looked up (it may be reading this one)."""
         for rank in range(self.n) if self.last >= 0 and self._segments else ():
-            segment = self._segments[rank]
-            index = None if rank == self.rank else segment.find(self.key)
-            if index is None:
-                continue  # (no channel for the group: it reads none of ours)
-            busy = segment.channels[index].progress[0] < at(self.last, ABORT)
-            if busy and segment.alive() and not segment.closed:
+            channel = None if rank == self.rank else self._channel_now(rank)  # (None: it reads none of ours)
+            busy = channel is not None and channel.progress[0] < at(self.last, ABORT)
+            if busy and self._segments[rank].alive() and not self._segments[rank].closed:
                 return False
         return True
+
+    def _channel_now(self, rank: int) -> Any:
+        """Member ``rank``'s channel for this group as its segment tells it now (None: it has none)."""
+        segment = self._segments[rank]
+        index = segment.find(self.key)
+        return None if index is None else segment.channels[index]
 
     def release(self) -> None:
         """Give up this group's channel (lock held; only once ``releasable``: nobody reads it)."""
@@ -363,8 +366,8 @@ class ShmGroup:
             segment = self._segments[rank]
             lost = ring.lost_peer(peer)
             alive = lost is None and segment.alive()
-            s, index = self._active, segment.find(self.key)  # it may leave once its part of step s is
-            done = s is not None and index is not None and segment.channels[index].progress[0] >= at(s, END)
+            s, theirs = self._active, self._channel_now(rank)  # it may leave once its part of step s is
+            done = s is not None and theirs is not None and theirs.progress[0] >= at(s, END)
             if (alive and not segment.closed) or done:  # done (its channel looked up: maybe never yet)
                 continue
             reason = self._given_up(rank)
@@ -390,9 +393,8 @@ class ShmGroup:
     def _time_out(self, target: int) -> None:
         missing = []
         for rank in range(self.n):  # (a channel not looked up yet is looked up now)
-            segment, key = self._segments[rank], self.key
-            index = None if rank == self.rank else segment.find(key)
-            if rank != self.rank and (index is None or segment.channels[index].progress[0] < target):
+            channel = None if rank == self.rank else self._channel_now(rank)
+            if rank != self.rank and (channel is None or channel.progress[0] < target):
                 missing.append(self.members[rank])
         who = describe_peers(missing) if missing else "the others"
         raise CollectiveTimeout(
