@@ -27,7 +27,11 @@ from zmq.utils.monitor import recv_monitor_message
 
 from collective.transport.logs import Throttle
 
-__all__ = ["HANDSHAKE_FAILED", "RefusalWatch", "handshake_failure", "secure", "watch_refusals"]
+__all__ = [
+    "HANDSHAKE_FAILED", "UNKNOWN_ADDRESS", "RefusalWatch", "handshake_failure", "secure", "watch_refusals",
+]  # fmt: skip
+
+UNKNOWN_ADDRESS = "an unknown address"  # a peer whose address could not be read
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +76,13 @@ def _peer_name(fd: int) -> str:
     try:
         duplicate = os.dup(fd)  # libzmq's descriptor stays untouched
     except OSError:
-        return "an unknown address"
+        return UNKNOWN_ADDRESS
     try:
         with _socket.socket(fileno=duplicate) as sock:
             duplicate = -1  # the socket owns it now
             host, port = sock.getpeername()[:2]
     except (OSError, ValueError, TypeError):
-        return "an unknown address"
+        return UNKNOWN_ADDRESS
     finally:
         if duplicate >= 0:
             os.close(duplicate)
@@ -132,7 +136,7 @@ class RefusalWatch:
             elif kind & HANDSHAKE_FAILED:
                 failed = True
             elif kind == zmq.EVENT_DISCONNECTED:
-                peer = peers.pop(int(value), "an unknown address")
+                peer = peers.pop(int(value), UNKNOWN_ADDRESS)
                 if failed:
                     failed = False
                     self._refuse(peer)

@@ -39,7 +39,7 @@ import msgpack
 import zmq
 
 from collective.errors import RegistrationError, describe_peers
-from collective.transport.auth import watch_refusals
+from collective.transport.auth import UNKNOWN_ADDRESS, watch_refusals
 from collective.transport.logs import Throttle
 from collective.transport.sockets import make_socket
 
@@ -93,7 +93,7 @@ def _peer_address(frame: zmq.Frame) -> str:
     try:
         return str(frame.get("Peer-Address"))
     except (zmq.ZMQError, UnicodeDecodeError):
-        return "an unknown address"
+        return UNKNOWN_ADDRESS
 
 
 def is_peer_list(value: Any) -> TypeGuard[list[int]]:
@@ -251,7 +251,7 @@ class Orchestrator:
             if not job.formed and self._watch is not None:
                 count, recent = self._watch.refused()
                 if count:  # (the latest whose address was read: a refused connection may be gone first)
-                    known = [peer for _, peer in recent if peer != "an unknown address"] or [recent[-1][1]]
+                    known = [peer for _, peer in recent if peer != UNKNOWN_ADDRESS] or [recent[-1][1]]
                     reply["bad_token"] = {"count": count, "latest": known[-1]}
         elif node is not None:
             reply = {"t": "evicted", "job": name, "reason": f"it {node.gone}"}
