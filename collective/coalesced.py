@@ -9,6 +9,7 @@ usual case) is one rendezvous and one schedule, whatever the number of arrays.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
@@ -38,6 +39,12 @@ def coalesced_all_reduce(
     """
     if not isinstance(xs, list | tuple):
         xs = ()
+    elif out is None and set(map(type, xs)) == {np.ndarray}:  # the usual case: numpy arrays, results new
+        kinds = set(map(_DTYPE, xs))
+        if len(kinds) == 1:  # one dtype: one bucket, one call, and the views of its result
+            layout = _layout(tuple(map(_SHAPE, xs)), next(iter(kinds)))
+            bucket = pool.empty((layout.total,), layout.dtype)
+            return layout.views(execute(Coalesced(bucket, op, layout.parts, out=bucket, pieces=list(xs))))
     problem = None
     arrays: list[Any] = []
     backs: list[Any] | None = None
@@ -75,8 +82,6 @@ def coalesced_all_reduce(
         for index, dtype in enumerate(dtypes):
             groups.setdefault(dtype, []).append(index)
         by_dtype = list(groups.values())
-    if len(by_dtype) == 1 and out is None and backs is None:  # the usual case: the views are the results
-        return _views(execute(_bucket(arrays, op, parts, sum(sizes))), shapes, sizes)
     results: list[Array] = [None] * len(arrays)
     checks = None if outs is None else list(zip(outs, arrays, strict=True))  # all with the first bucket
     parsed, _ = parse_op(op)  # (an unknown op fails the first bucket's call anyway)
@@ -138,6 +143,43 @@ def _bucket(
 
 
 _NAMES: dict[Any, str] = {}  # dtype -> its name, as parts carry it
+
+
+class _Layout:
+    """What one list's shapes and dtype make of it, worked out once per distinct list: its parts
+    (as every bucket's call carries them), its element count, and where each array's view lies
+    in the reduced bucket (a slice, and the shape to give it, None for 1-D)."""
+
+    __slots__ = ("cuts", "dtype", "parts", "total")
+
+    def __init__(self, shapes: tuple[tuple[int, ...], ...], dtype: Any) -> None:
+        self.dtype = dtype
+        name = _NAMES.setdefault(dtype, str(dtype))  # numpy 2 builds a dtype's name anew every time
+        self.parts = tuple((shape, name) for shape in shapes)
+        self.cuts: list[tuple[slice, tuple[int, ...] | None]] = []
+        offset = 0
+        for shape in shapes:
+            end = offset + math.prod(shape)
+            self.cuts.append((slice(offset, end), None if len(shape) == 1 else shape))
+            offset = end
+        self.total = offset
+
+    def views(self, flat: Array) -> list[Array]:
+        """The arrays of the list as views of ``flat`` (a bucket of ``total`` elements)."""
+        return [flat[cut] if shape is None else flat[cut].reshape(shape) for cut, shape in self.cuts]
+
+
+_LAYOUTS: dict[tuple[Any, Any], _Layout] = {}
+_MAX_LAYOUTS = 64  # distinct lists remembered (a training loop has one or a few)
+
+
+def _layout(shapes: tuple[tuple[int, ...], ...], dtype: Any) -> _Layout:
+    found = _LAYOUTS.get((shapes, dtype))
+    if found is None:
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        found = _LAYOUTS[(shapes, dtype)] = _Layout(shapes, dtype)
+    return found
 
 
 def _problem(xs: Any, arrays: list[Any], out: Any) -> str | None:

@@ -757,6 +757,41 @@ def test_all_reduce_coalesced_equals_an_all_reduce_per_array(path: str, n: int, 
             _same_bytes(x, original)
 
 
+ONE_DTYPE = [(3, 4), (17,), (), (0,), (2, 0, 3), (2, 3, 5), (9_000,)]  # one dtype: one bucket
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_one_dtype_coalesced_list_gives_views_of_one_bucket_in_every_shape(path: str) -> None:
+    xs = [[np.full(shape, p + 1.0 + i, np.float32) for i, shape in enumerate(ONE_DTYPE)] for p in range(3)]
+
+    def body(peer: int) -> Any:
+        rt.register(peer, "cpu", config(3, Ring()))
+        first = rt.all_reduce_coalesced(peer, xs[peer], "sum")
+        again = rt.all_reduce_coalesced(peer, tuple(xs[peer]), "max")  # (the same layout, remembered)
+        rt.finish(peer)
+        return first, again
+
+    with col.Runtime(**PATHS[path]) as rt:
+        results = run_peers(3, body, rt)
+    for first, again in results:
+        for i, shape in enumerate(ONE_DTYPE):
+            assert first[i].shape == shape and first[i].dtype == np.float32
+            np.testing.assert_array_equal(first[i], np.full(shape, 6.0 + 3 * i, np.float32))
+            np.testing.assert_array_equal(again[i], np.full(shape, 3.0 + i, np.float32))
+        bases = {id(view.base) for view in first if view.size}
+        assert len(bases) == 1  # every result is a view of the one reduced bucket
+
+
+def test_the_layouts_of_coalesced_lists_are_remembered_within_a_bound(rt: col.Runtime) -> None:
+    from collective import coalesced
+
+    _registered(rt, 1)
+    for length in range(1, coalesced._MAX_LAYOUTS * 2):  # more distinct lists than it remembers
+        got = rt.all_reduce_coalesced(0, [np.ones(2, np.float32)] * length)
+        assert len(got) == length and all(g.tolist() == [1.0, 1.0] for g in got)
+        assert 1 <= len(coalesced._LAYOUTS) <= coalesced._MAX_LAYOUTS
+
+
 COALESCED_MISMATCHES: dict[str, tuple[Callable[[int], list[np.ndarray]], str, str]] = {
     # name: (peer p's list, op of peer p, text the MismatchError names)
     "length": (lambda p: [_z(2), _z(3)] if p != 1 else [_z(2)], "sum", "peer 1 passed 1 arrays (2,) float64"),
