@@ -104,9 +104,16 @@ class Fused:
         size = len(calls)
         self.results: list[Array | None] = []
         for rank, call in enumerate(calls):
-            result = call.new_result(call.device, agreed, size, rank)
-            if result is not None:
-                result.reshape(-1)[...] = fused[rank]  # results are C-contiguous numpy arrays
+            value = fused[rank]
+            if call.out is None and value is not None and value.dtype == agreed.dtype:  # a new result:
+                shape = call.result_shape(agreed, size, rank)  # a copy of the value, in one call
+                if shape is not None and value.shape != shape:
+                    value = value.reshape(shape)
+                result = None if shape is None else value.copy()
+            else:
+                result = call.new_result(call.device, agreed, size, rank)
+                if result is not None:
+                    result.reshape(-1)[...] = value  # results are C-contiguous numpy arrays
             self.results.append(result)
 
     def run(self, step: Step) -> Array | None:

@@ -283,6 +283,37 @@ def test_every_collective_dtype_block_op_and_root(
     assert set(executors_seen) == {EXECUTOR[path]}, "not the path under test"
 
 
+@pytest.mark.parametrize("path", ["fused", "shared"])
+def test_every_new_result_is_an_array_of_its_own(path: str) -> None:
+    """No result without ``out=`` shares a byte with another peer's result or with any input (every
+    peer of an all_reduce gets the same values: each in its own array, to write as it likes)."""
+    n, inputs = 3, []
+    cases = cases_for(n, np.float32, (4, 2), False, 3, ["sum"], [1], inputs, in_place=False)
+    cases.append(Case("all_reduce", lambda rt, p: rt.all_reduce(p, inputs[p]), lambda results: None))
+    cases.append(Case("broadcast", lambda rt, p: rt.broadcast(p, None if p else inputs[0]), lambda r: None))
+    cases.append(Case("reduce", lambda rt, p: rt.reduce(p, inputs[p], root=1), lambda r: None))
+    with col.Runtime(**PATHS[path]) as rt:
+
+        def body(peer: int) -> list[Any]:
+            rt.register(peer, "cpu", config(n))
+            results = [case.run(rt, peer) for case in cases]
+            rt.finish(peer)
+            return results
+
+        per_peer = run_peers(n, body, rt)
+    checked = 0
+    for index, case in enumerate(cases):
+        got = [per_peer[p][index] for p in range(n)]
+        got = [r[0] if isinstance(r, tuple) and r[1] is None else r for r in got]  # (result, out) pairs
+        arrays = [r for r in got if isinstance(r, np.ndarray)]
+        checked += len(arrays)
+        for i, a in enumerate(arrays):
+            assert not any(np.shares_memory(a, x) for x in inputs), f"{case.label}: a result is an input"
+            assert not any(np.shares_memory(a, b) for b in arrays[i + 1 :]), f"{case.label}: results share"
+    assert checked >= 6 * n  # all_gather, reduce_scatter, all_to_all, all_reduce, broadcast: every peer;
+    # scatter: the peers without out; reduce: the root
+
+
 @pytest.mark.parametrize("n", [2, 3, 5], ids=lambda n: f"{n}peers")
 def test_all_to_all_in_place_on_the_fused_path(n: int) -> None:
     xs = [make_input(p, (2 * n, 3), np.float32, seed=1) for p in range(n)]
