@@ -3,7 +3,9 @@
     python -m collective.bench.groups_async [--rounds 5] [--iters 300]
 
 1. Groups: 4 thread peers in two groups of 2 running 8 B all_reduces at the same time, against a
-   lone job of 2 thread peers doing the same (time per call, per group).
+   lone job of 2 thread peers doing the same (time per call, per group); and the same for the bare
+   least any Python threads can do (a lock and a bell per peer), which shows what the interpreter's
+   one lock (the GIL) costs four threads on this machine's cores, whatever the runtime.
 2. Overlap: 2 processes started with torchrun's variables through ``col.init()``: a 1 MiB
    all_reduce alone, a 5 ms numpy computation alone, and the all_reduce started with
    ``async_op=True``, the computation, then ``wait()``: that over the longer of the two.
@@ -72,6 +74,49 @@ def groups(iters: int) -> tuple[float, float]:
             thread.join(60)
         lone = _per_call(lambda p: rt.all_reduce(p, x), [0, 1], iters)
     return concurrent, lone
+
+
+class _Bare:
+    """The least a small all_reduce among threads can do in Python, for comparison: a counter under
+    a lock; the last to arrive sums and releases one lock per waiting peer (no checks, no timeout)."""
+
+    def __init__(self, peers: int) -> None:
+        self.peers = peers
+        self.lock = threading.Lock()
+        self.bells = [threading.Lock() for _ in range(peers)]
+        for bell in self.bells:
+            bell.acquire()
+        self.arrived = 0
+        self.inputs: list[Any] = [None] * peers
+        self.results: list[Any] = []
+
+    def all_reduce(self, rank: int, x: np.ndarray) -> np.ndarray:
+        with self.lock:
+            self.inputs[rank] = x
+            self.arrived += 1
+            last = self.arrived == self.peers
+            if last:
+                self.arrived = 0
+                total = self.inputs[0] + self.inputs[1]
+                for other in self.inputs[2:]:
+                    total += other
+                self.results = [total.copy() for _ in range(self.peers)]
+        if last:
+            for waiter, bell in enumerate(self.bells):
+                if waiter != rank:
+                    bell.release()
+        else:
+            self.bells[rank].acquire()
+        return self.results[rank]
+
+
+def bare_groups(iters: int) -> tuple[float, float]:
+    """``groups`` for ``_Bare`` pairs: (two pairs at once, a lone pair), µs per call."""
+    x = np.ones(2, np.float32)
+    pairs = {0: _Bare(2), 2: _Bare(2)}
+    concurrent = _per_call(lambda p: pairs[p & 2].all_reduce(p & 1, x), [0, 1, 2, 3], iters)
+    lone = _Bare(2)
+    return concurrent, _per_call(lambda p: lone.all_reduce(p, x), [0, 1], iters)
 
 
 def _compute(ms: float) -> None:
@@ -161,6 +206,10 @@ def main(argv: list[str] | None = None) -> int:
         concurrent, lone = groups(args.iters)
         print(f"round {round_}: groups: 2 concurrent groups of 2 (of 4 peers) {concurrent:.1f} us per "
               f"8 B call, a lone 2-peer job {lone:.1f} us ({concurrent / lone:.2f}x)")  # fmt: skip
+        bare_concurrent, bare_lone = bare_groups(args.iters)
+        print(f"round {round_}: groups, the bare least (a lock and a bell per peer, no checks): 2 pairs "
+              f"at once {bare_concurrent:.1f} us, a lone pair {bare_lone:.1f} us "
+              f"({bare_concurrent / bare_lone:.2f}x)")  # fmt: skip
         by_init, by_config = processes("init", args.iters), processes("config", args.iters)
         print(f"round {round_}: 2 processes, 8 B: init() {by_init['8B']:.1f} us, explicit config "
               f"{by_config['8B']:.1f} us; 64 MiB: init() {by_init['64MiB'] / 1000:.1f} ms, explicit config "

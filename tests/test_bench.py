@@ -373,3 +373,13 @@ def test_a_plot_of_empty_rows_only_is_no_error(capsys: pytest.CaptureFixture[str
     status, out, _ = run_cli(["bench", "--op", "all_reduce", "--strategy", "ring", "-b", "0", "-e", "0", "-w",
                               "0", "-n", "1", "--plot", str(tmp_path / "p.png")], capsys)  # fmt: skip
     assert status == 0 and "plot written" in out
+
+
+def test_groups_bench_times_our_groups_and_the_bare_least_side_by_side() -> None:
+    from collective.bench import groups_async
+
+    bare = groups_async._Bare(3)
+    got = run_peers(3, lambda p: [bare.all_reduce(p, np.full(2, p + 1.0)).tolist() for _ in range(3)])
+    assert got == [[[6.0, 6.0]] * 3] * 3  # the bare step is a real all_reduce, call after call
+    for concurrent, lone in (groups_async.groups(20), groups_async.bare_groups(20)):
+        assert 0 < concurrent < 1e6 and 0 < lone < 1e6
