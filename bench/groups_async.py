@@ -107,7 +107,8 @@ class _Bare:
                     bell.release()
         else:
             self.bells[rank].acquire()
-        return self.results[rank]
+        result: np.ndarray = self.results[rank]
+        return result
 
 
 def bare_groups(iters: int) -> tuple[float, float]:
