@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from collective.calls import rules_of
@@ -43,6 +45,7 @@ class CallExchange:
     layout: Layout
     members: tuple[int, ...]
     channel: int
+    gone: Callable[[list[int]], CollectiveError | None] | None = None  # once one of these peers finished
 
     def run(
         self, step: int, mine: Signature | CollectiveError, small: Any, deadline: float
@@ -77,12 +80,12 @@ class CallExchange:
         for position, other in enumerate(layout.nodes):
             if other == me:
                 continue
+            there = [peer for rank, peer in enumerate(members) if layout.position[rank] == position]
+            gone = None if self.gone is None else partial(self.gone, there)  # (their node's call follows)
             try:
-                theirs, _ = network.receive(
-                    other, step, deadline + VERDICT_GRACE, f"the call of {describe(other)}", channel
-                )
+                until, waiting_for = deadline + VERDICT_GRACE, f"the call of {describe(other)}"
+                theirs, _ = network.receive(other, step, until, waiting_for, channel, gone)
             except CollectiveTimeout as exc:  # name the group's peers there (transport knows no peers)
-                there = [peer for rank, peer in enumerate(members) if layout.position[rank] == position]
                 error = CollectiveTimeout(str(exc), there)
                 verdict = {**VerdictMessage.of(step, error).encode(), "ch": channel}
                 for node in layout.nodes:  # a late node must not complete the step the others gave up

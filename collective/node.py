@@ -26,7 +26,7 @@ import zmq
 
 from collective.call_exchange import CallExchange
 from collective.config import CollectiveConfig
-from collective.errors import CollectiveError, PeerLostError
+from collective.errors import CollectiveError, PeerLostError, describe_peers
 from collective.host_tier import HostTier
 from collective.layout import Layout
 from collective.protocol import (
@@ -148,6 +148,19 @@ class NodeJob:
                 if node != topology.index:
                     with contextlib.suppress(CollectiveError):  # (a node that is gone needs no notice)
                         self._outbox.send(node, notice.encode(), np.empty(0, np.uint8))
+
+    def _finished_among(self, peers: list[int], step: int) -> CollectiveError | None:
+        """The error for a step whose call from ``peers``' node has not come, when one of them
+        called finish(): the node's call never comes (a peer's finish waits for its own calls, and
+        its notice travels after what its node sent before)."""
+        finished = [peer for peer in peers if peer in self._finished_peers]
+        if not finished:
+            return None
+        return PeerLostError(
+            f"step {step}: {describe_peers(finished)} called finish() (left the job), so the group's "
+            f"step cannot complete; finish the remaining peers",
+            finished,
+        )
 
     def lost_peer(self, peer: int, orchestrator: bool = True) -> CollectiveError | None:
         """The error to raise for a peer that cannot send any more (its node lost or left), if any.
@@ -366,7 +379,8 @@ class NodeJob:
         """
         assert self.topology is not None
         channel = self.channel(members)
-        exchange = CallExchange(self._network, self.topology, self.layout(members), members, channel)
+        gone = partial(self._finished_among, step=step)
+        exchange = CallExchange(self._network, self.topology, self.layout(members), members, channel, gone)
         agreed, payloads = exchange.run(step, mine, small, deadline)
         self._agreed[channel] = step
         return agreed, payloads

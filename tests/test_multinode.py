@@ -84,10 +84,12 @@ def test_local_peers_arriving_apart_share_one_deadline_and_one_outcome(orchestra
     assert sorted(line.split()[:2] for line in lines) == [["TIMEOUT", str(p)] for p in range(4)], lines
 
 
-def test_a_peer_of_another_node_that_finished_is_lost_at_once(orchestrator: str) -> None:
-    """Its node stays (another peer there is busy): a receive from it, and a collective with it,
-    waited for the whole timeout and raised CollectiveTimeout, not PeerLostError."""
-    nodes = start_nodes(orchestrator, job_name(), 2, 2, "remote_finish")
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "three-phases"])
+def test_a_peer_of_another_node_that_finished_is_lost_at_once(orchestrator: str, shm: str) -> None:
+    """Its node stays (another peer there is busy): a receive from it, and a collective with it
+    (through shared memory, or the three phases between nodes), waited for the whole timeout and
+    raised CollectiveTimeout, not PeerLostError."""
+    nodes = start_nodes(orchestrator, job_name(), 2, 2, "remote_finish", shm=shm)
     for node, code in zip(nodes, finish_all(nodes, 60), strict=True):
         assert code == 0, node.output()
     for peer in (0, 1):

@@ -253,11 +253,24 @@ class NodeNetwork:
         """Tell node ``src`` its ``slot`` has been read."""
         self.send(src, {"t": "ack", "ch": channel, "seq": seq, "slot": slot})
 
-    def receive(self, src: int, seq: int, deadline: float, waiting_for: str, channel: int = 0) -> Received:
-        """The next message of step ``seq`` of ``channel`` from node ``src`` (older leftovers dropped)."""
+    def receive(
+        self,
+        src: int,
+        seq: int,
+        deadline: float,
+        waiting_for: str,
+        channel: int = 0,
+        gone: Callable[[], CollectiveError | None] | None = None,
+    ) -> Received:
+        """The next message of step ``seq`` of ``channel`` from node ``src`` (older leftovers dropped).
+
+        ``gone`` is polled like ``lost``: an error once ``src`` will send nothing more for this step.
+        It is read before the queue, so a notice that follows the awaited message on ``src``'s
+        connection (messages are sorted in the order they came) cannot hide it."""
         with self._lock:
             queue = self._queues.setdefault((src, channel), deque())
         while True:
+            dead = gone() if gone is not None else None
             with self._lock:
                 self._enter_step(channel, seq)
                 aborted = self._aborted.get((channel, seq))  # (before what that node sent next)
@@ -269,7 +282,7 @@ class NodeNetwork:
                 raise PeerLostError(f"node {aborted[0]} gave up step {seq}: {aborted[1]}", ())
             if overflow is not None:
                 raise MismatchError(overflow)
-            error = self.lost(src)
+            error = self.lost(src) or dead
             if error is not None:
                 raise error
             aborted = self._aborted.get((channel, seq))  # written by the drain thread too
