@@ -110,7 +110,8 @@ def measure(rank: int, case: Case, warmup: int, iterations: int) -> Measurement:
 
 
 def main() -> int:
-    plan = json.loads(sys.argv[1])
+    with open(sys.argv[1], encoding="utf-8") as handle:  # (the plan's file)
+        plan = json.load(handle)
     backend = plan.get("backend", "gloo")
     system = "gloo" if backend == "gloo" else "torch"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

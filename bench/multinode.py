@@ -1,7 +1,8 @@
 """Running benchmark cases in child processes: our nodes (``--nodes M``) and gloo (``--compare gloo``).
 
-Both start their processes on this machine, pass the cases as JSON, read ``ROW <json>`` lines
-from the first process and always reap every process (also on errors and Ctrl-C).
+Both start their processes on this machine, pass the cases as a JSON file (a command line cannot
+hold thousands of cases), read ``ROW <json>`` lines from the first process and always reap every
+process (also on errors and Ctrl-C).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
@@ -28,16 +30,16 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
-def _plan(cases: Sequence[Case], warmup: int, iters: int, timeout: float, backend: str = "gloo") -> str:
-    return json.dumps(
-        {
-            "cases": [asdict(c) for c in cases],
-            "warmup": warmup,
-            "iters": iters,
-            "timeout": timeout,
-            "backend": backend,
-        }
-    )
+def _plan(
+    directory: str, cases: Sequence[Case], warmup: int, iters: int, timeout: float, backend: str = "gloo"
+) -> str:
+    """The path of a new file in ``directory`` that holds the plan the workers run."""
+    path = os.path.join(directory, "plan.json")
+    plan = {"cases": [asdict(c) for c in cases], "warmup": warmup, "iters": iters, "timeout": timeout,
+            "backend": backend}  # fmt: skip
+    with open(path, "w", encoding="utf-8") as handle:
+        json.dump(plan, handle)
+    return path
 
 
 def collect_lines(processes: list[subprocess.Popen[str]], what: str, timeout: float) -> list[str]:
@@ -80,21 +82,19 @@ def run_nodes(
     orchestrator, address = start_orchestrator()
     job = f"bench-{os.getpid()}-{int(time.time() * 1000)}"
     processes: list[subprocess.Popen[str]] = []
+    scratch = tempfile.TemporaryDirectory(prefix="collective-bench-")
     try:
+        plan = _plan(scratch.name, cases, warmup, iters, timeout)
         for rank in range(nodes):
             env = node_environment(address, job, rank, nodes, devices)
-            argv = [
-                sys.executable,
-                "-m",
-                "collective.bench.node_worker",
-                _plan(cases, warmup, iters, timeout),
-            ]
+            argv = [sys.executable, "-m", "collective.bench.node_worker", plan]
             processes.append(
                 subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             )
         return _collect(processes, "node", timeout * max(1, len(cases)))
     finally:
         stop_processes([*processes, orchestrator])
+        scratch.cleanup()
 
 
 def run_gloo(
@@ -104,19 +104,17 @@ def run_gloo(
     (``backend="collective"``)."""
     port = free_port()
     processes: list[subprocess.Popen[str]] = []
+    scratch = tempfile.TemporaryDirectory(prefix="collective-bench-")
     try:
+        plan = _plan(scratch.name, cases, warmup, iters, timeout, backend)
         for rank in range(world):
             env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                        WORLD_SIZE=str(world), OMP_NUM_THREADS="1")  # fmt: skip
-            argv = [
-                sys.executable,
-                "-m",
-                "collective.bench.gloo_worker",
-                _plan(cases, warmup, iters, timeout, backend),
-            ]
+            argv = [sys.executable, "-m", "collective.bench.gloo_worker", plan]
             processes.append(
                 subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             )
         return _collect(processes, backend, timeout * max(1, len(cases)))
     finally:
         stop_processes(processes)
+        scratch.cleanup()

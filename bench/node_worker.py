@@ -1,6 +1,6 @@
 """One node of ``collective bench --nodes M`` (started by bench.multinode; not run by hand).
 
-argv[1] is a JSON plan: {"cases": [Case fields], "warmup": W, "iters": N, "timeout": T}. The
+argv[1] is the path of a JSON plan: {"cases": [Case fields], "warmup": W, "iters": N, "timeout": T}. The
 job comes from COLLECTIVE_* variables; each strategy runs as its own job (named after it), since
 strategies are part of a job's config. Timing: every peer passes a barrier (a 1-element
 all_reduce, untimed), times its call, checks its result (untimed); per iteration the slowest
@@ -44,7 +44,8 @@ def measure(runtime: Runtime, peer: int, case: Case, warmup: int, iterations: in
 
 
 def main() -> int:
-    plan = json.loads(sys.argv[1])
+    with open(sys.argv[1], encoding="utf-8") as handle:  # (the plan's file)
+        plan = json.load(handle)
     cases = [Case(**fields) for fields in plan["cases"]]
     peers = peer_ids_from_env()
     failures: list[BaseException] = []

@@ -383,3 +383,14 @@ def test_groups_bench_times_our_groups_and_the_bare_least_side_by_side() -> None
     assert got == [[[6.0, 6.0]] * 3] * 3  # the bare step is a real all_reduce, call after call
     for concurrent, lone in (groups_async.groups(20), groups_async.bare_groups(20)):
         assert 0 < concurrent < 1e6 and 0 < lone < 1e6
+
+
+def test_thousands_of_cases_reach_the_node_processes() -> None:
+    """The plan went on the command line: past 128 KiB (about 1000 cases, e.g. `--op all` with every
+    strategy and size) starting the nodes failed with "Argument list too long"."""
+    from collective.bench.multinode import run_nodes
+    from collective.bench.sweep import Case
+
+    cases = [Case("collective", "barrier", "ring", 1, 8 + i, "float32", "sum", 0) for i in range(1200)]
+    rows = run_nodes(cases, 2, 1, 0, 1, 30)
+    assert [row.case for row in rows] == cases and not any(row.wrong for row in rows)
