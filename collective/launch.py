@@ -269,12 +269,27 @@ def _orchestrator_address(text: str, parser: argparse.ArgumentParser) -> str:
     return text
 
 
-def _pump(stream: IO[str], prefix: str, sink: IO[str], lock: threading.Lock, quiet: threading.Event) -> None:
+def _pump(
+    stream: IO[str], prefix: str, sink: IO[str], lock: threading.Lock, quiet: threading.Event,
+    broken: threading.Event,
+) -> None:  # fmt: skip
     for line in stream:  # (read to the end once quiet: a node must not block on a full pipe)
         with lock:
-            if not quiet.is_set():
-                sink.write(f"{prefix}{line}" if line.endswith("\n") else f"{prefix}{line}\n")
-                sink.flush()
+            if not quiet.is_set() and not broken.is_set():
+                try:
+                    sink.write(f"{prefix}{line}" if line.endswith("\n") else f"{prefix}{line}\n")
+                    sink.flush()
+                except (BrokenPipeError, ValueError):  # its reader left (``| head``): the job stops
+                    broken.set()
+
+
+SIGPIPE_STATUS = 128 + 13  # what a shell reports for a writer whose reader left (SIGPIPE)
+
+
+def _silence(sink: IO[str]) -> None:
+    """What is left of ``sink``'s buffer, and what interpreter exit flushes, goes nowhere."""
+    with contextlib.suppress(OSError, ValueError):
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sink.fileno())
 
 
 class _Stopped(Exception):
@@ -342,6 +357,7 @@ def _run(args: argparse.Namespace, out: IO[str]) -> int:
     quiet: list[threading.Event] = []  # per node: set when launch stops it (its tracebacks are noise)
     nodes: list[subprocess.Popen[str]] = []
     pumps: list[threading.Thread] = []
+    broken = threading.Event()  # the output's reader left
     try:
         address = args.orchestrator
         if address is None:
@@ -369,12 +385,14 @@ def _run(args: argparse.Namespace, out: IO[str]) -> int:
             nodes.append(process)
             quiet.append(threading.Event())
             assert process.stdout is not None
-            pump = threading.Thread(
-                target=_pump, args=(process.stdout, f"[node {rank}] ", out, lock, quiet[-1]), daemon=True
-            )
+            pumped = (process.stdout, f"[node {rank}] ", out, lock, quiet[-1], broken)
+            pump = threading.Thread(target=_pump, args=pumped, daemon=True)
             pump.start()
             pumps.append(pump)
         while (failed := _first_failed(nodes)) is None and any(node.poll() is None for node in nodes):
+            if broken.is_set():  # as a pipeline's writer whose reader left: stopped, quietly
+                _silence(out)
+                return SIGPIPE_STATUS
             time.sleep(0.05)
         if failed is None:
             failed = _first_failed(nodes)  # (the last live node may have failed since the last look)

@@ -222,6 +222,22 @@ def test_launch_reports_a_node_killed_by_a_signal_as_a_shell_does(signal_number:
     assert f"node 0 was killed by signal {signal_number}" in done.stderr
 
 
+def test_launch_whose_output_reader_left_stops_its_nodes_as_a_pipeline_does() -> None:
+    """``collective launch ... | head -1``: the pump wrote into a closed pipe (BrokenPipeError),
+    the nodes blocked on their full pipes, and launch waited for them forever."""
+    argv = [sys.executable, "-m", "collective", "launch", "--nodes", "2", "--timeout", "30", sys.executable,
+            "-c", "import time\nfor i in range(10**6): print(i, flush=True)\ntime.sleep(60)"]  # fmt: skip
+    launched = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CLEAN)
+    try:
+        assert launched.stdout is not None and launched.stdout.readline().startswith("[node ")
+        launched.stdout.close()  # the reader leaves
+        assert launched.wait(20) == 141  # 128 + SIGPIPE, as a shell reports a writer whose reader left
+        assert launched.stderr is not None and "Traceback" not in launched.stderr.read()
+    finally:
+        launched.kill()
+        launched.wait(10)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [(["--port", "70000"], "argument --port: must be a port in 0..65535"),
