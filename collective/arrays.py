@@ -111,7 +111,7 @@ def _check_cuda(value: Any, index: int) -> None:
     except ImportError as exc:
         raise RegistrationError(
             f"device {value!r} needs CuPy, which cannot be imported here ({exc}): install it "
-            f"(pip install 'collective-runtime[cuda]') or register on 'cpu'"
+            f"(pip install cupy-cuda12x, or this project's extra: pip install '.[cuda]') or register on 'cpu'"
         ) from exc
     try:
         count = int(cupy.cuda.runtime.getDeviceCount())

@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from collective.bench import cli as bench_cli
 
     parser = argparse.ArgumentParser(
-        prog="collective", description="Collective communication for numpy and CuPy arrays."
+        prog="collective", description="Collective communication for numpy, CuPy, torch and JAX arrays."
     )
     parser.add_argument("--version", action="version", version=f"collective {collective.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level on stderr")
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     bench_cli.add_arguments(bench)
     demo = commands.add_parser("demo", help="a few peers all-reduce a small array with every strategy")
-    demo.add_argument("--peers", type=int, default=4)
+    demo.add_argument("--peers", type=int, default=4, help="local peers (threads), default 4")
     orchestrator = commands.add_parser("orchestrator", help="run the orchestrator daemon of multi-node jobs")
     launch.add_orchestrator_arguments(orchestrator)
     launcher = commands.add_parser("launch", help="run a script as a multi-node job on this machine")

@@ -195,7 +195,7 @@ def add_orchestrator_arguments(parser: argparse.ArgumentParser) -> None:
         "--lost-after",
         type=seconds_argument,
         default=None,
-        help="seconds without heartbeats before a node is lost",
+        help="seconds without heartbeats before a node is lost (default 2)",
     )
 
 
