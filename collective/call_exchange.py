@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 from collective.calls import rules_of
-from collective.errors import CollectiveError, CollectiveTimeout, MismatchError, PeerLostError
+from collective.errors import CollectiveError, CollectiveTimeout, MismatchError, PeerLostError, describe_peers
 from collective.layout import Layout
 from collective.protocol import (
     VERDICT_GRACE,
@@ -30,7 +30,6 @@ from collective.protocol import (
 )
 from collective.signature import Signature, agree
 from collective.transport.network import NodeNetwork
-from collective.transport.orchestrator_client import Topology
 from collective.transport.wire import WireError
 
 __all__ = ["CallExchange"]
@@ -41,7 +40,6 @@ class CallExchange:
     """The exchange of the group ``members`` (placed by ``layout``) on ``channel`` of ``network``."""
 
     network: NodeNetwork
-    topology: Topology
     layout: Layout
     members: tuple[int, ...]
     channel: int
@@ -51,15 +49,15 @@ class CallExchange:
         self, step: int, mine: Signature | CollectiveError, small: Any, deadline: float
     ) -> tuple[Signature, dict[int, Any]]:
         """The agreed call and the small contributions that came with the calls (by node position)."""
-        network, layout, channel, members = self.network, self.layout, self.channel, self.members
-        describe = self.topology.describe
+        network, layout, channel = self.network, self.layout, self.channel
+        describe = self.describe
         me = network.index
         now = time.time()  # (wall clock: what every node's deadline is told in)
         # calls that came long enough ago to matter are sorted already: no drain before our call
         # goes out (a drain here delays it, and every node's next message with it)
         late = given_up(network.queued(list(layout.nodes), step, "call", channel, drain=False), now)
         if late is not None and not isinstance(mine, CollectiveError):  # too late: a timeout, everywhere
-            here = [peer for rank, peer in enumerate(members) if layout.position[rank] == layout.me]
+            here = self.peers_at(layout.me)
             mine = CollectiveTimeout(
                 f"step {step}: {describe(me)} came {late[1]:.2f}s after the deadline of "
                 f"{describe(late[0])}, too late to join the step",
@@ -80,7 +78,7 @@ class CallExchange:
         for position, other in enumerate(layout.nodes):
             if other == me:
                 continue
-            there = [peer for rank, peer in enumerate(members) if layout.position[rank] == position]
+            there = self.peers_at(position)
             gone = None if self.gone is None else partial(self.gone, there)  # (their node's call follows)
             try:
                 until, waiting_for = deadline + VERDICT_GRACE, f"the call of {describe(other)}"
@@ -120,6 +118,13 @@ class CallExchange:
             raise verdict_error(step, verdicts, describe)
         assert not isinstance(mine, CollectiveError)
         calls[me] = as_sent(mine)  # (a long list of parts travels as its digest)
-        topology = self.topology  # a node's call stands for its peers of the group: name those
-        who = lambda nodes: ", ".join(topology.describe(node, members) for node in nodes)  # noqa: E731
+        who = lambda nodes: ", ".join(map(describe, nodes))  # noqa: E731
         return agree(calls, f"#{step}", rules_of, who=who), payloads
+
+    def peers_at(self, position: int) -> list[int]:
+        """The group's peers whose call the node at ``position`` sends (a host's leader: its host's)."""
+        return [peer for rank, peer in enumerate(self.members) if self.layout.position[rank] == position]
+
+    def describe(self, node: int) -> str:
+        """'node 2 (peers 4-5)': the node and the group's peers its call stands for."""
+        return f"node {node} ({describe_peers(self.peers_at(self.layout.nodes.index(node)))})"

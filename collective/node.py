@@ -380,7 +380,7 @@ class NodeJob:
         assert self.topology is not None
         channel = self.channel(members)
         gone = partial(self._finished_among, step=step)
-        exchange = CallExchange(self._network, self.topology, self.layout(members), members, channel, gone)
+        exchange = CallExchange(self._network, self.layout(members), members, channel, gone)
         agreed, payloads = exchange.run(step, mine, small, deadline)
         self._agreed[channel] = step
         return agreed, payloads

@@ -191,6 +191,10 @@ def mismatch(peer: int, world: int, how: str) -> int:
         col.all_reduce(peer, np.zeros(4, bool) if odd else x)
     elif how == "broadcast":
         col.broadcast(peer, x if peer < 2 else None)
+    elif how == "sources":  # (peer 1 does not lead its host on "aab")
+        col.broadcast(peer, x if peer in (1, 2) else None)
+    elif how == "out":
+        col.broadcast(peer, x if peer == 2 else None, out=np.empty(7) if peer == 1 else None)
     else:
         col.all_reduce(peer, x)
     return 1

@@ -84,6 +84,25 @@ def test_a_mismatch_on_one_host_or_between_hosts_fails_every_process_and_the_job
         proc.wait_for("AFTER", 1)  # the next collective ran, and was right
 
 
+@pytest.mark.parametrize(
+    ("how", "expected"),
+    [
+        ("sources", "node 0 (peers 0-1), node 2 (peer 2) passed one"),
+        ("out", "node 0 (peers 0-1) passed (7,)"),
+    ],
+)
+def test_a_host_disagreeing_through_a_process_that_does_not_lead_it_names_the_host_s_processes(
+    orchestrator: str, how: str, expected: str
+) -> None:
+    """Peer 1 (on host a after peer 0, its leader) passed a second source or a wrong out: the
+    hosts' leaders named host a's call "node 0 (peer 0)", the one process there that did nothing."""
+    procs = start(orchestrator, "aab", "mismatch", how)
+    for proc, code in zip(procs, finish_all(procs, 60), strict=True):
+        (line,) = errors_of(proc)
+        assert code == 3 and line.startswith("ERROR MismatchError") and expected in line, proc.output()
+        proc.wait_for("AFTER", 1)
+
+
 @pytest.mark.parametrize("victim", [1, 2, 3])
 def test_a_killed_process_is_a_peer_lost_error_on_every_host_within_seconds(
     orchestrator: str, victim: int
