@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 import collective as col
+from collective.bench.trivial import BareAllReduce
 from collective.launch import free_port, start_orchestrator, stop_processes
 
 COMPUTE_MS = 5.0
@@ -76,47 +77,12 @@ def groups(iters: int) -> tuple[float, float]:
     return concurrent, lone
 
 
-class _Bare:
-    """The least a small all_reduce among threads can do in Python, for comparison: a counter under
-    a lock; the last to arrive sums and releases one lock per waiting peer (no checks, no timeout)."""
-
-    def __init__(self, peers: int) -> None:
-        self.peers = peers
-        self.lock = threading.Lock()
-        self.bells = [threading.Lock() for _ in range(peers)]
-        for bell in self.bells:
-            bell.acquire()
-        self.arrived = 0
-        self.inputs: list[Any] = [None] * peers
-        self.results: list[Any] = []
-
-    def all_reduce(self, rank: int, x: np.ndarray) -> np.ndarray:
-        with self.lock:
-            self.inputs[rank] = x
-            self.arrived += 1
-            last = self.arrived == self.peers
-            if last:
-                self.arrived = 0
-                total = self.inputs[0] + self.inputs[1]
-                for other in self.inputs[2:]:
-                    total += other
-                self.results = [total.copy() for _ in range(self.peers)]
-        if last:
-            for waiter, bell in enumerate(self.bells):
-                if waiter != rank:
-                    bell.release()
-        else:
-            self.bells[rank].acquire()
-        result: np.ndarray = self.results[rank]
-        return result
-
-
 def bare_groups(iters: int) -> tuple[float, float]:
-    """``groups`` for ``_Bare`` pairs: (two pairs at once, a lone pair), µs per call."""
+    """``groups`` for ``BareAllReduce`` pairs: (two pairs at once, a lone pair), µs per call."""
     x = np.ones(2, np.float32)
-    pairs = {0: _Bare(2), 2: _Bare(2)}
+    pairs = {0: BareAllReduce(2), 2: BareAllReduce(2)}
     concurrent = _per_call(lambda p: pairs[p & 2].all_reduce(p & 1, x), [0, 1, 2, 3], iters)
-    lone = _Bare(2)
+    lone = BareAllReduce(2)
     return concurrent, _per_call(lambda p: lone.all_reduce(p, x), [0, 1], iters)
 
 

@@ -4,6 +4,9 @@ all_reduce: barrier; thread t combines slice t of every peer's buffer into a sha
 barrier; every thread copies the whole result into its own output. reduce: the same, and only
 the root copies. broadcast: barrier; every thread copies the root's buffer; barrier.
 Correct only for threads of one process with equal arrays; no checks, no errors.
+
+``BareAllReduce``: the least a small all_reduce among threads can do in Python (one wake-up per
+waiting peer, nothing else), to show what the interpreter itself costs beside our runtime.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import numpy as np
 from collective.algorithms.ops import ReduceOp, chunk_bounds
 from collective.arrays import scale_for_mean
 
-__all__ = ["TrivialGroup"]
+__all__ = ["BareAllReduce", "TrivialGroup"]
 
 
 class TrivialGroup:
@@ -58,3 +61,38 @@ class TrivialGroup:
         for other in self.inputs[1:]:
             ufunc(part, other[mine], out=part)
         self.barrier.wait()  # the shared result is complete
+
+
+class BareAllReduce:
+    """The least a small all_reduce among threads can do in Python, for comparison: a counter under
+    a lock; the last to arrive sums and releases one lock per waiting peer (no checks, no timeout)."""
+
+    def __init__(self, peers: int) -> None:
+        self.peers = peers
+        self.lock = threading.Lock()
+        self.bells = [threading.Lock() for _ in range(peers)]
+        for bell in self.bells:
+            bell.acquire()
+        self.arrived = 0
+        self.inputs: list[Any] = [None] * peers
+        self.results: list[Any] = []
+
+    def all_reduce(self, rank: int, x: np.ndarray) -> np.ndarray:
+        with self.lock:
+            self.inputs[rank] = x
+            self.arrived += 1
+            last = self.arrived == self.peers
+            if last:
+                self.arrived = 0
+                total = self.inputs[0] + self.inputs[1] if self.peers > 1 else self.inputs[0].copy()
+                for other in self.inputs[2:]:
+                    total += other
+                self.results = [total.copy() for _ in range(self.peers)]
+        if last:
+            for waiter, bell in enumerate(self.bells):
+                if waiter != rank:
+                    bell.release()
+        else:
+            self.bells[rank].acquire()
+        result: np.ndarray = self.results[rank]
+        return result

@@ -10,7 +10,9 @@ medians, the ratios and the issue's two targets:
 * 8 B: time of the best strategy <= 0.5 x the trivial one's;
 
 both with a new result per call (the ``+alloc`` rows), as the issue states them (the baseline
-makes a new result too).
+makes a new result too). Up to 64 KiB it also times ``bare``: the least any Python threads can do
+(bench.trivial.BareAllReduce: one wake-up per waiting peer, no checks, no timeout), which shows
+how much of the time is the interpreter's, whatever the runtime.
 
     python -m collective.bench.vs_reference --reference-dir ../shared/reference-bench
 """
@@ -32,10 +34,12 @@ from typing import Any
 
 import numpy as np
 
+from collective.bench.trivial import BareAllReduce
 from collective.config import CollectiveConfig
 from collective.runtime import Runtime
 
 STRATEGIES = ("centralized", "tree:2", "ring", "direct")
+BARE_UP_TO = 64 << 10  # the bare step (no checks: not ours) is timed up to this size, for scale
 
 
 def _load_reference(directory: Path) -> tuple[ModuleType, ModuleType]:
@@ -107,6 +111,44 @@ def _ours(common: ModuleType, peers: int, size: int, strategy: str, alloc: bool,
     return float(shared["median_us"])
 
 
+def _bare(common: ModuleType, peers: int, size: int, budget: float) -> float:
+    """Median us of the bare one-wake-up all_reduce (bench.trivial.BareAllReduce: no checks, no
+    timeout, no ordering), timed by the reference harness: the least any Python threads can do."""
+    bare, barrier = BareAllReduce(peers), threading.Barrier(peers)
+    shared: dict[str, Any] = {}
+    per_rank: list[Any] = [None] * peers
+
+    def rank_main(rank: int) -> None:
+        x = np.full(max(1, size // 4), rank + 1, np.float32)
+
+        def bcast_int(value: int) -> int:
+            if rank == 0:
+                shared["int"] = value
+            barrier.wait()
+            value = shared["int"]
+            barrier.wait()
+            return value
+
+        def gather(times: list[int]) -> list[list[int]] | None:
+            per_rank[rank] = times
+            barrier.wait()
+            matrix = list(per_rank) if rank == 0 else None
+            barrier.wait()
+            return matrix
+
+        timed = common.time_collective(lambda: bare.all_reduce(rank, x), barrier.wait, bcast_int, gather,
+                                       rank, size, budget)  # fmt: skip
+        if rank == 0:
+            shared["median_us"] = timed[2]
+
+    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(peers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(600)
+    return float(shared["median_us"])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -122,13 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     common, threads_numpy = _load_reference(args.reference_dir)
     sizes = common.parse_sizes(args.sizes)
-    systems = ["trivial"] + [f"{s}{suffix}" for s in STRATEGIES for suffix in ("", "+alloc")]
+    systems = ["trivial"] + [f"{s}{suffix}" for s in STRATEGIES for suffix in ("", "+alloc")] + ["bare"]
     samples: dict[tuple[str, int], list[float]] = {(s, size): [] for s in systems for size in sizes}
     for _ in range(args.repeats):
         for size in sizes:
             for system in systems:
                 if system == "trivial":
                     median = _trivial(common, threads_numpy, args.peers, size, args.budget)
+                elif system == "bare":
+                    if size > BARE_UP_TO:
+                        continue
+                    median = _bare(common, args.peers, size, args.budget)
                 else:
                     strategy, _, alloc = system.partition("+")
                     median = _ours(common, args.peers, size, strategy, bool(alloc), args.budget)
@@ -142,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         # the issue's targets are for a new result per call (no out=), as the baseline makes one
         best = min(statistics.median(samples[(s, size)]) for s in systems if s.endswith("+alloc"))
         for system in systems:
+            if not samples[(system, size)]:
+                continue
             median = statistics.median(samples[(system, size)])
             busbw = size / (median * 1e-6) / 1e9 * factor
             ratio = trivial / median

@@ -17,7 +17,7 @@ from collective.algorithms.ops import ReduceOp
 from collective.bench import cli as bench_cli
 from collective.bench.report import parse_size
 from collective.bench.sweep import busbw_factor
-from collective.bench.trivial import TrivialGroup
+from collective.bench.trivial import BareAllReduce, TrivialGroup
 from collective.runtime import Runtime
 from tests.conftest import run_peers
 
@@ -378,7 +378,7 @@ def test_a_plot_of_empty_rows_only_is_no_error(capsys: pytest.CaptureFixture[str
 def test_groups_bench_times_our_groups_and_the_bare_least_side_by_side() -> None:
     from collective.bench import groups_async
 
-    bare = groups_async._Bare(3)
+    bare = BareAllReduce(3)
     got = run_peers(3, lambda p: [bare.all_reduce(p, np.full(2, p + 1.0)).tolist() for _ in range(3)])
     assert got == [[[6.0, 6.0]] * 3] * 3  # the bare step is a real all_reduce, call after call
     for concurrent, lone in (groups_async.groups(20), groups_async.bare_groups(20)):
@@ -394,3 +394,23 @@ def test_thousands_of_cases_reach_the_node_processes() -> None:
     cases = [Case("collective", "barrier", "ring", 1, 8 + i, "float32", "sum", 0) for i in range(1200)]
     rows = run_nodes(cases, 2, 1, 0, 1, 30)
     assert [row.case for row in rows] == cases and not any(row.wrong for row in rows)
+
+
+def test_vs_reference_times_the_baseline_ours_and_the_bare_least_in_the_reference_harness(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from collective.bench import vs_reference
+
+    reference = Path(__file__).resolve().parents[2] / "shared" / "reference-bench"
+    if not (reference / "_common.py").is_file():
+        pytest.skip("../shared/reference-bench is not beside the repository")
+    argv = ["--reference-dir", str(reference), "--peers", "2", "--sizes", "8", "--repeats", "1",
+            "--budget", "0.01"]  # fmt: skip
+    assert vs_reference.main(argv) == 0
+    out = capsys.readouterr().out
+    lines = [line.split() for line in out.splitlines()]
+    rows = {words[1]: float(words[2]) for words in lines if words[:1] == ["8B"]}
+    ours = {f"{strategy}{alloc}" for strategy in vs_reference.STRATEGIES for alloc in ("", "+alloc")}
+    assert set(rows) == {"trivial", "bare", *ours}
+    assert all(0 < time < 1e6 for time in rows.values())
+    assert "# target 8B: best time (new result per call) <= 0.5 x trivial" in out
