@@ -68,7 +68,7 @@ def invalid(message: str) -> BaseException:
 def reduce_op(op: Any, dtype: Any) -> tuple[str, Any]:
     """Our op for torch's ``op`` on ``dtype`` tensors, and PREMUL_SUM's factor (else None)."""
     kind = getattr(op, "op", op)  # a ReduceOp object carries its RedOpType in .op
-    if kind == _KINDS.PREMUL_SUM:
+    if kind == _KINDS.PREMUL_SUM and dtype != torch.bool:
         return "sum", op.factor
     found = (_BOOL_OPS if dtype == torch.bool else _OPS).get(kind)
     if found is None:
@@ -180,15 +180,20 @@ class Ops:
     def allreduce_coalesced(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         tensors = list(tensors)
-        ops = {reduce_op(opts.reduceOp, t.dtype) for t in tensors} or {("sum", None)}
-        op, factor = ops.pop()
+        by_op: dict[str, list[int]] = {}  # bool tensors take SUM as max: one call per op
+        factor = None
+        for index, tensor in enumerate(tensors):
+            op, factor = reduce_op(opts.reduceOp, tensor.dtype)  # (one reduceOp: one factor)
+            by_op.setdefault(op, []).append(index)
         kw = self._kw(opts)
 
         def body() -> None:
             buffers = [host(t) for t in tensors]
             views = [array(b) for b in buffers]
-            sources = views if factor is None else [_scaled(v, factor) for v in views]
-            self.runtime.all_reduce_coalesced(self.peer, sources, op, out=views, **kw)
+            for op in sorted(by_op) or ["sum"]:  # (in one order on every rank; [] fails on each)
+                chosen = [views[i] for i in by_op.get(op, [])]
+                sources = chosen if factor is None else [_scaled(v, factor) for v in chosen]
+                self.runtime.all_reduce_coalesced(self.peer, sources, op, out=chosen, **kw)
             for buffer, tensor in zip(buffers, tensors, strict=True):
                 store_back(buffer, tensor)
 

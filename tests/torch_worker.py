@@ -321,8 +321,9 @@ def reuse() -> None:
 
 
 def mends() -> None:
-    """3 ranks: groups of the same ranks, receives from several sources, coalesced errors, split
-    checks, the in-place forms, futures' values and a subgroup's own timeout."""
+    """3 ranks: groups of the same ranks, receives from several sources, coalesced errors and bool
+    with float tensors, split checks, the in-place forms, futures' values and a subgroup's own
+    timeout."""
     from datetime import timedelta
 
     dist.init_process_group("collective")
@@ -362,6 +363,17 @@ def mends() -> None:
         dist.all_gather_into_tensor(torch.zeros(world * bad.numel()), bad)
         dist.all_gather_into_tensor(torch.zeros(world * 2), torch.ones(2))
     expect_error(manager.wait, "MismatchError")
+    # coalesced bool and float tensors: SUM is "any" for bool, a sum for the floats (one op per call)
+    for op, floats in ((dist.ReduceOp.SUM, world * (world + 1) / 2), (dist.ReduceOp.PRODUCT, 6.0)):
+        flags, numbers = torch.tensor([rank == 0, False, True]), torch.full((3,), rank + 1.0)
+        with _coalescing_manager():
+            dist.all_reduce(flags, op=op)
+            dist.all_reduce(numbers, op=op)
+        any_or_all = [True, False, True] if op == dist.ReduceOp.SUM else [False, False, True]
+        assert flags.tolist() == any_or_all and flags.view(torch.uint8).max() <= 1, (op, flags)
+        same(numbers, torch.full((3,), floats), f"the floats coalesced with bools ({op})")
+    premul = dist._make_nccl_premul_sum(2.0)
+    expect_error(lambda: dist.all_reduce(torch.tensor([True, False]), op=premul), "PREMUL_SUM on torch.bool")
     # all_to_all_single: split sizes that do not add up, or that the ranks disagree on
     expect_error(lambda: dist.all_to_all_single(torch.zeros(world), torch.zeros(world + 1),
                                                 [1] * world, [1] * world), "input_split_sizes")  # fmt: skip
