@@ -179,6 +179,14 @@ class Call:
         """Fail this call on every peer with ``problem`` (a bad argument found outside the call)."""
         self.problem = problem
 
+    @classmethod
+    def refused(cls, problem: str, root: Any = None) -> Call:
+        """A call of this kind, without arrays, that fails on every peer with ``problem`` (a root
+        that is a peer of the group keeps a rooted call's own root check quiet)."""
+        call = cls(None, "sum", root)
+        call.refuse(problem)
+        return call
+
     def check(self, device: Device, size: int, rank: int) -> str | None:
         """Why this peer's arrays cannot be used (None if they can)."""
         problem = check_array(self.x, device, self.op)

@@ -370,6 +370,12 @@ class Coalesced(AllReduce):
         self.pieces = pieces  # numpy arrays still to be packed into ``bucket`` (None: it holds them)
         self.outs = outs  # the caller's (out, its input) pairs to check with this call (or None)
 
+    @classmethod
+    def refused(cls, problem: str, root: Any = None) -> Call:
+        call = cls(np.zeros(0, np.float32), "sum", ())
+        call.refuse(problem)
+        return call
+
     def check(self, device: Device, size: int, rank: int) -> str | None:
         """The bucket is the runtime's own and ``out`` is the bucket: the dtype needs a look, and so
         does every ``out`` of the caller's list (before any data moves, on every peer). An ``out``

@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from collective.calls import AllToAll as AllToAllCall
 from collective.errors import InvalidArgumentError
 from collective.groups import Group
 from collective.runtime import Runtime
-from collective.torch_ops import invalid
+from collective.torch_checks import invalid, on_every_rank
 from collective.torch_work import TorchWork, array, fill, host, store_back
 
 dist: Any = importlib.import_module("torch.distributed")
@@ -35,6 +36,7 @@ class AllToAll:
     launch: Callable[..., TorchWork]
     _kw: Callable[[Any], dict[str, Any]]
 
+    @on_every_rank(AllToAllCall)
     def all_to_all_single(
         self, output: Any, input: Any, output_splits: Sequence[int], input_splits: Sequence[int],
         opts: Any = None,
@@ -76,6 +78,7 @@ class AllToAll:
 
     alltoall_base = all_to_all_single
 
+    @on_every_rank(AllToAllCall)
     def alltoall(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllToAllOptions()
         outputs, inputs, kw = list(outputs), list(inputs), self._kw(opts)

@@ -33,9 +33,21 @@ from typing import Any
 
 import numpy as np
 
+from collective.calls import (
+    AllGather,
+    AllReduce,
+    Barrier,
+    Broadcast,
+    Coalesced,
+    Gather,
+    Reduce,
+    ReduceScatter,
+    Scatter,
+)
 from collective.errors import CollectiveError, InvalidArgumentError
 from collective.groups import Group
 from collective.runtime import Runtime
+from collective.torch_checks import invalid, on_every_rank, reduce_op, single, writable_tensor
 from collective.torch_work import (
     Receives,
     TorchWork,
@@ -51,51 +63,7 @@ from collective.torch_work import (
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
 
-__all__ = ["Ops", "invalid", "reduce_op", "single"]
-
-_KINDS = dist.ReduceOp.RedOpType
-_OPS = {_KINDS.SUM: "sum", _KINDS.AVG: "mean", _KINDS.PRODUCT: "prod", _KINDS.MIN: "min", _KINDS.MAX: "max",
-        _KINDS.BAND: "band", _KINDS.BOR: "bor", _KINDS.BXOR: "bxor"}  # fmt: skip
-_BOOL_OPS = {_KINDS.SUM: "max", _KINDS.MAX: "max", _KINDS.BOR: "max",
-             _KINDS.PRODUCT: "min", _KINDS.MIN: "min", _KINDS.BAND: "min", _KINDS.BXOR: "bxor"}  # fmt: skip
-
-
-def invalid(message: str) -> BaseException:
-    """A DistBackendError caused by our InvalidArgumentError (as every error of the backend is)."""
-    return backend_error(InvalidArgumentError(message))
-
-
-def reduce_op(op: Any, dtype: Any) -> tuple[str, Any]:
-    """Our op for torch's ``op`` on ``dtype`` tensors, and PREMUL_SUM's factor (else None)."""
-    kind = getattr(op, "op", op)  # a ReduceOp object carries its RedOpType in .op
-    if kind == _KINDS.PREMUL_SUM and dtype != torch.bool:
-        return "sum", op.factor
-    found = (_BOOL_OPS if dtype == torch.bool else _OPS).get(kind)
-    if found is None:
-        name = str(getattr(kind, "name", kind)).rpartition(".")[2]
-        raise invalid(f"ReduceOp.{name} on {dtype} is not supported by the collective backend")
-    return found, None
-
-
-def _writable(tensor: Any, what: str) -> None:
-    """A tensor written in place must be dense, without elements that share memory (expanded)."""
-    if tensor.layout is not torch.strided:
-        raise invalid(
-            f"{what}: a {tensor.layout} tensor: the collective backend takes dense tensors; pass "
-            f"tensor.to_dense()"
-        )
-    if any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape, strict=True)):
-        raise invalid(
-            f"{what}: the tensor {tuple(tensor.shape)} has elements that share memory (expand()): the "
-            f"result cannot be written into it; pass a tensor of its own (.clone())"
-        )
-
-
-def single(tensors: Sequence[Any], what: str) -> Any:
-    """The one tensor of a call that takes one (torch passes lists)."""
-    if len(tensors) != 1:
-        raise invalid(f"{what} takes one tensor per call, got {len(tensors)}")
-    return tensors[0]
+__all__ = ["Ops"]
 
 
 class Ops:
@@ -147,7 +115,7 @@ class Ops:
     ) -> TorchWork:
         """all_reduce / reduce of one tensor: ``run(source, buffer, op)`` writes the result in buffer."""
         op, factor = reduce_op(opts.reduceOp, tensor.dtype)
-        _writable(tensor, what)
+        writable_tensor(tensor, what)
 
         def body() -> None:
             buffer = host(tensor)
@@ -159,6 +127,7 @@ class Ops:
 
     # -- reductions ---------------------------------------------------------------------------
 
+    @on_every_rank(AllReduce)
     def allreduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllreduceOptions()
         group, timeout = self.group, seconds(opts.timeout) or self.call_timeout
@@ -168,6 +137,7 @@ class Ops:
 
         return self._reduction(single(tensors, "all_reduce"), opts, "all_reduce", run)
 
+    @on_every_rank(Reduce)
     def reduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.ReduceOptions()
         root, kw = self.peer_of(opts.rootRank), self._kw(opts)
@@ -177,6 +147,7 @@ class Ops:
 
         return self._reduction(single(tensors, "reduce"), opts, "reduce", run)
 
+    @on_every_rank(Coalesced)
     def allreduce_coalesced(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         tensors = list(tensors)
@@ -199,6 +170,7 @@ class Ops:
 
         return self.launch("all_reduce_coalesced", body, tensors, opts)
 
+    @on_every_rank(ReduceScatter)
     def reduce_scatter(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         output = single(outputs, "reduce_scatter")
@@ -238,6 +210,7 @@ class Ops:
             row[: part.numel()] = array(host(part)).reshape(-1)
         return stacked
 
+    @on_every_rank(ReduceScatter)
     def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.ReduceScatterOptions()
         size = len(self.members)
@@ -270,10 +243,11 @@ class Ops:
 
     # -- copies -------------------------------------------------------------------------------
 
+    @on_every_rank(Broadcast)
     def broadcast(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.BroadcastOptions()
         tensor = single(tensors, "broadcast")
-        _writable(tensor, "broadcast")
+        writable_tensor(tensor, "broadcast")
         is_root, kw = self.peer_of(opts.rootRank) == self.peer, self._kw(opts)
 
         def body() -> None:
@@ -284,6 +258,7 @@ class Ops:
 
         return self.launch("broadcast", body, [tensor], opts)
 
+    @on_every_rank(AllGather)
     def allgather(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
         tensor = single(inputs, "all_gather")
@@ -302,6 +277,7 @@ class Ops:
 
         return self.launch("all_gather", body, targets, opts)
 
+    @on_every_rank(AllGather)
     def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllgatherOptions()
         size = len(self.members)
@@ -347,6 +323,7 @@ class Ops:
 
         return self.launch(label, body, outputs, opts) if works else self._done
 
+    @on_every_rank(Gather)
     def gather(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.GatherOptions()
         tensor = single(inputs, "gather")
@@ -362,6 +339,7 @@ class Ops:
 
         return self.launch("gather", body, targets, opts)
 
+    @on_every_rank(Scatter)
     def scatter(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.ScatterOptions()
         output = single(outputs, "scatter")
@@ -378,6 +356,7 @@ class Ops:
 
         return self.launch("scatter", body, [output], opts)
 
+    @on_every_rank(Barrier)
     def barrier(self, opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.BarrierOptions()
         kw = self._kw(opts)

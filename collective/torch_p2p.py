@@ -18,7 +18,7 @@ from typing import Any
 
 from collective.errors import CollectiveError, CollectiveTimeout
 from collective.runtime import Runtime
-from collective.torch_ops import invalid, single
+from collective.torch_checks import invalid, single
 from collective.torch_work import TorchWork, array, backend_error, host, store_back
 
 __all__ = ["PointToPoint", "group_key"]

@@ -320,6 +320,19 @@ def reuse() -> None:
     print(f"OK {peer}", flush=True)
 
 
+def _bad_argument_call(culprit: int, mine: bool, world: int) -> Callable[[], Any]:
+    """A collective whose arguments only the backend can find wrong: on the culprit rank, an
+    expanded tensor (0), an output list one short (1), split sizes of the wrong length (2)."""
+    if culprit == 0:
+        tensor = torch.ones(1).expand(4) if mine else torch.ones(4)
+        return lambda: dist.all_reduce(tensor)
+    if culprit == 1:
+        outs = [torch.zeros(2) for _ in range(world - (1 if mine else 0))]
+        return lambda: dist.all_gather(outs, torch.ones(2))
+    splits = [1, 1] if mine else [1] * world
+    return lambda: dist.all_to_all_single(torch.zeros(world), torch.zeros(world), splits, splits)
+
+
 def mends() -> None:
     """3 ranks: groups of the same ranks, receives from several sources, coalesced errors and bool
     with float tensors, split checks, the in-place forms, futures' values and a subgroup's own
@@ -374,6 +387,18 @@ def mends() -> None:
         same(numbers, torch.full((3,), floats), f"the floats coalesced with bools ({op})")
     premul = dist._make_nccl_premul_sum(2.0)
     expect_error(lambda: dist.all_reduce(torch.tensor([True, False]), op=premul), "PREMUL_SUM on torch.bool")
+    # one rank's bad argument, found by the backend before the call: the same error on every rank,
+    # at once, and the group stays in step (it used to raise on that rank alone)
+    bad = {0: "has elements that share memory", 1: "all_gather takes a list of 3", 2: "must be 3 sizes"}
+    for culprit, text in bad.items():
+        call = _bad_argument_call(culprit, rank == culprit, world)
+        started = time.monotonic()
+        expect_error(call, f"invalid arguments, so no peer ran it: peer {culprit}: ")
+        assert time.monotonic() - started < 5, f"rank {rank} waited for culprit {culprit}"
+        expect_error(call, text)  # (the same again: its text names the problem on every rank)
+        ok = torch.ones(2)
+        dist.all_reduce(ok)
+        same(ok, torch.full((2,), float(world)), f"the group after culprit {culprit}'s bad argument")
     # all_to_all_single: split sizes that do not add up, or that the ranks disagree on
     expect_error(lambda: dist.all_to_all_single(torch.zeros(world), torch.zeros(world + 1),
                                                 [1] * world, [1] * world), "input_split_sizes")  # fmt: skip

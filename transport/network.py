@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -60,7 +59,7 @@ from collective.transport.wire import (
     MAX_MESSAGE_BYTES,
     WireError,
     decode_header,
-    dtype_from_name,
+    declared_bytes,
     encode_header,
 )
 
@@ -81,17 +80,6 @@ Step = tuple[int, int]  # (channel, step): every group has its own channel and c
 
 def _identity(index: int) -> bytes:
     return f"node-{index}".encode()
-
-
-def _declared_bytes(header: dict[str, Any]) -> int:
-    """The size of the array a ``call`` header declares (0 if it declares none it can be sized by)."""
-    shape, dtype = header.get("shape"), header.get("dtype")
-    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-        return 0
-    try:
-        return math.prod(shape) * dtype_from_name(dtype).itemsize
-    except (WireError, ImportError):
-        return 0
 
 
 class NodeNetwork:
@@ -196,7 +184,7 @@ class NodeNetwork:
 
     def _allow(self, step: Step, header: dict[str, Any]) -> None:
         """A call of ``step`` declares its array: a node may send up to twice that (lock held)."""
-        declared = 2 * _declared_bytes(header) + 2 * MAX_MESSAGE_BYTES
+        declared = 2 * declared_bytes(header) + 2 * MAX_MESSAGE_BYTES
         self._budgets[step] = max(self._budgets.get(step, BUDGET_FLOOR), declared)
 
     def on_message(self, deliver: Callable[[int, dict[str, Any], Any], None]) -> None:
@@ -254,14 +242,9 @@ class NodeNetwork:
         self.send(src, {"t": "ack", "ch": channel, "seq": seq, "slot": slot})
 
     def receive(
-        self,
-        src: int,
-        seq: int,
-        deadline: float,
-        waiting_for: str,
-        channel: int = 0,
+        self, src: int, seq: int, deadline: float, waiting_for: str, channel: int = 0,
         gone: Callable[[], CollectiveError | None] | None = None,
-    ) -> Received:
+    ) -> Received:  # fmt: skip
         """The next message of step ``seq`` of ``channel`` from node ``src`` (older leftovers dropped).
 
         ``gone`` is polled like ``lost``: an error once ``src`` will send nothing more for this step.

@@ -19,6 +19,7 @@ expectations before anything is allocated for them.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgpack
@@ -30,6 +31,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "MAX_MESSAGE_BYTES",
     "WireError",
+    "declared_bytes",
     "decode_header",
     "dtype_from_name",
     "encode_header",
@@ -90,3 +92,14 @@ def dtype_from_name(name: Any) -> np.dtype[Any]:
         name = ml_dtypes.bfloat16
     dtype: np.dtype[Any] = np.dtype(name)
     return dtype
+
+
+def declared_bytes(header: dict[str, Any]) -> int:
+    """The size of the array a ``call`` header declares (0 if it declares none it can be sized by)."""
+    shape, dtype = header.get("shape"), header.get("dtype")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        return 0
+    try:
+        return math.prod(shape) * dtype_from_name(dtype).itemsize
+    except (WireError, ImportError):
+        return 0

@@ -1,0 +1,101 @@
+"""The backend's own checks of torch's arguments, and how a failed one fails every rank.
+
+torch hands the backend lists, options and tensors; what the runtime cannot see (a list of the
+wrong length, a sparse or expanded tensor, an op a dtype cannot take) is checked here, before the
+call. ``on_every_rank`` makes such a problem the collective's step on every rank: the runtime gets
+a refused call of the collective's kind, so every rank gets the same InvalidArgumentError at once
+and the group stays in step (instead of this rank raising alone while the others wait in the
+collective and fall out of step with it).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from collective.call import Call
+from collective.errors import CollectiveError, InvalidArgumentError
+from collective.torch_work import backend_error
+
+torch: Any = importlib.import_module("torch")
+dist: Any = importlib.import_module("torch.distributed")
+
+__all__ = ["LocalProblem", "invalid", "on_every_rank", "reduce_op", "single", "writable_tensor"]
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+_KINDS = dist.ReduceOp.RedOpType
+_OPS = {_KINDS.SUM: "sum", _KINDS.AVG: "mean", _KINDS.PRODUCT: "prod", _KINDS.MIN: "min", _KINDS.MAX: "max",
+        _KINDS.BAND: "band", _KINDS.BOR: "bor", _KINDS.BXOR: "bxor"}  # fmt: skip
+_BOOL_OPS = {_KINDS.SUM: "max", _KINDS.MAX: "max", _KINDS.BOR: "max",
+             _KINDS.PRODUCT: "min", _KINDS.MIN: "min", _KINDS.BAND: "min", _KINDS.BXOR: "bxor"}  # fmt: skip
+
+
+class LocalProblem(InvalidArgumentError):
+    """A problem with this rank's arguments, found before its call reached the runtime."""
+
+
+def invalid(message: str) -> BaseException:
+    """A DistBackendError caused by our InvalidArgumentError (as every error of the backend is)."""
+    return backend_error(LocalProblem(message))
+
+
+def reduce_op(op: Any, dtype: Any) -> tuple[str, Any]:
+    """Our op for torch's ``op`` on ``dtype`` tensors, and PREMUL_SUM's factor (else None)."""
+    kind = getattr(op, "op", op)  # a ReduceOp object carries its RedOpType in .op
+    if kind == _KINDS.PREMUL_SUM and dtype != torch.bool:
+        return "sum", op.factor
+    found = (_BOOL_OPS if dtype == torch.bool else _OPS).get(kind)
+    if found is None:
+        name = str(getattr(kind, "name", kind)).rpartition(".")[2]
+        raise invalid(f"ReduceOp.{name} on {dtype} is not supported by the collective backend")
+    return found, None
+
+
+def writable_tensor(tensor: Any, what: str) -> None:
+    """A tensor written in place must be dense, without elements that share memory (expanded)."""
+    if tensor.layout is not torch.strided:
+        raise invalid(
+            f"{what}: a {tensor.layout} tensor: the collective backend takes dense tensors; pass "
+            f"tensor.to_dense()"
+        )
+    if any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape, strict=True)):
+        raise invalid(
+            f"{what}: the tensor {tuple(tensor.shape)} has elements that share memory (expand()): the "
+            f"result cannot be written into it; pass a tensor of its own (.clone())"
+        )
+
+
+def single(tensors: Sequence[Any], what: str) -> Any:
+    """The one tensor of a call that takes one (torch passes lists)."""
+    if len(tensors) != 1:
+        raise invalid(f"{what} takes one tensor per call, got {len(tensors)}")
+    return tensors[0]
+
+
+def on_every_rank(kind: type[Call]) -> Callable[[Method], Method]:
+    """Decorate a collective of the process group: a LocalProblem it raises becomes a refused
+    ``kind`` call of the group's next step, which raises the InvalidArgumentError on every rank."""
+
+    def wrap(method: Method) -> Method:
+        @functools.wraps(method)
+        def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except dist.DistBackendError as exc:
+                if not isinstance(exc.__cause__, LocalProblem):
+                    raise
+                refused = kind.refused(str(exc.__cause__), self.members[0])
+                try:  # (after this rank's queued calls on the group, as the call itself would be)
+                    self._collectives.call(
+                        lambda: self.runtime.start(self.peer, refused, self.group, self.call_timeout, False)
+                    )
+                except CollectiveError as error:
+                    raise backend_error(error) from error
+                raise AssertionError("unreachable: a refused call raises") from exc
+
+        return checked  # type: ignore[return-value]
+
+    return wrap
