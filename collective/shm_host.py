@@ -86,14 +86,21 @@ class HostRing:
         return found
 
     def segments_of(self, members: tuple[int, ...], me: int, label: str) -> list[RingSegment]:
-        """Every member's segment, by rank (mapped; PeerLostError for a member whose is gone)."""
-        segments = []
+        """Every member's segment, by rank (mapped; PeerLostError naming every member whose is gone:
+        the first to leave is named, whoever else left since)."""
+        segments, gone, reason = [], [], None
         for peer in members:
             try:
                 segments.append(self.segment_of(self.node_of[peer]) if peer != me else self.segment)
             except (OSError, ValueError) as exc:  # (its process removes it when it leaves or ends)
-                gone = f"{label}: peer {peer} left the job or its process ended ({exc})"
-                raise self.lost_peer(peer) or PeerLostError(gone, [peer]) from exc
+                gone.append(peer)
+                reason = exc
+        if len(gone) == 1 and (known := self.lost_peer(gone[0])) is not None:
+            raise known from reason
+        if gone:
+            whose = "its process" if len(gone) == 1 else "their processes"
+            why = f"{label}: {describe_peers(gone)} left the job or {whose} ended ({reason})"
+            raise PeerLostError(why, gone)
         return segments
 
     def channel(self, group: User, step: int, deadline: float, label: str) -> int:

@@ -63,14 +63,15 @@ def test_big_endian_arrays_move_between_processes_and_a_long_double_is_refused_e
 
 
 def test_a_collective_after_a_process_finished_says_it_left(orchestrator: str) -> None:
-    """It said 'the shared memory of peer 1 cannot be mapped here: [Errno 2] No such file'."""
+    """It said 'the shared memory of peer 1 cannot be mapped here: [Errno 2] No such file'. Peer 2,
+    coming after peer 0 had failed and ended too, named peer 0 alone (seen in CI): now both."""
     procs = start(orchestrator, 3, "leaves")
     codes = finish_all(procs, 60)
     assert codes[1] == 0, procs[1].output()
-    for proc, code in zip(procs[::2], codes[::2], strict=True):
+    for proc, code, gone in zip(procs[::2], codes[::2], ("peer 1", "peers 0-1"), strict=True):
         (line,) = errors_of(proc)
         assert code == 3 and line.startswith("ERROR PeerLostError"), proc.output()
-        assert re.search(r"peer 1\)? left the job", line), line
+        assert re.search(rf"{gone}\)? left the job", line), line
 
 
 def test_more_groups_than_channels_take_turns(orchestrator: str) -> None:
