@@ -58,8 +58,8 @@ from collective.transport.wire import (
     MAX_HEADER_BYTES,
     MAX_MESSAGE_BYTES,
     WireError,
-    decode_header,
     declared_bytes,
+    decode_header,
     encode_header,
 )
 
