@@ -138,6 +138,8 @@ def worker(mode: str, iters: int) -> dict[str, float]:
 def processes(mode: str, iters: int) -> dict[str, float]:
     """Run ``worker(mode)`` in 2 processes; rank 0's figures."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
+    env.setdefault("OMP_NUM_THREADS", "1")  # as torchrun sets it for several processes of a host:
+    # each process's BLAS threads would otherwise spin on both cores, the other's collective starved
     orchestrator = None
     if mode == "init":
         port = free_port()
