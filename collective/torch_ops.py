@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -238,7 +239,8 @@ class Ops:
     def reduce_scatter_tensor_coalesced(
         self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None
     ) -> TorchWork:
-        works = [self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        pairs = zip(outputs, inputs, strict=True)
+        works = _each([partial(self.reduce_scatter_single, o, i, opts) for o, i in pairs])
         return self._joined("reduce_scatter_tensor_coalesced", works, outputs, opts)
 
     # -- copies -------------------------------------------------------------------------------
@@ -304,13 +306,14 @@ class Ops:
     def allgather_into_tensor_coalesced(
         self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None
     ) -> TorchWork:
-        works = [self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs, strict=True)]
+        pairs = zip(outputs, inputs, strict=True)
+        works = _each([partial(self.all_gather_single, o, i, opts) for o, i in pairs])
         return self._joined("allgather_into_tensor_coalesced", works, outputs, opts)
 
     def allgather_coalesced(
         self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], opts: Any = None
     ) -> TorchWork:
-        works = [self.allgather([o], [i], opts) for o, i in zip(outputs, inputs, strict=True)]
+        works = _each([partial(self.allgather, [o], [i], opts) for o, i in zip(outputs, inputs, strict=True)])
         return self._joined("allgather_coalesced", works, [t for o in outputs for t in o], opts)
 
     def _joined(self, label: str, works: list[TorchWork], outputs: Sequence[Any], opts: Any) -> TorchWork:
@@ -361,6 +364,21 @@ class Ops:
         opts = opts if opts is not None else dist.BarrierOptions()
         kw = self._kw(opts)
         return self.launch("barrier", lambda: self.runtime.barrier(self.peer, **kw), [], opts)
+
+
+def _each(calls: list[Callable[[], TorchWork]]) -> list[TorchWork]:
+    """The works of every call, each a step of the group, issued even after one raised (a bad
+    argument fails its step on every rank, and the others' next steps must meet this rank's);
+    then the first error is raised."""
+    works, first = [], None
+    for call in calls:
+        try:
+            works.append(call())
+        except dist.DistBackendError as exc:
+            first = first or exc
+    if first is not None:
+        raise first
+    return works
 
 
 def _scaled(values: Any, factor: Any) -> Any:

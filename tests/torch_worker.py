@@ -390,6 +390,16 @@ def mends() -> None:
     # one rank's bad argument, found by the backend before the call: the same error on every rank,
     # at once, and the group stays in step (it used to raise on that rank alone)
     bad = {0: "has elements that share memory", 1: "all_gather takes a list of 3", 2: "must be 3 sizes"}
+    # in a coalescing manager (FSDP's all_gather_into_tensor): the first of two calls bad on rank 1
+    short, whole_pair = torch.zeros(world * 2 - (1 if rank == 1 else 0)), torch.zeros(world * 2)
+
+    def pair() -> None:
+        with _coalescing_manager():
+            dist.all_gather_into_tensor(short, torch.ones(2))
+            dist.all_gather_into_tensor(whole_pair, torch.ones(2))
+
+    expect_error(pair, "peer 1: all_gather")
+    same(whole_pair, torch.ones(world * 2), "the second call of the coalesced pair")
     for culprit, text in bad.items():
         call = _bad_argument_call(culprit, rank == culprit, world)
         started = time.monotonic()
