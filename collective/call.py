@@ -50,12 +50,8 @@ def reduce_all(op: ReduceOp, inputs: list[Any], out: Array | None = None) -> Arr
     first = inputs[0]
     if type(first) is np.ndarray:  # the ufunc itself: this runs on every small step
         ufunc = NUMPY_UFUNCS[op]
-        if out is None and first.ndim:
-            result = ufunc(first, inputs[1])  # (a new array of the inputs' dtype; 0-d would give a scalar)
-        elif out is None:
-            result = ufunc(first, inputs[1], out=np.empty(first.shape, first.dtype))
-        else:
-            result = ufunc(first, inputs[1], out=out)
+        result = out if out is not None else np.empty(first.shape, first.dtype)  # (the inputs' dtype:
+        ufunc(first, inputs[1], out=result)  # a ufunc's own result of '>f4' inputs is '<f4')
         for other in inputs[2:]:
             ufunc(result, other, out=result)
         return result

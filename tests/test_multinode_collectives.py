@@ -47,6 +47,13 @@ def test_every_new_collective_over_the_job_and_over_groups(
     run_job(orchestrator, nodes, devices, ["world", "dtypes", "groups"], **strategies(strategy))
 
 
+def test_big_endian_arrays_reduce_across_nodes_of_several_peers(orchestrator: str) -> None:
+    procs = start_nodes(orchestrator, f"order-{next(_jobs)}", 2, 2, "byte_order")
+    for node, code in zip(procs, finish_all(procs, 90), strict=True):
+        assert code == 0, node.output()
+        assert node.output().count("OK 8") == 2, node.output()
+
+
 @pytest.mark.parametrize("strategy", ["ring", "tree:2"])
 def test_disjoint_groups_spanning_nodes_at_the_same_time(orchestrator: str, strategy: str) -> None:
     """[0, 3, 4] and [1, 2] (3 nodes x 2 peers) call their collectives concurrently."""
