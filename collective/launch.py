@@ -283,13 +283,12 @@ def _pump(
                     broken.set()
 
 
-SIGPIPE_STATUS = 128 + 13  # what a shell reports for a writer whose reader left (SIGPIPE)
-
-
-def _silence(sink: IO[str]) -> None:
-    """What is left of ``sink``'s buffer, and what interpreter exit flushes, goes nowhere."""
+def _reader_left(sink: IO[str]) -> int:
+    """141 (128 + SIGPIPE: a shell's status for a writer whose reader left), once what is left of
+    ``sink``'s buffer, and what interpreter exit flushes, goes nowhere."""
     with contextlib.suppress(OSError, ValueError):
         os.dup2(os.open(os.devnull, os.O_WRONLY), sink.fileno())
+    return 128 + signal.SIGPIPE
 
 
 class _Stopped(Exception):
@@ -391,13 +390,14 @@ def _run(args: argparse.Namespace, out: IO[str]) -> int:
             pumps.append(pump)
         while (failed := _first_failed(nodes)) is None and any(node.poll() is None for node in nodes):
             if broken.is_set():  # as a pipeline's writer whose reader left: stopped, quietly
-                _silence(out)
-                return SIGPIPE_STATUS
+                return _reader_left(out)
             time.sleep(0.05)
         if failed is None:
             failed = _first_failed(nodes)  # (the last live node may have failed since the last look)
+        for pump in pumps if failed is None else ():  # (their last output, written or refused)
+            pump.join(5)
         if failed is None:
-            return 0
+            return _reader_left(out) if broken.is_set() else 0
         rank, code = failed
         with lock:
             how = f"exited with status {code}" if code > 0 else f"was killed by signal {-code}"

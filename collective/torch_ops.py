@@ -152,20 +152,20 @@ class Ops:
     def allreduce_coalesced(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
         tensors = list(tensors)
-        by_op: dict[str, list[int]] = {}  # bool tensors take SUM as max: one call per op
-        factor = None
-        for index, tensor in enumerate(tensors):
-            op, factor = reduce_op(opts.reduceOp, tensor.dtype)  # (one reduceOp: one factor)
-            by_op.setdefault(op, []).append(index)
+        ops = {reduce_op(opts.reduceOp, t.dtype) for t in tensors} or {("sum", None)}
+        if len(ops) > 1:  # bool takes SUM as max, PRODUCT as min: one list, one op (gloo: one dtype)
+            raise invalid(
+                f"all_reduce_coalesced: the list mixes bool tensors with others, which {opts.reduceOp} "
+                f"reduces differently: pass the bool tensors in a call of their own"
+            )
+        op, factor = ops.pop()
         kw = self._kw(opts)
 
         def body() -> None:
             buffers = [host(t) for t in tensors]
             views = [array(b) for b in buffers]
-            for op in sorted(by_op) or ["sum"]:  # (in one order on every rank; [] fails on each)
-                chosen = [views[i] for i in by_op.get(op, [])]
-                sources = chosen if factor is None else [_scaled(v, factor) for v in chosen]
-                self.runtime.all_reduce_coalesced(self.peer, sources, op, out=chosen, **kw)
+            sources = views if factor is None else [_scaled(v, factor) for v in views]
+            self.runtime.all_reduce_coalesced(self.peer, sources, op, out=views, **kw)
             for buffer, tensor in zip(buffers, tensors, strict=True):
                 store_back(buffer, tensor)
 

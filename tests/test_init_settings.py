@@ -8,6 +8,7 @@ import logging
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -233,6 +234,21 @@ def test_launch_whose_output_reader_left_stops_its_nodes_as_a_pipeline_does() ->
         launched.stdout.close()  # the reader leaves
         assert launched.wait(20) == 141  # 128 + SIGPIPE, as a shell reports a writer whose reader left
         assert launched.stderr is not None and "Traceback" not in launched.stderr.read()
+    finally:
+        launched.kill()
+        launched.wait(10)
+
+
+def test_launch_whose_reader_leaves_after_its_nodes_ended_says_so() -> None:
+    """The nodes' last output was still on its way when the reader left: launch exited 0."""
+    argv = [sys.executable, "-m", "collective", "launch", "--nodes", "2", "--timeout", "30", sys.executable,
+            "-c", "print('x' * 200_000)"]  # fmt: skip
+    launched = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=CLEAN)
+    try:
+        time.sleep(1.5)  # the nodes end meanwhile; launch's pump waits on the full pipe
+        assert launched.stdout is not None and launched.stdout.read(10)
+        launched.stdout.close()
+        assert launched.wait(20) == 141
     finally:
         launched.kill()
         launched.wait(10)

@@ -376,15 +376,25 @@ def mends() -> None:
         dist.all_gather_into_tensor(torch.zeros(world * bad.numel()), bad)
         dist.all_gather_into_tensor(torch.zeros(world * 2), torch.ones(2))
     expect_error(manager.wait, "MismatchError")
-    # coalesced bool and float tensors: SUM is "any" for bool, a sum for the floats (one op per call)
-    for op, floats in ((dist.ReduceOp.SUM, world * (world + 1) / 2), (dist.ReduceOp.PRODUCT, 6.0)):
-        flags, numbers = torch.tensor([rank == 0, False, True]), torch.full((3,), rank + 1.0)
-        with _coalescing_manager():
-            dist.all_reduce(flags, op=op)
-            dist.all_reduce(numbers, op=op)
-        any_or_all = [True, False, True] if op == dist.ReduceOp.SUM else [False, False, True]
-        assert flags.tolist() == any_or_all and flags.view(torch.uint8).max() <= 1, (op, flags)
-        same(numbers, torch.full((3,), floats), f"the floats coalesced with bools ({op})")
+    # coalesced bool and float tensors: bool takes SUM as max, so one list cannot have one op. It
+    # took one of the two (a MAX of the floats, or a false mismatch); now an error on every rank,
+    # nothing written, even where a rank's list has no bool (the bool on rank 0 only)
+    for op in (dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT):
+        flags = torch.tensor([True, False, True]) if rank == 0 else torch.tensor([1.0, 0.0, 1.0])
+        numbers = torch.full((3,), rank + 1.0)
+
+        def mixed(op: Any = op, flags: Any = flags, numbers: Any = numbers) -> None:
+            with _coalescing_manager():
+                dist.all_reduce(flags, op=op)
+                dist.all_reduce(numbers, op=op)
+
+        expect_error(mixed, "no peer ran it: peer 0: all_reduce_coalesced: the list mixes bool")
+        same(numbers, torch.full((3,), rank + 1.0), f"the floats of a refused list ({op})")
+    flags = torch.tensor([rank == 0, False, True])  # a list of bools alone: SUM is "any"
+    with _coalescing_manager():
+        dist.all_reduce(flags)
+        dist.all_reduce(flags2 := torch.tensor([False, rank == 1]))
+    assert flags.tolist() == [True, False, True] and flags2.tolist() == [False, True], (flags, flags2)
     premul = dist._make_nccl_premul_sum(2.0)
     expect_error(lambda: dist.all_reduce(torch.tensor([True, False]), op=premul), "PREMUL_SUM on torch.bool")
     # one rank's bad argument, found by the backend before the call: the same error on every rank,
