@@ -22,7 +22,7 @@ from collective.torch_work import backend_error
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
 
-__all__ = ["LocalProblem", "invalid", "on_every_rank", "reduce_op", "single", "writable_tensor"]
+__all__ = ["LocalProblem", "invalid", "on_every_rank", "op_name", "reduce_op", "single", "writable_tensor"]
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -49,9 +49,14 @@ def reduce_op(op: Any, dtype: Any) -> tuple[str, Any]:
         return "sum", op.factor
     found = (_BOOL_OPS if dtype == torch.bool else _OPS).get(kind)
     if found is None:
-        name = str(getattr(kind, "name", kind)).rpartition(".")[2]
-        raise invalid(f"ReduceOp.{name} on {dtype} is not supported by the collective backend")
+        raise invalid(f"ReduceOp.{op_name(op)} on {dtype} is not supported by the collective backend")
     return found, None
+
+
+def op_name(op: Any) -> str:
+    """'SUM' for ReduceOp.SUM (a ReduceOp object or its RedOpType)."""
+    kind = getattr(op, "op", op)
+    return str(getattr(kind, "name", kind)).rpartition(".")[2]
 
 
 def writable_tensor(tensor: Any, what: str) -> None:

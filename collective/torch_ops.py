@@ -45,10 +45,10 @@ from collective.calls import (
     ReduceScatter,
     Scatter,
 )
-from collective.errors import CollectiveError, InvalidArgumentError
+from collective.errors import CollectiveError, InvalidArgumentError, MismatchError
 from collective.groups import Group
 from collective.runtime import Runtime
-from collective.torch_checks import invalid, on_every_rank, reduce_op, single, writable_tensor
+from collective.torch_checks import invalid, on_every_rank, op_name, reduce_op, single, writable_tensor
 from collective.torch_work import (
     Receives,
     TorchWork,
@@ -155,8 +155,8 @@ class Ops:
         ops = {reduce_op(opts.reduceOp, t.dtype) for t in tensors} or {("sum", None)}
         if len(ops) > 1:  # bool takes SUM as max, PRODUCT as min: one list, one op (gloo: one dtype)
             raise invalid(
-                f"all_reduce_coalesced: the list mixes bool tensors with others, which {opts.reduceOp} "
-                f"reduces differently: pass the bool tensors in a call of their own"
+                f"all_reduce_coalesced: the list mixes bool tensors with others, which ReduceOp."
+                f"{op_name(opts.reduceOp)} reduces differently: pass the bool tensors in a call of their own"
             )
         op, factor = ops.pop()
         kw = self._kw(opts)
@@ -348,8 +348,14 @@ class Ops:
         output = single(outputs, "scatter")
         root, kw = self.peer_of(opts.rootRank), self._kw(opts)
         parts = list(single(inputs, "scatter")) if root == self.peer else []
-        if root == self.peer and len(parts) != len(self.members):
-            raise invalid(f"scatter: the root passes {len(self.members)} input tensors, got {len(parts)}")
+        if root == self.peer and (
+            len(parts) != len(self.members) or any(p.shape != output.shape for p in parts)
+        ):
+            shapes = [tuple(p.shape) for p in parts]
+            raise invalid(
+                f"scatter: the root passes {len(self.members)} input tensors of the output's shape "
+                f"{tuple(output.shape)}, got {shapes}"
+            )
 
         def body() -> None:
             stacked = np.stack([array(host(p)) for p in parts]) if parts else None
@@ -367,14 +373,16 @@ class Ops:
 
 
 def _each(calls: list[Callable[[], TorchWork]]) -> list[TorchWork]:
-    """The works of every call, each a step of the group, issued even after one raised (a bad
-    argument fails its step on every rank, and the others' next steps must meet this rank's);
-    then the first error is raised."""
+    """The works of every call, each a step of the group, issued even after one failed on every
+    rank for its arguments (a refused or mismatched step: the others' next steps must meet this
+    rank's); then the first error is raised. A timeout or a lost peer is raised at once."""
     works, first = [], None
     for call in calls:
         try:
             works.append(call())
         except dist.DistBackendError as exc:
+            if not isinstance(exc.__cause__, InvalidArgumentError | MismatchError):
+                raise
             first = first or exc
     if first is not None:
         raise first

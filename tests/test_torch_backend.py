@@ -247,3 +247,25 @@ def test_ddp_step_bench_compares_parameters(capsys: pytest.CaptureFixture[str]) 
     for name in ddp_step.MODELS:
         line = next(line for line in out.splitlines() if line.strip().startswith(name))
         assert float(line.split()[-1]) <= 1e-5, line  # the largest parameter difference to gloo
+
+
+def test_coalesced_wrappers_go_on_after_an_argument_error_and_stop_at_a_timeout() -> None:
+    """A refused or mismatched step failed on every rank: the list's next steps are issued (the
+    others issue theirs). A timeout or a lost peer ends the list at once: it waited one timeout
+    per remaining tensor."""
+    from collective.errors import CollectiveTimeout, InvalidArgumentError
+    from collective.torch_ops import _each
+
+    for cause, issued in ((InvalidArgumentError("bad"), 3), (MismatchError("differ"), 3),
+                          (CollectiveTimeout("late", [2]), 1), (PeerLostError("gone", [2]), 1)):  # fmt: skip
+        calls: list[int] = []
+
+        def call(index: int, cause: Exception = cause, calls: list[int] = calls) -> Any:
+            calls.append(index)
+            if index == 0:
+                raise backend_error(cause)
+            return index
+
+        with pytest.raises(dist.DistBackendError) as raised:
+            _each([lambda i=i: call(i) for i in range(3)])
+        assert raised.value.__cause__ is cause and calls == list(range(issued)), (cause, calls)

@@ -388,7 +388,7 @@ def mends() -> None:
                 dist.all_reduce(flags, op=op)
                 dist.all_reduce(numbers, op=op)
 
-        expect_error(mixed, "no peer ran it: peer 0: all_reduce_coalesced: the list mixes bool")
+        expect_error(mixed, f"the list mixes bool tensors with others, which ReduceOp.{op.name} reduces")
         same(numbers, torch.full((3,), rank + 1.0), f"the floats of a refused list ({op})")
     flags = torch.tensor([rank == 0, False, True])  # a list of bools alone: SUM is "any"
     with _coalescing_manager():
@@ -410,6 +410,8 @@ def mends() -> None:
 
     expect_error(pair, "peer 1: all_gather")
     same(whole_pair, torch.ones(world * 2), "the second call of the coalesced pair")
+    parts = [torch.zeros(2), torch.zeros(3), torch.zeros(2)] if rank == 2 else None  # (the root's alone)
+    expect_error(lambda: dist.scatter(torch.zeros(2), parts, src=2), "peer 2: scatter: the root passes 3")
     for culprit, text in bad.items():
         call = _bad_argument_call(culprit, rank == culprit, world)
         started = time.monotonic()
