@@ -37,7 +37,7 @@ import numpy as np
 
 from collective.algorithms.ops import array_module
 from collective.api import default_runtime
-from collective.calls import AllReduce
+from collective.calls import AllReduce, Broadcast
 from collective.errors import CollectiveError, CollectiveTimeout, InvalidArgumentError, MismatchError
 from collective.groups import Group
 from collective.runtime import Runtime
@@ -223,6 +223,7 @@ class GradientSync:
         missing = [name for bucket in self._buckets for name in bucket.names if name not in bucket.grads]
         if missing:  # (say backward raised): the step is dropped, the next one starts clean
             self._settle()
+            self._accumulated = {}  # (no_sync's micro-batches of the dropped step go with it)
             problem = (
                 f"peer {self.peer} made no gradient ready for {missing[:5]}: this step is dropped (the "
                 f"next one starts clean); every peer must make every gradient ready each step"
@@ -287,7 +288,7 @@ class GradientSync:
                     array[...] = result
                     synced[name] = grad
                 else:  # (stale, or a JAX gradient: immutable) a new array of the gradient's kind
-                    synced[name] = back(result.copy()) if in_place else result.copy()
+                    synced[name] = back(result.copy())
         if failed is not None:
             raise failed
         return synced
@@ -320,6 +321,13 @@ def broadcast_parameters(
     """Overwrite every array of ``params`` (in place) with the root's: one broadcast per dtype."""
     runtime = runtime or default_runtime()
     arrays = [native(p)[0] for p in params]
+    fixed = [i for i, a in enumerate(arrays) if not getattr(getattr(a, "flags", None), "writeable", True)]
+    if fixed:  # (a JAX array): refused on every peer, before any broadcast
+        refused = Broadcast.refused(
+            f"broadcast_parameters: params[{fixed[0]}] cannot be written in place (a JAX array?): "
+            f"pass arrays it can overwrite, or call broadcast() per array and keep its results"
+        )
+        runtime.start(peer, refused, group, None, False)
     by_dtype: dict[str, list[Any]] = {}
     for array in arrays:
         by_dtype.setdefault(str(array.dtype), []).append(array)

@@ -70,7 +70,8 @@ def native(value: Any) -> tuple[Any, Back]:
     if module == "torch" or (torch is not None and isinstance(value, torch.Tensor)):
         return _from_torch(value)
     if module in ("jax", "jaxlib"):
-        return np.asarray(value), _to_jax
+        devices = value.devices() if callable(getattr(value, "devices", None)) else set()
+        return np.asarray(value), _ToJaxOn(next(iter(devices))) if len(devices) == 1 else _to_jax
     if hasattr(value, "__cuda_array_interface__"):
         import cupy
 
@@ -97,7 +98,7 @@ def writable(value: Any) -> Any:
             "a conjugate or negative view of a torch tensor reads as a copy and cannot be written: "
             "pass out.resolve_conj() (or .resolve_neg()), or a plain tensor"
         )
-    if back is _to_jax:
+    if back is _to_jax or isinstance(back, _ToJaxOn):
         raise InvalidArgumentError(
             "a JAX array is immutable and cannot be written: leave out= unset (the result comes back "
             "as a new jax.Array) or pass a numpy or torch buffer"
@@ -173,3 +174,17 @@ def _to_jax(array: Any) -> Any:
     import jax.numpy as jnp
 
     return jnp.asarray(array)
+
+
+class _ToJaxOn:
+    """A result back to JAX on the device of the input (one device; sharded inputs: the default)."""
+
+    __slots__ = ("device",)
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+
+    def __call__(self, array: Any) -> Any:
+        import jax
+
+        return jax.device_put(array, self.device)

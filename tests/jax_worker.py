@@ -105,7 +105,37 @@ def out_refused() -> None:
             np.testing.assert_array_equal(received, np.ones(4))
 
 
-CHECKS = {"pytrees": pytrees, "every_collective": every_collective, "out_refused": out_refused}
+def training() -> None:
+    """Results on the input's device (run with two host devices: they came on the default one);
+    GradientSync's stale results as JAX arrays (numpy ones came back); broadcast_parameters of
+    immutable JAX arrays refused on every peer before any broadcast (numpy's "assignment
+    destination is read-only" came after it)."""
+    from collective.ddp import GradientSync, broadcast_parameters
+
+    second = jax.devices()[-1]
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> Any:
+            rt.register(peer, "cpu", col.CollectiveConfig(num_devices=PEERS, timeout=20))
+            x = jax.device_put(jnp.full(3, peer + 1.0), second)
+            placed = [rt.all_reduce(peer, x), rt.all_gather(peer, x)]
+            sync = GradientSync(peer, {"w": np.zeros(3, np.float32)}, stale=True, runtime=rt)
+            averages = []
+            for step in range(2):
+                sync.ready("w", jnp.full(3, float(peer + step), jnp.float32))
+                averages.append(sync.wait())
+            with pytest.raises(col.InvalidArgumentError, match="cannot be written in place"):
+                broadcast_parameters(peer, [jnp.ones(2)], runtime=rt)
+            return placed, averages
+
+        for placed, averages in run_peers(PEERS, body, rt):
+            assert all(result.devices() == {second} for result in placed), [r.devices() for r in placed]
+            assert averages[0] is None and isinstance(averages[1]["w"], jax.Array)
+            np.testing.assert_allclose(np.asarray(averages[1]["w"]), np.full(3, 1.0))
+
+
+CHECKS = {"pytrees": pytrees, "every_collective": every_collective, "out_refused": out_refused,
+          "training": training}  # fmt: skip
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()

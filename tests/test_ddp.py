@@ -133,6 +133,31 @@ def test_no_sync_accumulates_micro_batches_and_syncs_once() -> None:
         np.testing.assert_allclose(result["layer1.w"], expected)
 
 
+def test_a_dropped_step_drops_the_micro_batches_no_sync_accumulated_for_it() -> None:
+    """They stayed, and the next step's average added them (101 for 1)."""
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> dict[str, Any]:
+            rt.register(peer, "cpu", cfg())
+            grads = {"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}
+            sync = GradientSync(peer, grads, runtime=rt)
+            with sync.no_sync():
+                for name in ("b", "a"):
+                    sync.ready(name, np.full(4, 100, np.float32))
+            sync.ready("b", np.full(4, 1, np.float32))  # (backward raised before "a")
+            with pytest.raises(col.InvalidArgumentError, match="this step is dropped"):
+                sync.wait()
+            for name in ("b", "a"):
+                sync.ready(name, np.full(4, 1, np.float32))
+            result = sync.wait()
+            rt.finish(peer)
+            assert result is not None
+            return result
+
+        for result in run_peers(N, body, rt):
+            assert result["a"].tolist() == result["b"].tolist() == [1.0] * 4, result
+
+
 def test_stale_mode_returns_the_previous_steps_average() -> None:
     with col.Runtime() as rt:
 
