@@ -39,6 +39,7 @@ from collective.config import CollectiveConfig
 from collective.runtime import Runtime
 
 STRATEGIES = ("centralized", "tree:2", "ring", "direct")
+Call = Callable[[], Any]
 BARE_UP_TO = 64 << 10  # the bare step (no checks: not ours) is timed up to this size, for scale
 
 
@@ -60,22 +61,17 @@ def _trivial(common: ModuleType, threads_numpy: ModuleType, peers: int, size: in
     return float(row["median_us"])
 
 
-def _ours(common: ModuleType, peers: int, size: int, strategy: str, alloc: bool, budget: float) -> float:
-    """Median us of our all_reduce, timed by the reference harness, result checked once."""
-    config = CollectiveConfig(num_devices=peers, local_all_reduce_strategy=strategy, timeout=600)
+def _timed(common: ModuleType, peers: int, size: int, budget: float, setup: Callable[[int], Call]) -> float:
+    """Median us of the call ``setup(rank)`` returns in each of ``peers`` threads, timed by the
+    reference harness (rank 0's figure; a failure in any thread is raised here)."""
     barrier = threading.Barrier(peers)
     shared: dict[str, Any] = {}
     per_rank: list[Any] = [None] * peers
     failures: list[BaseException] = []
 
-    def rank_main(rank: int, runtime: Runtime) -> None:
+    def rank_main(rank: int) -> None:
         try:
-            runtime.register(rank, "cpu", config)
-            x = np.full(max(1, size // 4), rank + 1, np.float32)
-            out = None if alloc else np.empty_like(x)
-            result = runtime.all_reduce(rank, x, out=out)
-            if not np.all(result == peers * (peers + 1) / 2):
-                raise AssertionError(f"wrong all_reduce result on rank {rank}")
+            call = setup(rank)
 
             def bcast_int(value: int) -> int:
                 if rank == 0:
@@ -92,7 +88,6 @@ def _ours(common: ModuleType, peers: int, size: int, strategy: str, alloc: bool,
                 barrier.wait()
                 return matrix
 
-            call: Callable[[], Any] = lambda: runtime.all_reduce(rank, x, out=out)  # noqa: E731
             timed = common.time_collective(call, barrier.wait, bcast_int, gather, rank, size, budget)
             if rank == 0:
                 shared["median_us"] = timed[2]
@@ -100,53 +95,44 @@ def _ours(common: ModuleType, peers: int, size: int, strategy: str, alloc: bool,
             failures.append(exc)
             barrier.abort()
 
-    with Runtime() as runtime:
-        threads = [threading.Thread(target=rank_main, args=(r, runtime), daemon=True) for r in range(peers)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(600)
-    if failures:
-        raise failures[0]
-    return float(shared["median_us"])
-
-
-def _bare(common: ModuleType, peers: int, size: int, budget: float) -> float:
-    """Median us of the bare one-wake-up all_reduce (bench.trivial.BareAllReduce: no checks, no
-    timeout, no ordering), timed by the reference harness: the least any Python threads can do."""
-    bare, barrier = BareAllReduce(peers), threading.Barrier(peers)
-    shared: dict[str, Any] = {}
-    per_rank: list[Any] = [None] * peers
-
-    def rank_main(rank: int) -> None:
-        x = np.full(max(1, size // 4), rank + 1, np.float32)
-
-        def bcast_int(value: int) -> int:
-            if rank == 0:
-                shared["int"] = value
-            barrier.wait()
-            value = shared["int"]
-            barrier.wait()
-            return value
-
-        def gather(times: list[int]) -> list[list[int]] | None:
-            per_rank[rank] = times
-            barrier.wait()
-            matrix = list(per_rank) if rank == 0 else None
-            barrier.wait()
-            return matrix
-
-        timed = common.time_collective(lambda: bare.all_reduce(rank, x), barrier.wait, bcast_int, gather,
-                                       rank, size, budget)  # fmt: skip
-        if rank == 0:
-            shared["median_us"] = timed[2]
-
     threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(peers)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(600)
+    if failures:
+        raise failures[0]
     return float(shared["median_us"])
+
+
+def _ours(common: ModuleType, peers: int, size: int, strategy: str, alloc: bool, budget: float) -> float:
+    """Median us of our all_reduce, timed by the reference harness, result checked once."""
+    config = CollectiveConfig(num_devices=peers, local_all_reduce_strategy=strategy, timeout=600)
+
+    with Runtime() as runtime:
+
+        def setup(rank: int) -> Call:
+            runtime.register(rank, "cpu", config)
+            x = np.full(max(1, size // 4), rank + 1, np.float32)
+            out = None if alloc else np.empty_like(x)
+            result = runtime.all_reduce(rank, x, out=out)
+            if not np.all(result == peers * (peers + 1) / 2):
+                raise AssertionError(f"wrong all_reduce result on rank {rank}")
+            return lambda: runtime.all_reduce(rank, x, out=out)
+
+        return _timed(common, peers, size, budget, setup)
+
+
+def _bare(common: ModuleType, peers: int, size: int, budget: float) -> float:
+    """Median us of the bare one-wake-up all_reduce (bench.trivial.BareAllReduce: no checks, no
+    timeout, no ordering), timed by the reference harness: the least any Python threads can do."""
+    bare = BareAllReduce(peers)
+
+    def setup(rank: int) -> Call:
+        x = np.full(max(1, size // 4), rank + 1, np.float32)
+        return lambda: bare.all_reduce(rank, x)
+
+    return _timed(common, peers, size, budget, setup)
 
 
 def main(argv: list[str] | None = None) -> int:
