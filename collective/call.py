@@ -176,10 +176,11 @@ class Call:
         self.problem = problem
 
     @classmethod
-    def refused(cls, problem: str, root: Any = None) -> Call:
+    def refused(cls, problem: str, root: Any = None, op: Any = "sum") -> Call:
         """A call of this kind, without arrays, that fails on every peer with ``problem`` (a root
-        that is a peer of the group keeps a rooted call's own root check quiet)."""
-        call = cls(None, "sum", root)
+        that is a peer of the group keeps a rooted call's own root check quiet; an ``op`` that is
+        no op is named instead)."""
+        call = cls(None, op, root)
         call.refuse(problem)
         return call
 

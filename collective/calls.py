@@ -371,8 +371,8 @@ class Coalesced(AllReduce):
         self.outs = outs  # the caller's (out, its input) pairs to check with this call (or None)
 
     @classmethod
-    def refused(cls, problem: str, root: Any = None) -> Call:
-        call = cls(np.zeros(0, np.float32), "sum", ())
+    def refused(cls, problem: str, root: Any = None, op: Any = "sum") -> Coalesced:
+        call = cls(np.zeros(0, np.float32), op, ())
         call.refuse(problem)
         return call
 

@@ -26,7 +26,7 @@ from collective.tensors import native, writable
 
 __all__ = ["coalesced_all_reduce"]
 
-_SHAPE, _DTYPE, _SIZE = (operator.attrgetter(name) for name in ("shape", "dtype", "size"))
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
 
 def coalesced_all_reduce(
@@ -43,8 +43,7 @@ def coalesced_all_reduce(
         kinds = set(map(_DTYPE, xs))
         if len(kinds) == 1:  # one dtype: one bucket, one call, and the views of its result
             layout = _layout(tuple(map(_SHAPE, xs)), next(iter(kinds)))
-            bucket = pool.empty((layout.total,), layout.dtype)
-            return layout.views(execute(Coalesced(bucket, op, layout.parts, out=bucket, pieces=list(xs))))
+            return layout.views(execute(_bucket(list(xs), op, layout.parts, layout.total)))
     problem = None
     arrays: list[Any] = []
     backs: list[Any] | None = None
@@ -70,7 +69,6 @@ def coalesced_all_reduce(
         _refuse(problem, op, execute)
     dtypes = list(map(_DTYPE, arrays))
     shapes = list(map(_SHAPE, arrays))
-    sizes = list(map(_SIZE, arrays))
     kinds = set(dtypes)
     for dtype in kinds - _NAMES.keys():
         _NAMES[dtype] = str(dtype)  # numpy 2 builds a dtype's name anew every time: ~5 us
@@ -89,10 +87,10 @@ def coalesced_all_reduce(
         if (wrong := dtype_problem(np.dtype(dtype), parsed)) is not None:  # before any bucket's data moves
             _refuse(f"the list: {wrong}", op, execute)
     for indices in by_dtype:
-        its_sizes = [sizes[i] for i in indices]
-        reduced = execute(_bucket([arrays[i] for i in indices], op, parts, sum(its_sizes), checks))
+        its = _layout(tuple(shapes[i] for i in indices), dtypes[indices[0]])  # (its views, its size)
+        reduced = execute(_bucket([arrays[i] for i in indices], op, parts, its.total, checks))
         checks = None
-        for i, view in zip(indices, _views(reduced, [shapes[i] for i in indices], its_sizes), strict=True):
+        for i, view in zip(indices, its.views(reduced), strict=True):
             if outs is not None:
                 outs[i][...] = view
                 results[i] = out[i]  # type: ignore[index]
@@ -103,22 +101,8 @@ def coalesced_all_reduce(
 
 def _refuse(problem: str, op: Any, execute: Callable[[Coalesced], Array]) -> NoReturn:
     """One step whose call carries ``problem``: every peer gets the InvalidArgumentError, in step."""
-    refused = Coalesced(np.zeros(0, np.float32), op, ())
-    refused.refuse(problem)
-    execute(refused)  # raises the problem on every peer
+    execute(Coalesced.refused(problem, op=op))  # raises the problem on every peer
     raise AssertionError("unreachable: a refused call raises")
-
-
-def _views(flat: Array, shapes: list[Any], sizes: list[int]) -> list[Array]:
-    """Consecutive views of ``flat`` in ``shapes`` (a 1-D one needs no reshape)."""
-    views = []
-    offset = 0
-    for shape, size in zip(shapes, sizes, strict=True):
-        end = offset + size
-        view = flat[offset:end]
-        views.append(view if len(shape) == 1 else view.reshape(shape))
-        offset = end
-    return views
 
 
 def _bucket(
