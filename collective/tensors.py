@@ -71,7 +71,7 @@ def native(value: Any) -> tuple[Any, Back]:
         return _from_torch(value)
     if module in ("jax", "jaxlib"):
         devices = value.devices() if callable(getattr(value, "devices", None)) else set()
-        return np.asarray(value), _ToJaxOn(next(iter(devices))) if len(devices) == 1 else _to_jax
+        return np.asarray(value), _ToJax(next(iter(devices)) if len(devices) == 1 else None)
     if hasattr(value, "__cuda_array_interface__"):
         import cupy
 
@@ -98,7 +98,7 @@ def writable(value: Any) -> Any:
             "a conjugate or negative view of a torch tensor reads as a copy and cannot be written: "
             "pass out.resolve_conj() (or .resolve_neg()), or a plain tensor"
         )
-    if back is _to_jax or isinstance(back, _ToJaxOn):
+    if isinstance(back, _ToJax):
         raise InvalidArgumentError(
             "a JAX array is immutable and cannot be written: leave out= unset (the result comes back "
             "as a new jax.Array) or pass a numpy or torch buffer"
@@ -170,14 +170,8 @@ def _to_torch_cuda(array: Any) -> Any:
     return from_dlpack(array)
 
 
-def _to_jax(array: Any) -> Any:
-    import jax.numpy as jnp
-
-    return jnp.asarray(array)
-
-
-class _ToJaxOn:
-    """A result back to JAX on the device of the input (one device; sharded inputs: the default)."""
+class _ToJax:
+    """A result back to JAX: on the input's device (one device; a sharded input's: the default)."""
 
     __slots__ = ("device",)
 
@@ -187,4 +181,4 @@ class _ToJaxOn:
     def __call__(self, array: Any) -> Any:
         import jax
 
-        return jax.device_put(array, self.device)
+        return jax.device_put(array, self.device)  # (None: the default device)
