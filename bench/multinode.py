@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
-from typing import IO
+from typing import IO, Any
 
 from collective.bench.sweep import Case, Row
 from collective.launch import free_port, node_environment, start_orchestrator, stop_processes
@@ -30,16 +30,31 @@ def torch_available() -> bool:
     return importlib.util.find_spec("torch") is not None
 
 
+def _run_workers(
+    module: str, envs: list[dict[str, str]], plan: dict[str, Any], what: str, timeout: float
+) -> list[Row]:
+    """``python -m module PLAN`` once per environment, the plan in a file they read; the first
+    one's rows. Every worker is stopped whatever happens."""
+    processes: list[subprocess.Popen[str]] = []
+    with tempfile.TemporaryDirectory(prefix="collective-bench-") as scratch:
+        path = os.path.join(scratch, "plan.json")
+        with open(path, "w", encoding="utf-8") as handle:
+            json.dump(plan, handle)
+        try:
+            for env in envs:
+                argv = [sys.executable, "-m", module, path]
+                pipe = subprocess.PIPE
+                processes.append(subprocess.Popen(argv, env=env, stdout=pipe, stderr=pipe, text=True))
+            return _collect(processes, what, timeout)
+        finally:
+            stop_processes(processes)
+
+
 def _plan(
-    directory: str, cases: Sequence[Case], warmup: int, iters: int, timeout: float, backend: str = "gloo"
-) -> str:
-    """The path of a new file in ``directory`` that holds the plan the workers run."""
-    path = os.path.join(directory, "plan.json")
-    plan = {"cases": [asdict(c) for c in cases], "warmup": warmup, "iters": iters, "timeout": timeout,
+    cases: Sequence[Case], warmup: int, iters: int, timeout: float, backend: str = "gloo"
+) -> dict[str, Any]:
+    return {"cases": [asdict(c) for c in cases], "warmup": warmup, "iters": iters, "timeout": timeout,
             "backend": backend}  # fmt: skip
-    with open(path, "w", encoding="utf-8") as handle:
-        json.dump(plan, handle)
-    return path
 
 
 def collect_lines(processes: list[subprocess.Popen[str]], what: str, timeout: float) -> list[str]:
@@ -81,20 +96,12 @@ def run_nodes(
     """Time ``cases`` on ``nodes`` node processes of ``devices`` local peers each, on this machine."""
     orchestrator, address = start_orchestrator()
     job = f"bench-{os.getpid()}-{int(time.time() * 1000)}"
-    processes: list[subprocess.Popen[str]] = []
-    scratch = tempfile.TemporaryDirectory(prefix="collective-bench-")
     try:
-        plan = _plan(scratch.name, cases, warmup, iters, timeout)
-        for rank in range(nodes):
-            env = node_environment(address, job, rank, nodes, devices)
-            argv = [sys.executable, "-m", "collective.bench.node_worker", plan]
-            processes.append(
-                subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            )
-        return _collect(processes, "node", timeout * max(1, len(cases)))
+        envs = [node_environment(address, job, rank, nodes, devices) for rank in range(nodes)]
+        plan = _plan(cases, warmup, iters, timeout)
+        return _run_workers("collective.bench.node_worker", envs, plan, "node", timeout * max(1, len(cases)))
     finally:
-        stop_processes([*processes, orchestrator])
-        scratch.cleanup()
+        stop_processes([orchestrator])
 
 
 def run_gloo(
@@ -103,18 +110,7 @@ def run_gloo(
     """Time ``cases`` through torch.distributed, one process per peer: its gloo backend, or ours
     (``backend="collective"``)."""
     port = free_port()
-    processes: list[subprocess.Popen[str]] = []
-    scratch = tempfile.TemporaryDirectory(prefix="collective-bench-")
-    try:
-        plan = _plan(scratch.name, cases, warmup, iters, timeout, backend)
-        for rank in range(world):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                       WORLD_SIZE=str(world), OMP_NUM_THREADS="1")  # fmt: skip
-            argv = [sys.executable, "-m", "collective.bench.gloo_worker", plan]
-            processes.append(
-                subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            )
-        return _collect(processes, backend, timeout * max(1, len(cases)))
-    finally:
-        stop_processes(processes)
-        scratch.cleanup()
+    envs = [dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                 WORLD_SIZE=str(world), OMP_NUM_THREADS="1") for rank in range(world)]  # fmt: skip
+    plan = _plan(cases, warmup, iters, timeout, backend)
+    return _run_workers("collective.bench.gloo_worker", envs, plan, backend, timeout * max(1, len(cases)))
