@@ -88,7 +88,7 @@ class NodeJob:
         self._closed = False
         self._agreed: dict[int, int] = {}  # channel -> the last step whose calls every node agreed on
         self._local: frozenset[int] = frozenset()
-        self._finished_peers: set[int] = set()  # other nodes' peers that called finish()
+        self._finished_peers: dict[int, float] = {}  # other nodes' peers that called finish(): when told
         self._p2p_ids = itertools.count()  # tells apart the messages this process sends in parts
         self._layouts: dict[tuple[int, ...], Layout] = {}
         shm = os.environ.get("COLLECTIVE_SHM", "1") != "0"  # 0: never the Shm executor (e.g. to compare)
@@ -153,7 +153,9 @@ class NodeJob:
         """The error for a step whose call from ``peers``' node has not come, when one of them
         called finish(): the node's call never comes (a peer's finish waits for its own calls, and
         its notice travels after what its node sent before)."""
-        finished = [peer for peer in peers if peer in self._finished_peers]
+        now = time.monotonic()  # (after LEFT_GRACE, as for a node that left: a cause that ended the
+        # peer's job, say the orchestrator's loss, reaches this node meanwhile and is named instead)
+        finished = [peer for peer in peers if now - self._finished_peers.get(peer, now) > LEFT_GRACE]
         if not finished:
             return None
         return PeerLostError(
@@ -198,7 +200,7 @@ class NodeJob:
             if self._node_of.get(message.sender) != node or message.receiver not in self._local:
                 raise WireError(f"peer {message.sender} -> {message.receiver} does not match node {node}")
             if message.tag == FINISHED_TAG:
-                self._finished_peers.add(message.sender)
+                self._finished_peers[message.sender] = time.monotonic()
                 if self._mailbox is not None:
                     self._mailbox().wake()  # (a receive from it ends)
                 return
