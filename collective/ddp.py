@@ -26,19 +26,17 @@ torch module's parameters so backward calls ``ready`` by itself.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import numpy as np
-
 from collective.algorithms.ops import array_module
 from collective.api import default_runtime
 from collective.calls import AllReduce, Broadcast
-from collective.errors import CollectiveError, CollectiveTimeout, InvalidArgumentError, MismatchError
+from collective.ddp_checks import agree_on_settings, settings_problem, writable_params
+from collective.errors import CollectiveError, CollectiveTimeout, InvalidArgumentError
 from collective.groups import Group
 from collective.runtime import Runtime
 from collective.tensors import native
@@ -104,18 +102,15 @@ class GradientSync:
         stale: bool = False,
         runtime: Runtime | None = None,
     ) -> None:
-        if not params:
-            raise InvalidArgumentError("GradientSync needs at least one parameter")
-        if bucket_bytes <= 0:
-            raise InvalidArgumentError(f"bucket_bytes must be > 0, got {bucket_bytes}")
         self.peer = peer
         self.op = op
         self.group = group
         self.stale = stale
         self._runtime = runtime or default_runtime()
+        problem = settings_problem(params, bucket_bytes, op)
         groups: list[list[str]] = []
         size = 0
-        for name in reversed(list(params)):  # backward makes the last gradients first
+        for name in reversed(list(params) if problem is None else []):  # backward: last layers first
             if not groups or size >= bucket_bytes:
                 groups.append([])
                 size = 0
@@ -131,21 +126,7 @@ class GradientSync:
         self._spare = [_bucket_of(names, params) for names in groups] if stale else None
         self.paused = False  # attach_torch's hooks do nothing while set (torch_no_sync)
         self._inflight: list[Work] = []  # the all_reduces of a step whose wait() timed out
-        self._agree_on(params, bucket_bytes)
-
-    def _agree_on(self, params: Mapping[str, Any], bucket_bytes: int) -> None:
-        """One small all_reduce: every peer must hold the same parameters (names, shapes, dtypes, in
-        one order) and settings, else the buckets would average one peer's weights with another's."""
-        arrays = {name: native(value)[0] for name, value in params.items()}
-        layout = [(name, tuple(array.shape), str(array.dtype)) for name, array in arrays.items()]
-        digest = hashlib.blake2b(repr((layout, bucket_bytes, self.op, self.stale)).encode(), digest_size=7)
-        mine = int.from_bytes(digest.digest(), "little")
-        seen = self._runtime.all_reduce(self.peer, np.array([mine, -mine], np.int64), "max", group=self.group)
-        if int(seen[0]) != -int(seen[1]):
-            raise MismatchError(
-                "GradientSync: the peers' parameters differ (names, shapes, dtypes or their order), or "
-                "their bucket_bytes, op or stale: every peer must build it from the same model"
-            )
+        agree_on_settings(self._runtime, peer, group, params, (bucket_bytes, op, stale), problem)
 
     @property
     def buckets(self) -> list[list[str]]:
@@ -320,14 +301,9 @@ def broadcast_parameters(
 ) -> None:
     """Overwrite every array of ``params`` (in place) with the root's: one broadcast per dtype."""
     runtime = runtime or default_runtime()
-    arrays = [native(p)[0] for p in params]
-    fixed = [i for i, a in enumerate(arrays) if not getattr(getattr(a, "flags", None), "writeable", True)]
-    if fixed:  # (a JAX array): refused on every peer, before any broadcast
-        refused = Broadcast.refused(
-            f"broadcast_parameters: params[{fixed[0]}] cannot be written in place (a JAX array?): "
-            f"pass arrays it can overwrite, or call broadcast() per array and keep its results"
-        )
-        runtime.start(peer, refused, group, None, False)
+    arrays, problem = writable_params(params)
+    if problem is not None:  # refused on every peer, before any broadcast
+        runtime.start(peer, Broadcast.refused(f"broadcast_parameters: {problem}"), group, None, False)
     by_dtype: dict[str, list[Any]] = {}
     for array in arrays:
         by_dtype.setdefault(str(array.dtype), []).append(array)

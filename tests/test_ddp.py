@@ -258,12 +258,11 @@ def test_mixed_dtypes_share_a_bucket_one_all_reduce_per_dtype() -> None:
         "e": np.zeros(2, np.float32),
     }
     with col.Runtime() as rt:
-        calls: list[int] = []  # the peer of each all_reduce
+        calls: list[tuple[str, int]] = []  # the kind and peer of each call
         start = rt.start  # (the road of every call)
 
         def counted(peer: int, call: Any, *args: Any) -> Any:
-            assert call.kind == "all_reduce"
-            calls.append(peer)
+            calls.append((call.kind, peer))
             return start(peer, call, *args)
 
         rt.start = counted  # type: ignore[method-assign]
@@ -280,8 +279,10 @@ def test_mixed_dtypes_share_a_bucket_one_all_reduce_per_dtype() -> None:
             return result
 
         per_peer = run_peers(N, body, rt)
-    # one all_reduce per dtype, not one per gradient (and one that checks the peers' parameters agree)
-    assert sorted(calls) == sorted(list(range(N)) * (4 + 1))
+    # one all_reduce per dtype, not one per gradient (and an all_gather: the peers' settings agree)
+    assert sorted(calls) == sorted(
+        [("all_gather", p) for p in range(N)] + [("all_reduce", p) for p in range(N)] * 4
+    )
     total = sum(peer + 1 for peer in range(N))
     for result in per_peer:
         for name, p in mixed.items():
@@ -371,11 +372,68 @@ def test_peers_with_different_parameters_are_refused_on_every_peer(theirs: dict[
 
         def body(peer: int) -> Any:
             rt.register(peer, "cpu", cfg())
-            with pytest.raises(col.MismatchError, match="the peers' parameters differ"):
+            with pytest.raises(
+                col.MismatchError, match=r"parameters \(.*peers 0, 2 hold model .*peer 1 hold"
+            ):
                 GradientSync(peer, theirs if peer == 1 else mine, runtime=rt)
             return GradientSync(peer, mine, runtime=rt).buckets  # the job goes on
 
         assert run_peers(N, body, rt) == [[["b", "w"]]] * N
+
+
+@pytest.mark.parametrize(
+    ("setting", "error", "message"),
+    [
+        ({"bucket_bytes": 0}, col.InvalidArgumentError, r"peer 1.*bucket_bytes must be an int > 0, got 0"),
+        ({"bucket_bytes": "25M"}, col.InvalidArgumentError, r"peer 1.*bucket_bytes must be .*, got '25M'"),
+        ({"op": "avg"}, col.InvalidArgumentError, r"peer 1.*'avg'"),
+        (
+            {"params": {"w": {"nested": 0}}},
+            col.InvalidArgumentError,
+            r"peer 1.*params\['w'\] must be an array",
+        ),
+        ({"params": {}}, col.InvalidArgumentError, r"peer 1.*non-empty mapping"),
+        ({"bucket_bytes": 64}, col.MismatchError, r"bucket_bytes: peers 0, 2 passed 1024, peer 1 passed 64"),
+        ({"op": "sum"}, col.MismatchError, r"op: peers 0, 2 passed 'mean', peer 1 passed 'sum'"),
+        ({"stale": True}, col.MismatchError, r"stale: peers 0, 2 passed False, peer 1 passed True"),
+    ],
+    ids=["bucket_bytes-0", "bucket_bytes-str", "op", "nested", "empty", "bucket_bytes", "op-2", "stale"],
+)
+def test_one_peers_bad_or_different_setting_fails_every_peer_at_once(
+    setting: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """A bad setting on one peer raised there only (or an AttributeError for a nested parameter):
+    the others waited for it in the agreement until their timeout. A different one was a
+    MismatchError that named neither the peer nor the setting."""
+    mine: dict[str, Any] = {"params": {"w": np.zeros((4, 2)), "b": np.zeros(2)}, "bucket_bytes": 1024}
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> Any:
+            rt.register(peer, "cpu", cfg(timeout=30))
+            started = time.monotonic()
+            with pytest.raises(error, match=message):
+                GradientSync(peer, runtime=rt, **({**mine, **setting} if peer == 1 else mine))
+            assert time.monotonic() - started < 10  # at once, not at the timeout
+            return GradientSync(peer, runtime=rt, **mine).buckets  # the job goes on
+
+        assert run_peers(N, body, rt) == [[["b", "w"]]] * N
+
+
+@pytest.mark.parametrize("bad", [{"nested": 1}, "w", np.zeros(3)], ids=["dict", "str", "unwritable"])
+def test_broadcast_parameters_refuses_what_it_cannot_overwrite_on_every_peer(bad: Any) -> None:
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> Any:
+            rt.register(peer, "cpu", cfg(timeout=30))
+            weights = [np.full(3, float(peer))]
+            if isinstance(bad, np.ndarray):
+                bad.flags.writeable = False
+            with pytest.raises(col.InvalidArgumentError, match=r"peer 2.*broadcast_parameters: params"):
+                broadcast_parameters(peer, [*weights, bad] if peer == 2 else weights, runtime=rt)
+            broadcast_parameters(peer, weights, runtime=rt)  # the job goes on
+            return weights[0].tolist()
+
+        assert run_peers(N, body, rt) == [[0.0] * 3] * N
 
 
 def test_a_step_whose_wait_timed_out_keeps_its_buffers_until_its_sync_ends() -> None:
