@@ -48,6 +48,14 @@ def integer(value: Any) -> int | None:
     return int(value)
 
 
+def real(value: Any) -> float | None:
+    """``value`` as a float when it is a real number (Python's or numpy's, never a bool), else None:
+    timeouts computed with numpy are accepted as they are."""
+    if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.integer | np.floating):
+        return None
+    return float(value)
+
+
 @dataclass(frozen=True)
 class Device:
     """Where a peer's arrays live: kind "cpu" or "cuda", and the CUDA device index."""

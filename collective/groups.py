@@ -24,6 +24,19 @@ class Group:
 
     members: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        members = self.members
+        if (
+            not isinstance(members, tuple)
+            or not members
+            or any(type(peer) is not int or peer < 0 for peer in members)
+            or list(members) != sorted(set(members))
+        ):
+            raise InvalidArgumentError(
+                f"Group({members!r}): a group's members are distinct peer ids in increasing order; "
+                f"make one with new_group(ranks)"
+            )
+
     @property
     def size(self) -> int:
         return len(self.members)

@@ -21,7 +21,7 @@ from typing import Any
 
 from collective import p2p
 from collective.algorithms.ops import Array, ReduceOp
-from collective.arrays import Device, integer
+from collective.arrays import Device, integer, real
 from collective.call import Call
 from collective.calls import (
     AllGather,
@@ -362,7 +362,7 @@ class Runtime:
         return sequencer.call(rendezvous.run, call.kind, member.peer, member.device, seconds, call)
 
     def _road(
-        self, peer_id: int, group: Group | None, timeout: float | None
+        self, peer_id: int, group: Any, timeout: float | None
     ) -> tuple[_Peer, tuple[Rendezvous, Sequencer], float, str | None]:
         """This peer, its road to the group (rendezvous, sequencer), the call's timeout, and a problem
         with it. A bad ``timeout`` fails the call on every peer (the config's timeout bounds that step).
@@ -373,13 +373,17 @@ class Runtime:
             job = self._member(peer_id)  # raise the precise RegistrationError
             member = self._peer(peer_id)
         job = member.job  # (the job this peer's registration joined, whatever another thread did since)
+        problem = None
+        if group is not None and not isinstance(group, Group):  # which group was meant is unknown: the
+            problem = f"group must be a value of new_group(), got {group!r}"  # job's, so its step fails
+            group = None  # for every peer there, and this peer stays in step with them
         if group is None:
             route = member.routes.get(None) or member.route(job.members, None)
         else:
             members = self._members_of(peer_id, job, group)
             route = member.routes.get(members) or member.route(members, members)
-        if timeout is None:
-            return member, route, job.config.timeout, None
+        if timeout is None or problem is not None:
+            return member, route, job.config.timeout, problem
         try:
             return member, route, _seconds(timeout), None
         except InvalidArgumentError as exc:
@@ -387,8 +391,6 @@ class Runtime:
 
     def _members_of(self, peer_id: int, job: LocalJob, group: Group) -> tuple[int, ...]:
         """The group's members; InvalidArgumentError for a group this peer is not in."""
-        if not isinstance(group, Group):
-            raise InvalidArgumentError(f"group must be a value of new_group(), got {group!r}")
         group.check_within(job.world)
         group.rank(peer_id)  # raises for a peer outside the group
         return group.members
@@ -414,6 +416,7 @@ class Runtime:
 
 
 def _seconds(timeout: Any) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not 0 < timeout < math.inf:
+    value = real(timeout)
+    if value is None or not 0 < value < math.inf:
         raise InvalidArgumentError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-    return float(timeout)
+    return value

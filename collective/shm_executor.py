@@ -375,9 +375,9 @@ class ShmGroup:
                 raise self._theirs_error(rank, reason)
             if lost is not None:
                 raise lost
-            if not alive:
-                raise PeerLostError(f"{self._label}: peer {peer} (process {segment.pid}) died", [peer])
-            raise PeerLostError(f"{self._label}: peer {peer} left the job while others needed it", [peer])
+            if segment.closed:  # (checked first: a process that finished may have exited since)
+                raise PeerLostError(f"{self._label}: peer {peer} left the job while others needed it", [peer])
+            raise PeerLostError(f"{self._label}: peer {peer} (process {segment.pid}) died", [peer])
 
     def _given_up(self, rank: int) -> str | None:
         """Why member ``rank`` gave up the step in flight, if it recorded that."""

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from collective.arrays import real
 from collective.errors import CollectiveError, CollectiveTimeout, InvalidArgumentError
 from collective.transport.inproc import clone_error
 
@@ -41,8 +42,10 @@ class Work:
         for a timeout that is no number of seconds >= 0.
         """
         if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout >= 0:
+            value = real(timeout)
+            if value is None or not value >= 0:
                 raise InvalidArgumentError(f"wait(timeout) takes seconds >= 0 or None, got {timeout!r}")
+            timeout = value
             if timeout >= threading.TIMEOUT_MAX:  # (infinity included): longer than the collective can run
                 timeout = None
         if not self._done.wait(timeout):

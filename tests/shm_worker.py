@@ -355,6 +355,20 @@ def leaves(peer: int, world: int) -> int:
     return 1
 
 
+def leaves_after(peer: int, world: int) -> int:
+    """The last peer's two async all_reduces, then it finishes (waiting for them) and its process
+    exits; the others come late: their third all_reduce finds a process that left, not one that died."""
+    if peer == world - 1:
+        works = [col.all_reduce(peer, np.ones(2), async_op=True) for _ in range(2)]
+        col.finish(peer)
+        assert all(work.is_completed() for work in works)
+        os._exit(0)
+    time.sleep(1.0)
+    for _ in range(3):
+        col.all_reduce(peer, np.ones(2))
+    return 3
+
+
 BUSY = [(0, 1), (0, 2), (0, 3), (0, 4), (0, 1, 2), (0, 1, 3), (0, 1, 4), (0, 2, 3)]  # peer 0's 8 channels
 
 
@@ -472,7 +486,7 @@ def unmapped(peer: int, world: int) -> int:
 
 MODES = {
     "byte_order": byte_order,
-    "leaves": leaves,
+    "leaves": leaves, "leaves_after": leaves_after,
     "every": every, "many": many, "overlap": overlap, "lead_fails": lead_fails, "groups": groups,
     "evicted": evicted, "concurrent": concurrent, "mismatch": mismatch, "loop": loop, "crash": crash,
     "late": late, "crowded": crowded, "no_channel": no_channel, "absent": absent,

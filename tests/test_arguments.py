@@ -47,6 +47,22 @@ def test_numpy_integers_name_peers_roots_tags_and_group_members(runtime: col.Run
         col.new_group([np.True_, 1])
 
 
+def test_numpy_numbers_are_timeouts(runtime: col.Runtime) -> None:
+    """np.float32(1.0) as a timeout was an InvalidArgumentError on every peer (wait(): on the caller),
+    while peer ids and tags took numpy integers."""
+    _job(runtime, 2)
+
+    def body(p: int) -> Any:
+        work = runtime.all_reduce(p, np.ones(2), timeout=np.int64(5), async_op=True)
+        return float(work.wait(np.float32(5.0))[0]), float(
+            runtime.all_reduce(p, np.ones(1), timeout=np.float64(5))[0]
+        )
+
+    assert run_peers(2, body, runtime) == [(2.0, 2.0)] * 2
+    with pytest.raises(col.InvalidArgumentError, match="wait"):
+        runtime.all_reduce(0, np.ones(1), async_op=True).wait(np.True_)  # (peer 1 never comes: refused first)
+
+
 def test_a_numpy_integer_registers_a_peer_and_groups_are_made_while_the_job_forms() -> None:
     """register(np.int64(0)) said the id was outside the job; while peer 0 waited in register,
     world_size() was 0 and new_group([0, 1]) said the job's peers were 0..-1."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1117,10 +1118,38 @@ def test_a_group_naming_peers_outside_the_job_or_not_a_group(runtime: col.Runtim
         col.InvalidArgumentError, match=r"the group names peer 5, but the job's peers are 0\.\.1"
     ):
         runtime.all_reduce(0, np.ones(1), group=early)
+
+
+def test_a_group_that_is_no_group_fails_the_jobs_step_on_every_peer(runtime: col.Runtime) -> None:
+    """Peer 2 passed a list: it raised alone, before taking a step, and its next call joined the
+    step the others were still in: silently wrong results (102 for 3) from then on."""
+    _registered(runtime, 3, timeout=30)
+
+    def body(p: int) -> list[Any]:
+        got: list[Any] = []
+        for step, x in enumerate((1.0, 100.0, 10000.0)):
+            try:
+                group = [0, 1, 2] if p == 2 and step == 0 else None
+                got.append(float(runtime.all_reduce(p, np.full(2, x), group=group)[0]))  # type: ignore[arg-type]
+            except col.InvalidArgumentError as exc:
+                got.append(str(exc))
+        return got
+
+    started = time.monotonic()
+    for first, *rest in run_peers(3, body, runtime):
+        assert re.search(r"peer 2: group must be a value of new_group\(\), got \[0, 1, 2\]", first), first
+        assert rest == [300.0, 30000.0]  # in step: each call met the others' same call
+    assert time.monotonic() - started < 10  # at once, not at the 30 s timeout
+
+
+@pytest.mark.parametrize("members", [(-1, 0), (1, 0), (0, 0), (), [0, 1], (0, 1.0)])
+def test_a_group_made_by_hand_is_checked_when_made(members: Any) -> None:
+    """Group((-1, 0, 1)) gave peer 0 a result and peer 1 an IndexError; Group((1, 0)) ranked
+    all_gather in that order, not by peer id."""
     with pytest.raises(
-        col.InvalidArgumentError, match=r"group must be a value of new_group\(\), got \[0, 1\]"
+        col.InvalidArgumentError, match=r"distinct peer ids in increasing order; make one with"
     ):
-        runtime.all_reduce(0, np.ones(1), group=[0, 1])  # type: ignore[arg-type]
+        col.Group(members)
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,17 @@ def test_a_collective_after_a_process_finished_says_it_left(orchestrator: str) -
         assert re.search(rf"{gone}\)? left the job", line), line
 
 
+def test_a_process_that_finished_and_exited_left_it_did_not_die(orchestrator: str) -> None:
+    """Its segment says it finished, but its pid was looked at first: 'peer 2 (process P) died'."""
+    procs = start(orchestrator, 3, "leaves_after")
+    codes = finish_all(procs, 60)
+    assert codes[2] == 0, procs[2].output()
+    for proc, code in zip(procs[:2], codes[:2], strict=True):
+        (line,) = errors_of(proc)
+        assert code == 3 and line.startswith("ERROR PeerLostError"), proc.output()
+        assert "peer 2 left the job" in line and "died" not in line, line
+
+
 def test_more_groups_than_channels_take_turns(orchestrator: str) -> None:
     """5 processes, every subset twice: each process is in 16 groups, its segment has 8 channels."""
     procs = start(orchestrator, 5, "groups")
