@@ -39,6 +39,16 @@ if TYPE_CHECKING:
 
 Key = tuple[int, int, int]  # (src, dst, tag)
 DEFAULT_LIMIT = 1 << 30  # unreceived bytes kept per source process
+MESSAGE_COST = 1 << 10  # bytes a message counts beyond its data (what keeping it costs, about)
+
+
+class _Dropped:
+    """In a (src, dst, tag) queue, where a message dropped at the limit would be: its receive fails."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
 PUMP_SLICE = 0.005  # a receive waiting for another process lets its messages in this often
 
 
@@ -47,17 +57,16 @@ class Mailbox:
 
     def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
         self._cv = threading.Condition()
-        self._boxes: dict[Key, deque[tuple[Array, bool, int]]] = {}  # (array, from another process, order)
+        self._boxes: dict[Key, deque[tuple[Any, bool, int]]] = {}  # (array or _Dropped, remote, order)
         self._order = itertools.count()  # of arrival: a receive from any source takes the earliest
         self._closed: CollectiveError | None = None
         self._limit = limit
-        self._pending: dict[int, int] = {}  # src -> bytes from another process not yet received
-        self._overflowed: dict[int, str] = {}
+        self._pending: dict[int, int] = {}  # src -> bytes counted from another process, not yet received
         self._assembling: dict[tuple[int, int], tuple[np.ndarray, int]] = {}  # (node, id): (bytes, next part)
 
     def put(self, src: int, dst: int, tag: int, data: Array, remote: bool = False) -> None:
         """Keep ``data`` for ``dst``. From another process (``remote``), at most ``limit`` unreceived
-        bytes per source are kept; beyond that the message is dropped and ``src``'s next receive fails."""
+        bytes per source are kept (see ``_reserve``)."""
         with self._cv:
             if not remote or self._reserve(src, dst, tag, data.nbytes):
                 self._keep(src, dst, tag, data, remote)
@@ -88,7 +97,7 @@ class Mailbox:
             buffer, expected = found
             if message.part != expected or len(chunk) != min(PART_BYTES, nbytes - start) or start >= nbytes:
                 del self._assembling[key]
-                self._pending[message.sender] -= nbytes
+                self._pending[message.sender] -= nbytes + MESSAGE_COST
                 raise WireError(f"part {message.part} of {message.parts} ({len(chunk)} bytes) does not fit")
             buffer[start : start + len(chunk)] = np.frombuffer(chunk, np.uint8)
             if message.part + 1 < message.parts:
@@ -99,23 +108,26 @@ class Mailbox:
                 message.sender, message.receiver, message.tag, buffer.view(dtype).reshape(message.shape), True
             )
 
-    def _keep(self, src: int, dst: int, tag: int, data: Array, remote: bool) -> None:
+    def _keep(self, src: int, dst: int, tag: int, data: Any, remote: bool) -> None:
         """Queue ``data`` (its bytes already counted if ``remote``) and wake receivers (lock held)."""
         self._boxes.setdefault((src, dst, tag), deque()).append((data, remote, next(self._order)))
         self._cv.notify_all()
 
     def _reserve(self, src: int, dst: int, tag: int, nbytes: int) -> bool:
-        """Count ``nbytes`` more from another process's ``src`` (lock held): False, and ``src``'s next
-        receive fails, when that would pass the limit."""
-        pending = self._pending.get(src, 0) + nbytes
-        if pending > self._limit:
-            self._overflowed[src] = (
-                f"peer {src} sent more than {self._limit >> 20} MiB that were not received yet: "
-                f"a message of {nbytes} bytes to peer {dst} (tag {tag}) was dropped"
+        """Count a message of ``nbytes`` from another process's ``src`` (lock held). Past the limit,
+        with other messages of ``src`` still unreceived, it is dropped (False): the receive that
+        would have taken it fails in its place, in order. A message alone is kept, whatever its size.
+        """
+        before = self._pending.get(src, 0)
+        if before and before + nbytes + MESSAGE_COST > self._limit:
+            reason = (
+                f"recv: a message of {nbytes} bytes from peer {src} to peer {dst} (tag {tag}) was dropped: "
+                f"peer {src} had sent {before >> 20} MiB more that were not received yet (the limit is "
+                f"{self._limit >> 20} MiB per sending process); receive sooner or send less ahead"
             )
-            self._cv.notify_all()
+            self._keep(src, dst, tag, _Dropped(reason), False)
             return False
-        self._pending[src] = pending
+        self._pending[src] = before + nbytes + MESSAGE_COST
         return True
 
     def take(
@@ -140,20 +152,20 @@ class Mailbox:
                 key = (src, dst, tag) if src is not None else self._earliest(dst, tag)
                 box = self._boxes.get(key) if key is not None else None
                 if key is not None and box:
-                    problem = refuse(box[0][0]) if refuse is not None else None
+                    dropped = type(box[0][0]) is _Dropped
+                    problem = refuse(box[0][0]) if refuse is not None and not dropped else None
                     if problem is not None:
                         raise InvalidArgumentError(problem)
                     data, remote, _ = box.popleft()
                     if not box:
                         del self._boxes[key]
+                    if dropped:
+                        raise MismatchError(data.reason)
                     if remote:
-                        self._pending[key[0]] -= data.nbytes
+                        self._pending[key[0]] -= data.nbytes + MESSAGE_COST
                     return key[0], data
                 if self._closed is not None:
                     raise self._closed
-                overflowed = src if src is not None else next(iter(self._overflowed), None)
-                if overflowed in self._overflowed:
-                    raise MismatchError(self._overflowed.pop(overflowed))
                 lost = gone(src)
                 if lost is not None:
                     raise lost

@@ -59,9 +59,45 @@ def test_a_part_out_of_place_is_refused_and_its_message_dropped() -> None:
         box.arrived(2, first[0], first[1][:-1])  # a short part
 
 
-def test_a_message_over_the_limit_fails_the_next_receive_from_its_sender() -> None:
+def test_a_message_alone_is_kept_whatever_its_size() -> None:
+    """A 1.06 GiB array was dropped at the 1 GiB limit although nothing else was waiting: an
+    array that size could never be received between processes."""
     box = Mailbox(limit=PART_BYTES)
-    for message, chunk in _parts(np.zeros(PART_BYTES // 4 + 1, np.float32)):
+    data = np.arange(PART_BYTES // 4 + 1, dtype=np.float32)
+    for message, chunk in _parts(data):
         box.arrived(2, message, chunk)
-    with pytest.raises(col.MismatchError, match="sent more than"):
+    np.testing.assert_array_equal(_take(box), data)
+
+
+def test_a_message_dropped_at_the_limit_fails_its_own_receive_in_order() -> None:
+    """A, B (dropped), C: the second receive returned C in B's place, silently, and the third
+    raised B's error. A receive on another tag raised it too."""
+    box = Mailbox(limit=64 << 10)
+    a, b, c = np.full(4096, 1.0), np.full(8192, 2.0), np.full(1, 3.0)  # 32 KiB, 64 KiB, 8 bytes
+    for data in (a, b, c):
+        box.put(0, 1, 5, data, remote=True)
+    with pytest.raises(col.CollectiveTimeout):
+        box.take(0, 1, 9, time.monotonic() + 0.1, 0.1, lambda _: None)  # another tag: nothing for it
+    np.testing.assert_array_equal(_take(box), a)
+    with pytest.raises(
+        col.MismatchError, match=r"a message of 65536 bytes from peer 0 to peer 1 \(tag 5\) was dropped"
+    ):
         _take(box)
+    np.testing.assert_array_equal(_take(box), c)  # the one after it, in its own place
+    box.put(0, 1, 5, b, remote=True)  # everything was received: alone, it is kept
+    np.testing.assert_array_equal(_take(box), b)
+
+
+def test_empty_messages_count_against_the_limit_too() -> None:
+    """A million empty messages were kept (41 MiB to 416 MiB of memory): they counted 0 bytes."""
+    box = Mailbox(limit=64 << 10)
+    for _ in range(200):
+        box.put(0, 1, 5, np.empty(0, np.float32), remote=True)
+    kept = 0
+    while True:
+        try:
+            _take(box, 0.01)
+        except col.MismatchError:
+            break
+        kept += 1
+    assert 0 < kept < 200 and kept <= (64 << 10) // 1024, kept
