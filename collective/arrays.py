@@ -8,6 +8,7 @@ copied once into a contiguous buffer, a contiguous one is used as it is.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,6 +199,21 @@ def check_out(
     if source is not None and source is not out and _may_overlap(out, source):
         return "out overlaps x without being x: pass out=x for an in-place collective, or a separate array"
     return None
+
+
+def overlaps_itself(shape: Sequence[int], strides: Sequence[int], itemsize: int) -> bool:
+    """Whether two elements of an array of ``shape`` and ``strides`` (bytes, or elements with
+    ``itemsize`` 1) may share memory (an expanded view, a stride-tricks window): writing such an
+    array loses values. Exact for every layout slicing and transposing make; conservative beyond."""
+    if 0 in shape:
+        return False  # no element at all
+    span = itemsize  # bytes the dimensions looked at so far reach, from an element's start
+    for stride, size in sorted((abs(stride), size) for stride, size in zip(strides, shape, strict=True)):
+        if size > 1:
+            if stride < span:
+                return True
+            span += stride * (size - 1)
+    return False
 
 
 def _owner(array: Array) -> Any:

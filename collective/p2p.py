@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from collective.algorithms.ops import Array
-from collective.arrays import Device, check_array, integer
+from collective.arrays import Device, check_array, integer, overlaps_itself
 from collective.errors import (
     CollectiveError,
     CollectiveTimeout,
@@ -49,6 +49,8 @@ class _Dropped:
 
     def __init__(self, reason: str) -> None:
         self.reason = reason
+
+
 PUMP_SLICE = 0.005  # a receive waiting for another process lets its messages in this often
 
 
@@ -253,6 +255,11 @@ def recv(
         problem = check_array(target, device, None, name="out")
         if problem is None and not target.flags.writeable:
             problem = "out must be a writeable array"
+        if problem is None and overlaps_itself(target.shape, target.strides, target.itemsize):
+            problem = (
+                "out has elements that share memory (an expanded or stride-tricks view): a message "
+                "cannot be written into it; pass an array of its own (a copy)"
+            )
         if problem is not None:
             raise InvalidArgumentError(f"recv: peer {peer}: {problem}")
 

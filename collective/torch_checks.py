@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from collective.arrays import overlaps_itself
 from collective.call import Call
 from collective.errors import CollectiveError, InvalidArgumentError
-from collective.torch_work import backend_error
+from collective.torch_work import DTYPES, backend_error
 
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
 
-__all__ = ["LocalProblem", "invalid", "on_every_rank", "op_name", "reduce_op", "single", "writable_tensor"]
+__all__ = [
+    "LocalProblem", "dense", "invalid", "on_every_rank", "op_name", "reduce_op", "single", "tensors_in",
+    "writable_tensor",
+]  # fmt: skip
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
@@ -59,18 +63,37 @@ def op_name(op: Any) -> str:
     return str(getattr(kind, "name", kind)).rpartition(".")[2]
 
 
-def writable_tensor(tensor: Any, what: str) -> None:
-    """A tensor written in place must be dense, without elements that share memory (expanded)."""
+def dense(tensor: Any, what: str) -> None:
+    """A tensor the backend can read: dense, of a dtype it moves."""
     if tensor.layout is not torch.strided:
         raise invalid(
             f"{what}: a {tensor.layout} tensor: the collective backend takes dense tensors; pass "
             f"tensor.to_dense()"
         )
-    if any(stride == 0 and size > 1 for stride, size in zip(tensor.stride(), tensor.shape, strict=True)):
+    if tensor.dtype not in DTYPES:
+        raise invalid(
+            f"{what}: {tensor.dtype} tensors are not supported by the collective backend; convert "
+            f"them first (e.g. tensor.to(torch.float16)) or use torch's own backend for them"
+        )
+
+
+def writable_tensor(tensor: Any, what: str) -> None:
+    """A tensor written in place must be dense, without elements that share memory (expanded)."""
+    dense(tensor, what)
+    if overlaps_itself(tensor.shape, tensor.stride(), 1):
         raise invalid(
             f"{what}: the tensor {tuple(tensor.shape)} has elements that share memory (expand()): the "
             f"result cannot be written into it; pass a tensor of its own (.clone())"
         )
+
+
+def tensors_in(values: Any) -> Iterator[Any]:
+    """Every tensor among a call's arguments (lists of them, lists of lists)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            yield value
+        elif isinstance(value, list | tuple):
+            yield from tensors_in(value)
 
 
 def single(tensors: Sequence[Any], what: str) -> Any:
@@ -88,6 +111,8 @@ def on_every_rank(kind: type[Call]) -> Callable[[Method], Method]:
         @functools.wraps(method)
         def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
             try:
+                for tensor in tensors_in(args):
+                    dense(tensor, kind.kind)
                 return method(self, *args, **kwargs)
             except dist.DistBackendError as exc:
                 if not isinstance(exc.__cause__, LocalProblem):

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from collective.errors import CollectiveError, CollectiveTimeout
 from collective.runtime import Runtime
-from collective.torch_checks import invalid, single
+from collective.torch_checks import dense, invalid, single, writable_tensor
 from collective.torch_work import TorchWork, array, backend_error, host, store_back
+
+torch: Any = importlib.import_module("torch")
 
 __all__ = ["PointToPoint", "group_key"]
 
@@ -53,6 +56,7 @@ class PointToPoint:
 
     def send(self, tensors: Sequence[Any], dst: int, tag: int = 0) -> TorchWork:
         tensor, target, tag = single(tensors, "send"), self.peer_of(dst), self._tag(tag)
+        dense(tensor, "send")
         try:
             self.runtime.send(self.peer, array(host(tensor)), target, tag, timeout=self.timeout)
         except CollectiveError as exc:
@@ -61,6 +65,7 @@ class PointToPoint:
 
     def recv(self, tensors: Sequence[Any], src: int, tag: int = 0) -> TorchWork:
         tensor, source, wire = single(tensors, "recv"), self.peer_of(src), self._tag(tag)
+        writable_tensor(tensor, "recv")
 
         def body() -> None:
             buffer = host(tensor)
@@ -76,6 +81,7 @@ class PointToPoint:
         """A receive from any rank of the group (the earliest message of its tag on the group);
         the work's ``_source_rank()`` is the sender's group rank once it completed."""
         tensor, wire = single(tensors, "recv"), self._tag(tag)
+        writable_tensor(tensor, "recv")
         sender: list[int] = []
 
         def body() -> None:

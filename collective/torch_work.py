@@ -34,6 +34,7 @@ torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
 
 __all__ = [
+    "DTYPES",
     "TorchWork",
     "Worker",
     "array",
@@ -352,3 +353,4 @@ _TYPESTR: dict[Any, str] = {
     )
     if hasattr(torch, name)
 }  # fmt: skip
+DTYPES = frozenset(_TYPESTR)  # the dtypes the backend moves

@@ -640,6 +640,21 @@ def test_send_recv_carries_shape_and_dtype_and_copies_at_send(runtime: col.Runti
     _same_bytes(out, np.arange(4, dtype=np.float32).reshape(2, 2))
 
 
+def test_recv_into_an_out_whose_elements_share_memory_is_refused_and_the_message_stays(
+    runtime: col.Runtime,
+) -> None:
+    """[[0, 1, 2], [3, 4, 5]] into np.broadcast_to-like or expanded memory came out [[3, 4, 5]] * 2."""
+    _registered(runtime, 2)
+    message = np.arange(6.0).reshape(2, 3)
+    runtime.send(0, message, dst=1)
+    shared = np.lib.stride_tricks.as_strided(np.zeros(3), (2, 3), (0, 8))  # one row, seen twice
+    with pytest.raises(col.InvalidArgumentError, match="out has elements that share memory"):
+        runtime.recv(1, src=0, out=shared, timeout=5)
+    transposed = np.zeros((3, 2)).T  # not contiguous, but its elements are its own: fine
+    assert runtime.recv(1, src=0, out=transposed, timeout=5) is transposed
+    np.testing.assert_array_equal(transposed, message)
+
+
 def test_tags_do_not_block_each_other_and_each_src_dst_tag_keeps_its_order(runtime: col.Runtime) -> None:
     _registered(runtime, 3)
     for i in range(10):

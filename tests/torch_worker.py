@@ -492,6 +492,18 @@ def mends() -> None:
         same(on_pair, torch.full((3,), 2.0), "a receive on a subgroup")
         same(on_world, torch.full((3,), 1.0), "a receive on the world")
     expect_error(lambda: dist.all_reduce(torch.ones(3).to_sparse()), "takes dense tensors")
+    # a dtype the backend does not move: a TypeError on this rank alone, the others left waiting
+    expect_error(lambda: dist.all_reduce(torch.zeros(2, dtype=torch.float8_e4m3fn)), "not supported")
+    # point to point: a receive into an expanded tensor is refused before it takes the message
+    # (torch's copy failed after it: the message was lost), a sparse send is named
+    if rank == 0:
+        expect_error(lambda: dist.send(torch.ones(3).to_sparse(), 1, tag=12), "takes dense tensors")
+        dist.send(torch.arange(6.0).reshape(2, 3), 1, tag=12)
+    if rank == 1:
+        expect_error(lambda: dist.recv(torch.zeros(1, 3).expand(2, 3), 0, tag=12), "share memory")
+        kept = torch.zeros(2, 3)
+        dist.recv(kept, 0, tag=12)
+        same(kept, torch.arange(6.0).reshape(2, 3), "the message a refused receive left")
     # reduce_scatter of lists of tensors of different sizes (rank i's of its output's size), as gloo
     uneven = [torch.arange(r + 1.0) + rank for r in range(world)]
     out = torch.zeros(rank + 1)
