@@ -267,7 +267,7 @@ def recv(
         if tuple(target.shape) == tuple(data.shape) and target.dtype == data.dtype:
             return None
         return (
-            f"recv: out has shape {tuple(target.shape)} and dtype {target.dtype}; "
+            f"recv: peer {peer}: out has shape {tuple(target.shape)} and dtype {target.dtype}; "
             f"{'the first message has' if src is None else f'peer {src} sent'} "
             f"{tuple(data.shape)} {data.dtype} (the message is still there for a recv that fits it)"
         )

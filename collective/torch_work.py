@@ -54,7 +54,8 @@ def backend_error(exc: BaseException) -> BaseException:
     """
     if not isinstance(exc, CollectiveError):
         return exc
-    error: BaseException = dist.DistBackendError(f"{type(exc).__name__}: {exc}")
+    public = next(kind for kind in type(exc).__mro__ if kind.__module__ == CollectiveError.__module__)
+    error: BaseException = dist.DistBackendError(f"{public.__name__}: {exc}")  # (the class users catch)
     error.__cause__ = exc
     return error
 

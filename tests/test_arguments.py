@@ -133,7 +133,10 @@ def test_a_recv_out_that_cannot_take_the_message_leaves_it_queued(runtime: col.R
     _job(runtime, 2)
     runtime.send(0, np.arange(4, dtype=np.float32), dst=1, tag=3)
     refused = {
-        "shape": (np.empty(5, np.float32), r"out has shape \(5,\).*peer 0 sent \(4,\) float32.*still there"),
+        "shape": (
+            np.empty(5, np.float32),
+            r"recv: peer 1: out has shape \(5,\).*peer 0 sent \(4,\) float32.*still there",
+        ),
         "dtype": (np.empty(4, np.float64), r"dtype float64; peer 0 sent \(4,\) float32"),
         "read-only": (np.frombuffer(bytes(16), np.float32), "out must be a writeable array"),
         "no array": ([0.0] * 4, "out must be an array"),
