@@ -207,13 +207,21 @@ def left_error(src: int, dst: int) -> PeerLostError:
 HOST = Device("cpu")
 
 
-def send(job: LocalJob, mailbox: Mailbox, peer: int, device: Device, x: Any, dst: int, tag: int) -> None:
-    """Peer ``peer``'s send: checked, copied, and into ``dst``'s mailbox (here or in its process)."""
+def send(
+    job: LocalJob, mailbox: Mailbox, finished: set[int], peer: int, device: Device, x: Any, dst: int, tag: int
+) -> None:
+    """Peer ``peer``'s send: checked, copied, and into ``dst``'s mailbox (here or in its process).
+    PeerLostError when ``dst`` is known to be gone: nothing would ever receive it."""
     dst, tag = _check(job, peer, dst, tag, "dst")
     x, _ = native(x)
     problem = check_array(x, device, None)
     if problem is not None:
         raise InvalidArgumentError(f"send: peer {peer}: {problem}")
+    if dst in finished or job.gone_among((dst,)):
+        raise PeerLostError(f"send: peer {dst} left the job (finish): it receives nothing more", [dst])
+    lost = job.node.lost_peer(dst) if job.node is not None else None
+    if lost is not None:
+        raise lost
     if job.node is not None and not job.node.is_local(dst, job.peer_ids):
         job.node.send_p2p(peer, dst, tag, HOST.adopt(x).copy())  # a copy the caller cannot touch
         return

@@ -718,6 +718,8 @@ def test_recv_from_a_peer_that_finished_is_a_peer_lost_error(runtime: col.Runtim
         sent = runtime.recv(0, src=1, timeout=5)  # what it sent before it left still arrives
         with pytest.raises(col.PeerLostError) as info:
             runtime.recv(0, src=1, timeout=20)
+        with pytest.raises(col.PeerLostError, match=r"send: peer 1 left the job \(finish\)"):
+            runtime.send(0, np.ones(3), dst=1)  # (it returned: the data waited for nobody)
         return sent, info.value.peers
 
     sent, peers = run_peers(3, body, runtime)[0]
