@@ -365,8 +365,9 @@ class Runtime:
         self, peer_id: int, group: Any, timeout: float | None
     ) -> tuple[_Peer, tuple[Rendezvous, Sequencer], float, str | None]:
         """This peer, its road to the group (rendezvous, sequencer), the call's timeout, and a problem
-        with it. A bad ``timeout`` fails the call on every peer (the config's timeout bounds that step).
-        """
+        with it, which fails the call on every peer: a bad ``timeout`` (the config's bounds that step),
+        or a ``group`` that is no Group (which was meant is unknown: the job's step fails, so this
+        peer stays in step with the others)."""
         job = self._job
         member = self._peers.get(peer_id)
         if job is None or member is None:
@@ -374,26 +375,20 @@ class Runtime:
             member = self._peer(peer_id)
         job = member.job  # (the job this peer's registration joined, whatever another thread did since)
         problem = None
-        if group is not None and not isinstance(group, Group):  # which group was meant is unknown: the
-            problem = f"group must be a value of new_group(), got {group!r}"  # job's, so its step fails
-            group = None  # for every peer there, and this peer stays in step with them
+        if group is not None and not isinstance(group, Group):
+            problem, group = f"group must be a value of new_group(), got {group!r}", None
         if group is None:
             route = member.routes.get(None) or member.route(job.members, None)
         else:
-            members = self._members_of(peer_id, job, group)
-            route = member.routes.get(members) or member.route(members, members)
+            group.check_within(job.world)
+            group.rank(peer_id)  # raises for a peer outside the group
+            route = member.routes.get(group.members) or member.route(group.members, group.members)
         if timeout is None or problem is not None:
             return member, route, job.config.timeout, problem
         try:
             return member, route, _seconds(timeout), None
         except InvalidArgumentError as exc:
             return member, route, job.config.timeout, str(exc)
-
-    def _members_of(self, peer_id: int, job: LocalJob, group: Group) -> tuple[int, ...]:
-        """The group's members; InvalidArgumentError for a group this peer is not in."""
-        group.check_within(job.world)
-        group.rank(peer_id)  # raises for a peer outside the group
-        return group.members
 
     def _member(self, peer_id: int) -> LocalJob:
         job = self._job  # read without the lock: the job's own checks are authoritative
