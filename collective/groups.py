@@ -25,17 +25,15 @@ class Group:
     members: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        members = self.members
-        if (
-            not isinstance(members, tuple)
-            or not members
-            or any(type(peer) is not int or peer < 0 for peer in members)
-            or list(members) != sorted(set(members))
-        ):
+        given = self.members
+        found = tuple(map(integer, given)) if isinstance(given, list | tuple) else ()
+        members = tuple(peer for peer in found if peer is not None and peer >= 0)
+        if not members or len(members) < len(found) or list(members) != sorted(set(members)):
             raise InvalidArgumentError(
-                f"Group({members!r}): a group's members are distinct peer ids in increasing order; "
+                f"Group({given!r}): a group's members are distinct peer ids in increasing order; "
                 f"make one with new_group(ranks)"
             )
+        object.__setattr__(self, "members", members)  # (a list, numpy integers: as new_group gives them)
 
     @property
     def size(self) -> int:

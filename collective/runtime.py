@@ -44,7 +44,7 @@ from collective.errors import (
     RegistrationError,
 )
 from collective.executors import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW
-from collective.groups import Group
+from collective.groups import Group, new_group
 from collective.job import LocalJob
 from collective.p2p import Mailbox
 from collective.rendezvous import Rendezvous
@@ -365,26 +365,29 @@ class Runtime:
         self, peer_id: int, group: Any, timeout: float | None
     ) -> tuple[_Peer, tuple[Rendezvous, Sequencer], float, str | None]:
         """This peer, its road to the group (rendezvous, sequencer), the call's timeout, and a problem
-        with it, which fails the call on every peer: a bad ``timeout`` (the config's bounds that step),
-        or a ``group`` that is no Group (which was meant is unknown: the job's step fails, so this
-        peer stays in step with the others)."""
+        with it: a bad ``timeout`` fails the call on every peer (the config's bounds that step).
+        ``group`` is a Group or a list of peer ids (as ``new_group`` takes); a bad one, or a group
+        without this peer, is an InvalidArgumentError here (it names no group to fail a step of)."""
         job = self._job
         member = self._peers.get(peer_id)
         if job is None or member is None:
             job = self._member(peer_id)  # raise the precise RegistrationError
             member = self._peer(peer_id)
         job = member.job  # (the job this peer's registration joined, whatever another thread did since)
-        problem = None
         if group is not None and not isinstance(group, Group):
-            problem, group = f"group must be a value of new_group(), got {group!r}", None
+            if not isinstance(group, list | tuple | range):
+                raise InvalidArgumentError(
+                    f"group must be a value of new_group() or a list of peer ids, got {group!r}"
+                )
+            group = new_group(group)  # (the same members are the same group, whichever way named)
         if group is None:
             route = member.routes.get(None) or member.route(job.members, None)
         else:
             group.check_within(job.world)
             group.rank(peer_id)  # raises for a peer outside the group
             route = member.routes.get(group.members) or member.route(group.members, group.members)
-        if timeout is None or problem is not None:
-            return member, route, job.config.timeout, problem
+        if timeout is None:
+            return member, route, job.config.timeout, None
         try:
             return member, route, _seconds(timeout), None
         except InvalidArgumentError as exc:
