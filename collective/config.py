@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from collective.algorithms.strategies import Direct, Ring, Strategy, Tree, parse_strategy
+from collective.arrays import real
 from collective.errors import ConfigError
 
 __all__ = ["DEFAULT_TIMEOUT", "CollectiveConfig"]
@@ -104,8 +105,11 @@ class CollectiveConfig:
                     f"{self.data_service_port}: the data service binds data_service_port (0: a free one) and "
                     f"the other nodes are told the port it got, so node_address's port must be 0 or the same"
                 )
-        if isinstance(self.timeout, bool) or not isinstance(self.timeout, int | float):
+        seconds = real(self.timeout)
+        if seconds is None:
             raise ConfigError(f"timeout must be a number of seconds, got {self.timeout!r}")
+        if type(self.timeout) is not float and type(self.timeout) is not int:  # (numpy's: as Python's)
+            object.__setattr__(self, "timeout", seconds)
         if not (self.timeout > 0 and math.isfinite(self.timeout)):
             raise ConfigError(f"timeout must be a finite number of seconds > 0, got {self.timeout!r}")
         if (problem := job_problem(self.job)) is not None:

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from collective.algorithms.ops import ReduceOp
+from collective.arrays import integer
 from collective.call import parse_op
 from collective.calls import AllGather
 from collective.errors import InvalidArgumentError, MismatchError, describe_peers
@@ -44,8 +45,9 @@ def settings_problem(params: Mapping[str, Any], bucket_bytes: Any, op: Any) -> s
             return f"params[{name!r}]: {exc}"
         if not (hasattr(array, "shape") and hasattr(array, "dtype") and hasattr(array, "nbytes")):
             return f"params[{name!r}] must be an array (numpy, CuPy, torch, JAX), got {type(value).__name__}"
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or not 0 < bucket_bytes < 1 << 62:
-        return f"bucket_bytes must be an int > 0, got {bucket_bytes!r}"
+    size = integer(bucket_bytes)
+    if size is None or not 0 < size < 1 << 62:
+        return f"bucket_bytes must be an integer > 0, got {bucket_bytes!r}"
     parsed, problem = parse_op(op)
     return None if parsed is not None else problem
 
@@ -70,7 +72,7 @@ def agree_on_settings(
         digest = int.from_bytes(hashlib.blake2b(layout.encode(), digest_size=7).digest(), "little")
         parsed, _ = parse_op(op)
         assert parsed is not None  # (checked by settings_problem)
-        mine = [digest, bucket_bytes, _OPS.index(parsed), int(bool(stale))]
+        mine = [digest, int(bucket_bytes), _OPS.index(parsed), int(bool(stale))]
     call = AllGather(np.array(mine, np.int64))
     if problem is not None:
         call.refuse(f"GradientSync: {problem}")
@@ -104,6 +106,11 @@ def writable_params(params: Iterable[Any]) -> tuple[list[Any], str | None]:
             return [], f"params[{index}]: {exc}"
         if not (hasattr(array, "shape") and hasattr(array, "dtype") and hasattr(array, "reshape")):
             return [], f"params[{index}] must be an array (numpy, CuPy, torch), got {type(value).__name__}"
+        if isinstance(value, np.generic):  # (read as a new 0-d array: the scalar itself stays as it was)
+            return (
+                [],
+                f"params[{index}] is a numpy scalar, which cannot be written in place: pass a 0-d array",
+            )
         if not getattr(getattr(array, "flags", None), "writeable", True):
             return [], (
                 f"params[{index}] cannot be written in place (a JAX array?): pass arrays it can "

@@ -42,15 +42,6 @@ DEFAULT_LIMIT = 1 << 30  # unreceived bytes kept per source process
 MESSAGE_COST = 1 << 10  # bytes a message counts beyond its data (what keeping it costs, about)
 
 
-class _Dropped:
-    """In a (src, dst, tag) queue, where a message dropped at the limit would be: its receive fails."""
-
-    __slots__ = ("reason",)
-
-    def __init__(self, reason: str) -> None:
-        self.reason = reason
-
-
 PUMP_SLICE = 0.005  # a receive waiting for another process lets its messages in this often
 
 
@@ -59,11 +50,12 @@ class Mailbox:
 
     def __init__(self, limit: int = DEFAULT_LIMIT) -> None:
         self._cv = threading.Condition()
-        self._boxes: dict[Key, deque[tuple[Any, bool, int]]] = {}  # (array or _Dropped, remote, order)
+        self._boxes: dict[Key, deque[tuple[Array, bool, int]]] = {}  # (array, from another process, order)
         self._order = itertools.count()  # of arrival: a receive from any source takes the earliest
         self._closed: CollectiveError | None = None
         self._limit = limit
         self._pending: dict[int, int] = {}  # src -> bytes counted from another process, not yet received
+        self._cut_off: dict[int, str] = {}  # src -> why its messages are dropped (it passed the limit)
         self._assembling: dict[tuple[int, int], tuple[np.ndarray, int]] = {}  # (node, id): (bytes, next part)
 
     def put(self, src: int, dst: int, tag: int, data: Array, remote: bool = False) -> None:
@@ -110,27 +102,29 @@ class Mailbox:
                 message.sender, message.receiver, message.tag, buffer.view(dtype).reshape(message.shape), True
             )
 
-    def _keep(self, src: int, dst: int, tag: int, data: Any, remote: bool) -> None:
+    def _keep(self, src: int, dst: int, tag: int, data: Array, remote: bool) -> None:
         """Queue ``data`` (its bytes already counted if ``remote``) and wake receivers (lock held)."""
         self._boxes.setdefault((src, dst, tag), deque()).append((data, remote, next(self._order)))
         self._cv.notify_all()
 
     def _reserve(self, src: int, dst: int, tag: int, nbytes: int) -> bool:
-        """Count a message of ``nbytes`` from another process's ``src`` (lock held). Past the limit,
-        with other messages of ``src`` still unreceived, it is dropped (False): the receive that
-        would have taken it fails in its place, in order. A message alone is kept, whatever its size.
-        """
+        """Count a message of ``nbytes`` from another process's ``src`` (lock held). A message alone
+        is kept, whatever its size. One that would pass the limit while others of ``src`` wait is
+        dropped (False), and ``src`` is cut off: its later messages are dropped too, so none is ever
+        taken in place of a dropped one, and every receive from it fails once the messages it sent
+        before are taken (at no cost per dropped message)."""
         before = self._pending.get(src, 0)
-        if before and before + nbytes + MESSAGE_COST > self._limit:
-            reason = (
-                f"recv: a message of {nbytes} bytes from peer {src} to peer {dst} (tag {tag}) was dropped: "
-                f"peer {src} had sent {before >> 20} MiB more that were not received yet (the limit is "
-                f"{self._limit >> 20} MiB per sending process); receive sooner or send less ahead"
-            )
-            self._keep(src, dst, tag, _Dropped(reason), False)
-            return False
-        self._pending[src] = before + nbytes + MESSAGE_COST
-        return True
+        if src not in self._cut_off and not (before and before + nbytes + MESSAGE_COST > self._limit):
+            self._pending[src] = before + nbytes + MESSAGE_COST
+            return True
+        self._cut_off.setdefault(
+            src,
+            f"recv: peer {src} sent more than this process kept for it ({self._limit >> 20} MiB not yet "
+            f"received; a message of {nbytes} bytes to peer {dst}, tag {tag}, was the first dropped): "
+            f"its later messages are dropped too; receive sooner or send less ahead",
+        )
+        self._cv.notify_all()
+        return False
 
     def take(
         self,
@@ -154,20 +148,20 @@ class Mailbox:
                 key = (src, dst, tag) if src is not None else self._earliest(dst, tag)
                 box = self._boxes.get(key) if key is not None else None
                 if key is not None and box:
-                    dropped = type(box[0][0]) is _Dropped
-                    problem = refuse(box[0][0]) if refuse is not None and not dropped else None
+                    problem = refuse(box[0][0]) if refuse is not None else None
                     if problem is not None:
                         raise InvalidArgumentError(problem)
                     data, remote, _ = box.popleft()
                     if not box:
                         del self._boxes[key]
-                    if dropped:
-                        raise MismatchError(data.reason)
                     if remote:
                         self._pending[key[0]] -= data.nbytes + MESSAGE_COST
                     return key[0], data
                 if self._closed is not None:
                     raise self._closed
+                cut = src if src is not None else next(iter(self._cut_off), None)
+                if cut in self._cut_off:
+                    raise MismatchError(self._cut_off[cut])
                 lost = gone(src)
                 if lost is not None:
                     raise lost
@@ -207,9 +201,7 @@ def left_error(src: int, dst: int) -> PeerLostError:
 HOST = Device("cpu")
 
 
-def send(
-    job: LocalJob, mailbox: Mailbox, finished: set[int], peer: int, device: Device, x: Any, dst: int, tag: int
-) -> None:
+def send(job: LocalJob, mailbox: Mailbox, peer: int, device: Device, x: Any, dst: int, tag: int) -> None:
     """Peer ``peer``'s send: checked, copied, and into ``dst``'s mailbox (here or in its process).
     PeerLostError when ``dst`` is known to be gone: nothing would ever receive it."""
     dst, tag = _check(job, peer, dst, tag, "dst")
@@ -217,10 +209,10 @@ def send(
     problem = check_array(x, device, None)
     if problem is not None:
         raise InvalidArgumentError(f"send: peer {peer}: {problem}")
-    if dst in finished or job.gone_among((dst,)):
+    if job.gone_among((dst,)):  # (this job's: a peer id may be another process's in a later job)
         raise PeerLostError(f"send: peer {dst} left the job (finish): it receives nothing more", [dst])
-    lost = job.node.lost_peer(dst) if job.node is not None else None
-    if lost is not None:
+    lost = job.node.lost_peer(dst, orchestrator=False) if job.node is not None else None
+    if lost is not None:  # (not the orchestrator's own loss: peers of this host go on without it)
         raise lost
     if job.node is not None and not job.node.is_local(dst, job.peer_ids):
         job.node.send_p2p(peer, dst, tag, HOST.adopt(x).copy())  # a copy the caller cannot touch
@@ -231,7 +223,6 @@ def send(
 def recv(
     job: LocalJob,
     mailbox: Mailbox,
-    finished: set[int],
     peer: int,
     device: Device,
     src: int | None,
@@ -251,7 +242,7 @@ def recv(
         if source is None:
             reasons = [gone(other) for other in range(job.world) if other != peer]
             return reasons[0] if reasons and all(reasons) else None
-        if source in finished or source in job.gone_among((source,)):
+        if job.gone_among((source,)):  # (this job's: a peer id may be another process's in a later job)
             return left_error(source, peer)
         return job.node.lost_peer(source) if job.node is not None else None
 

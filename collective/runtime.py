@@ -324,7 +324,7 @@ class Runtime:
         job, member = self._member(peer_id), self._peer(peer_id)
         if timeout is not None:
             _seconds(timeout)
-        p2p.send(job, self._mailbox, self._finished, peer_id, member.device, x, dst, tag)
+        p2p.send(job, self._mailbox, peer_id, member.device, x, dst, tag)
 
     def recv(
         self, peer_id: int, src: int, tag: int = 0, *, timeout: float | None = None, out: Array | None = None
@@ -344,7 +344,7 @@ class Runtime:
     ) -> tuple[int, Array]:
         job, member = self._member(peer_id), self._peer(peer_id)
         seconds = job.config.timeout if timeout is None else _seconds(timeout)
-        return p2p.recv(job, self._mailbox, self._finished, peer_id, member.device, src, tag, seconds, out)
+        return p2p.recv(job, self._mailbox, peer_id, member.device, src, tag, seconds, out)
 
     # -- the one road ---------------------------------------------------------------------------
 

@@ -59,6 +59,8 @@ def test_numpy_numbers_are_timeouts(runtime: col.Runtime) -> None:
         )
 
     assert run_peers(2, body, runtime) == [(2.0, 2.0)] * 2
+    config = col.CollectiveConfig(num_devices=2, timeout=np.float32(1.5))  # (a ConfigError)
+    assert config.timeout == 1.5 and type(config.timeout) is float
     with pytest.raises(col.InvalidArgumentError, match="wait"):
         runtime.all_reduce(0, np.ones(1), async_op=True).wait(np.True_)  # (peer 1 never comes: refused first)
 

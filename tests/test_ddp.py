@@ -384,7 +384,11 @@ def test_peers_with_different_parameters_are_refused_on_every_peer(theirs: dict[
 @pytest.mark.parametrize(
     ("setting", "error", "message"),
     [
-        ({"bucket_bytes": 0}, col.InvalidArgumentError, r"peer 1.*bucket_bytes must be an int > 0, got 0"),
+        (
+            {"bucket_bytes": 0},
+            col.InvalidArgumentError,
+            r"peer 1.*bucket_bytes must be an integer > 0, got 0",
+        ),
         ({"bucket_bytes": "25M"}, col.InvalidArgumentError, r"peer 1.*bucket_bytes must be .*, got '25M'"),
         ({"op": "avg"}, col.InvalidArgumentError, r"peer 1.*'avg'"),
         (
@@ -419,7 +423,20 @@ def test_one_peers_bad_or_different_setting_fails_every_peer_at_once(
         assert run_peers(N, body, rt) == [[["b", "w"]]] * N
 
 
-@pytest.mark.parametrize("bad", [{"nested": 1}, "w", np.zeros(3)], ids=["dict", "str", "unwritable"])
+def test_numpy_integers_are_bucket_bytes() -> None:
+    with col.Runtime() as rt:
+        rt.register(0, "cpu", col.CollectiveConfig(num_devices=1))
+        sync = GradientSync(
+            0, {"a": np.zeros(300), "b": np.zeros(300)}, bucket_bytes=np.int64(1024), runtime=rt
+        )
+        assert sync.buckets == [["b"], ["a"]]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [{"nested": 1}, "w", np.zeros(3), np.float64(1.0)],
+    ids=["dict", "str", "unwritable", "numpy-scalar"],
+)
 def test_broadcast_parameters_refuses_what_it_cannot_overwrite_on_every_peer(bad: Any) -> None:
     with col.Runtime() as rt:
 

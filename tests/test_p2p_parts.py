@@ -69,23 +69,23 @@ def test_a_message_alone_is_kept_whatever_its_size() -> None:
     np.testing.assert_array_equal(_take(box), data)
 
 
-def test_a_message_dropped_at_the_limit_fails_its_own_receive_in_order() -> None:
+def test_a_sender_past_the_limit_is_cut_off_and_never_read_in_the_wrong_place() -> None:
     """A, B (dropped), C: the second receive returned C in B's place, silently, and the third
     raised B's error. A receive on another tag raised it too."""
     box = Mailbox(limit=64 << 10)
     a, b, c = np.full(4096, 1.0), np.full(8192, 2.0), np.full(1, 3.0)  # 32 KiB, 64 KiB, 8 bytes
     for data in (a, b, c):
         box.put(0, 1, 5, data, remote=True)
-    with pytest.raises(col.CollectiveTimeout):
-        box.take(0, 1, 9, time.monotonic() + 0.1, 0.1, lambda _: None)  # another tag: nothing for it
-    np.testing.assert_array_equal(_take(box), a)
-    with pytest.raises(
-        col.MismatchError, match=r"a message of 65536 bytes from peer 0 to peer 1 \(tag 5\) was dropped"
-    ):
-        _take(box)
-    np.testing.assert_array_equal(_take(box), c)  # the one after it, in its own place
-    box.put(0, 1, 5, b, remote=True)  # everything was received: alone, it is kept
-    np.testing.assert_array_equal(_take(box), b)
+    box.put(2, 1, 5, c, remote=True)  # another sender: unaffected
+    np.testing.assert_array_equal(_take(box), a)  # what came before the drop still arrives, in order
+    for _ in range(2):  # B's receive, and C's: never C in B's place
+        with pytest.raises(col.MismatchError, match=r"peer 0 sent more than .* 65536 bytes to peer 1, tag 5"):
+            _take(box)
+    box.put(0, 1, 5, c, remote=True)  # cut off: even a small message now
+    with pytest.raises(col.MismatchError, match="its later messages are dropped too"):
+        box.take(0, 1, 9, time.monotonic() + 0.1, 0.1, lambda _: None)  # any tag from it
+    source, data = box.take(2, 1, 5, time.monotonic() + 0.1, 0.1, lambda _: None)
+    assert source == 2 and data.tolist() == [3.0]
 
 
 def test_empty_messages_count_against_the_limit_too() -> None:
