@@ -130,9 +130,8 @@ def start_orchestrator() -> tuple[subprocess.Popen[str], str]:
 
 
 def stop_processes(processes: Sequence[subprocess.Popen[Any]], groups: bool = False) -> None:
-    """SIGTERM, then SIGKILL after a grace period; reap all.
-
-    With ``groups`` (each process leads its own session, as launch starts the nodes): SIGINT
+    """SIGTERM, then SIGKILL after a grace period; reap all. With ``groups`` (each process leads
+    its own session, as launch starts the nodes): SIGINT
     first, so Python programs unwind and run their exit handlers (their shared memory is removed:
     SIGTERM skips that), and every signal goes to the whole process group, so what a process
     started (a shell's children, say) stops with it, even once the process itself has ended.
@@ -375,6 +374,7 @@ def _run(args: argparse.Namespace, out: IO[str]) -> int:
                     stdout=subprocess.PIPE,
                     stderr=subprocess.STDOUT,
                     text=True,
+                    errors="backslashreplace",  # (a byte that is no UTF-8 must not stop its pump)
                     env=env,
                     start_new_session=True,  # Ctrl-C reaches launch alone; it stops the nodes itself
                 )

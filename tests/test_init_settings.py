@@ -152,6 +152,20 @@ def test_launch_takes_a_separator_before_the_program() -> None:
     assert "rank=0" in done.stdout
 
 
+def test_launch_passes_on_output_that_is_no_utf8() -> None:
+    """A byte that is no UTF-8 killed the node's pump: its later lines were lost (exit 0), and a
+    node with more to say blocked on a full pipe: launch hung."""
+    program = "import sys; sys.stdout.buffer.write(b'caf\\xe9\\n'); sys.stdout.flush(); " + (
+        "[print(i) for i in range(100000)]"
+    )
+    argv = [sys.executable, "-m", "collective", "launch", "--nodes", "2", "--timeout", "30", "--",
+            sys.executable, "-c", program]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=CLEAN)
+    assert done.returncode == 0 and "UnicodeDecodeError" not in done.stderr, done.stderr[-2000:]
+    for node in (0, 1):
+        assert f"[node {node}] caf\\xe9\n" in done.stdout and f"[node {node}] 99999\n" in done.stdout
+
+
 def test_launch_gives_everything_after_m_module_to_the_module(tmp_path: Path) -> None:
     """``-m mod --nodes 3`` started 3 nodes and gave the module no arguments (launch took them)."""
     (tmp_path / "echo_args.py").write_text("import os, sys\nprint(os.environ['WORLD_SIZE'], sys.argv[1:])\n")
