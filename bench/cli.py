@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -182,10 +183,25 @@ class Progress:
             self.stream.flush()
 
 
+def _unwritable(path: str) -> str | None:
+    """Why a result file cannot be written at ``path`` (None if it can)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path} is a directory: name a file"
+    if not os.path.isdir(folder):
+        return f"no directory {folder} to write {os.path.basename(path)} into"
+    if not os.access(folder, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        return f"{path} cannot be written (permissions)"
+    return None
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str], out: IO[str]) -> int:
     """Run the sweep described by ``args``; return the exit status (1 if any result was wrong)."""
     if args.minbytes > args.maxbytes:
         parser.error(f"argument -b/--minbytes: {args.minbytes} is larger than -e/--maxbytes {args.maxbytes}")
+    for option, path in (("--json", args.json), ("--plot", args.plot)):  # (not once the sweep is over)
+        if path and (problem := _unwritable(path)) is not None:
+            parser.error(f"argument {option}: {problem}")
     if args.backend == "torch":
         return run_torch(args, parser, argv, out)
     args.peers = 4 if args.peers is None else args.peers

@@ -101,6 +101,9 @@ def test_a_wrong_result_is_counted_and_fails_the_run(
         (["--backend", "torch", "--strategy", "ring"], "--peers, --strategy, --alloc and --compare trivial"),
         (["--backend", "torch", "--alloc"], "--peers, --strategy, --alloc and --compare trivial"),
         (["--backend", "torch", "--peers", "4"], "--peers, --strategy, --alloc and --compare trivial"),
+        (["--json", "/nonexistent-folder/rows.json"], "argument --json: no directory /nonexistent-folder"),
+        (["--json", "."], "argument --json: . is a directory: name a file"),  # (not after the sweep)
+        (["--plot", "/nonexistent-folder/p.png"], "argument --plot: no directory /nonexistent-folder"),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_argument(
