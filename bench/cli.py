@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, Any
 
 from collective.algorithms.strategies import parse_strategy
 from collective.bench.multinode import run_gloo, run_nodes, torch_available
@@ -19,7 +20,7 @@ from collective.bench.report import format_size, parse_size, print_summary, prin
 from collective.bench.sweep import Case, Row, resolve_dtype, run_case
 from collective.errors import ConfigError
 from collective.executors import DEFAULT_SHARE_BELOW
-from collective.launch import seconds_argument
+from collective.launch import handled, seconds_argument
 from collective.transport.wire import SMALL_BYTES
 
 __all__ = ["add_arguments", "main", "run"]
@@ -196,7 +197,13 @@ def _unwritable(path: str) -> str | None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str], out: IO[str]) -> int:
-    """Run the sweep described by ``args``; return the exit status (1 if any result was wrong)."""
+    """Run the sweep described by ``args``; return the exit status (1 if any result was wrong, 128 +
+    the signal when Ctrl-C, SIGTERM or SIGHUP stopped it: the rows measured are still printed)."""
+    with handled((signal.SIGTERM, signal.SIGHUP), _stop):
+        return _run(args, parser, argv, out)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str], out: IO[str]) -> int:
     if args.minbytes > args.maxbytes:
         parser.error(f"argument -b/--minbytes: {args.minbytes} is larger than -e/--maxbytes {args.maxbytes}")
     for option, path in (("--json", args.json), ("--plot", args.plot)):  # (not once the sweep is over)
@@ -276,7 +283,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
     if wrong:
         print(f"collective bench: {wrong} wrong result elements (see the #wrong column)", file=sys.stderr)
         return 1
-    return 130 if interrupted else 0
+    return interrupted
 
 
 def run_torch(
@@ -324,9 +331,9 @@ def run_torch(
                 system: run_gloo(cases[system], world, args.warmup, args.iters, args.timeout, backend)
                 for system, backend in (("gloo", "gloo"), ("torch", "collective"))
             }
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as stop:
             print("\n# interrupted", file=out)
-            return 130
+            return _status(stop)
         baseline = {(r.case.op, r.case.size, r.case.root): r for r in measured["gloo"]}
         for op in ops:
             for system in ("gloo", "torch"):
@@ -343,8 +350,25 @@ def run_torch(
     return 1 if wrong else 0
 
 
-def _measure(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tuple[list[Row], bool]:
-    """Rows for every case (as many as were measured before Ctrl-C) and whether it was interrupted."""
+class _Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP: the bench stops as on Ctrl-C (its worker processes first), with its status."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _stop(signum: int, frame: Any) -> None:
+    raise _Stopped(signum)
+
+
+def _status(stop: KeyboardInterrupt) -> int:
+    """The exit status of a bench stopped by ``stop``: 128 + its signal, as a shell reports it."""
+    return 128 + (stop.signum if isinstance(stop, _Stopped) else signal.SIGINT)
+
+
+def _measure(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tuple[list[Row], int]:
+    """Rows for every case (as many as were measured before a stop) and the stop's exit status (0: none)."""
     rows: list[Row] = []
     local = [c for c in cases if c.system != "gloo" and args.nodes == 1]
     batches = [c for c in cases if c not in local]
@@ -361,11 +385,11 @@ def _measure(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tu
             rows.extend(run_nodes(nodes_cases, args.nodes, args.peers, args.warmup, args.iters, args.timeout))
         if gloo_cases:
             rows.extend(run_gloo(gloo_cases, args.nodes * args.peers, args.warmup, args.iters, args.timeout))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         progress.close()
-        return rows, True
+        return rows, _status(stop)
     progress.close()
-    return rows, False
+    return rows, 0
 
 
 def _blocks(rows: list[Row]) -> list[tuple[tuple[str, str], list[Row]]]:

@@ -44,10 +44,14 @@ def _run_workers(
             for env in envs:
                 argv = [sys.executable, "-m", module, path]
                 pipe = subprocess.PIPE
-                processes.append(subprocess.Popen(argv, env=env, stdout=pipe, stderr=pipe, text=True))
+                processes.append(  # (its own session: Ctrl-C reaches the bench, which stops it first)
+                    subprocess.Popen(
+                        argv, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True
+                    )
+                )
             return _collect(processes, what, timeout)
         finally:
-            stop_processes(processes)
+            stop_processes(processes, groups=True)  # SIGINT first: its shared memory is removed
 
 
 def _plan(

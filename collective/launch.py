@@ -299,7 +299,7 @@ class _Stopped(Exception):
 
 
 @contextlib.contextmanager
-def _handled(signums: Sequence[int], handler: Any) -> Iterator[None]:
+def handled(signums: Sequence[int], handler: Any) -> Iterator[None]:
     """``handler`` for ``signums`` in the block (in the main thread; elsewhere signals stay as they are)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -314,7 +314,7 @@ def _handled(signums: Sequence[int], handler: Any) -> Iterator[None]:
 
 def _signals_held() -> contextlib.AbstractContextManager[None]:
     """Ctrl-C, SIGTERM and SIGHUP ignored in the block (launch is stopping its nodes already)."""
-    return _handled((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), signal.SIG_IGN)
+    return handled((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), signal.SIG_IGN)
 
 
 def _stopped_by_signals() -> contextlib.AbstractContextManager[None]:
@@ -323,7 +323,7 @@ def _stopped_by_signals() -> contextlib.AbstractContextManager[None]:
     def stop(signum: int, frame: Any) -> None:
         raise _Stopped(signum)
 
-    return _handled((signal.SIGTERM, signal.SIGHUP), stop)
+    return handled((signal.SIGTERM, signal.SIGHUP), stop)
 
 
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[str] = sys.stdout) -> int:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -417,3 +421,54 @@ def test_vs_reference_times_the_baseline_ours_and_the_bare_least_in_the_referenc
     assert set(rows) == {"trivial", "bare", *ours}
     assert all(0 < time < 1e6 for time in rows.values())
     assert "# target 8B: best time (new result per call) <= 0.5 x trivial" in out
+
+
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid:
+                    found.append(int(entry))
+    return found
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_bench_of_nodes_stopped_by_a_signal_stops_its_processes_and_their_shared_memory(
+    signum: int,
+) -> None:
+    """SIGTERM killed the bench at once: its orchestrator and nodes ran on (parent 1), still
+    benchmarking; Ctrl-C left the nodes' shared-memory segments (they got SIGTERM, which skips
+    their clean-up)."""
+    argv = [sys.executable, "-m", "collective", "bench", "--nodes", "2", "--peers", "1", "--op", "all_reduce",
+            "-b", "64M", "-e", "64M", "-w", "1", "-n", "100000", "--timeout", "60"]  # fmt: skip
+    bench = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(_children(bench.pid)) < 3:  # the orchestrator, 2 nodes
+            time.sleep(0.1)
+        started = _children(bench.pid)
+        assert len(started) == 3, started
+        time.sleep(1.5)  # the nodes are in their loop (their segments made)
+        bench.send_signal(signum)
+        assert bench.wait(30) == 128 + signum
+    finally:
+        bench.kill()
+        bench.communicate()
+    time.sleep(0.5)
+    alive = [pid for pid in started if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
+    assert not alive, alive
+    left = [
+        name
+        for name in os.listdir("/dev/shm")
+        if any(name.startswith(f"collective-{pid}-") for pid in started)
+    ]
+    assert not left, left
+
+
+def _state(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    return ""
