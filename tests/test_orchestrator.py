@@ -168,6 +168,28 @@ def test_a_registration_timeout_names_connections_refused_for_their_token(contex
     assert "with a wrong or missing job token (the latest from 127.0.0.1:" in str(error), str(error)
 
 
+def test_a_job_that_forms_later_is_not_told_of_connections_refused_before_it(
+    context: zmq.Context[Any],
+) -> None:
+    """Every waiting job was told the orchestrator's lifetime count of refused connections: a job
+    started minutes after another job's wrong token chased that as its own cause."""
+    orch = Orchestrator("127.0.0.1", 0, token="right")
+    thread = threading.Thread(target=orch.serve, daemon=True)
+    thread.start()
+    try:
+        wrong = OrchestratorClient(context, orch.address, f"other-{next(_jobs)}", token="wrong")
+        assert "handshake failed" in str(_register(wrong, 2, 7002, [1], 2.0))
+        wrong.close()
+        time.sleep(0.2)
+        waiting = OrchestratorClient(context, orch.address, f"later-{next(_jobs)}", token="right")
+        error = _register(waiting, 2, 7001, [0], 2.0)
+        waiting.close()
+    finally:
+        orch.stop()
+        thread.join(5)
+    assert type(error).__name__ == "CollectiveTimeout" and "job token" not in str(error), str(error)
+
+
 def test_nodes_may_register_long_after_each_other_and_the_waiting_one_says_for_whom(tmp_path: Any) -> None:
     """The orchestrator loses silent nodes after 1 s; node 1 starts 4 s after node 0 registered."""
     proc, address = start_orchestrator("--lost-after", "1")

@@ -125,6 +125,7 @@ class _Job:
     # that registered and then went silent (they are removed: their peer ids and address are free).
     refused: deque[str] = field(default_factory=lambda: deque(maxlen=REMEMBERED))
     silent: deque[str] = field(default_factory=lambda: deque(maxlen=REMEMBERED))
+    since: float = field(default_factory=time.monotonic)  # its first registration (refusals before: not its)
 
     def waiting(self) -> dict[str, Any]:
         """The registration state a waiting node is told (in answer to its heartbeats)."""
@@ -249,10 +250,11 @@ class Orchestrator:
         if job is not None and node is not None and node.gone is None:
             reply = {"t": "pong", "job": name} if job.formed else job.waiting()
             if not job.formed and self._watch is not None:
-                count, recent = self._watch.refused()
-                if count:  # (the latest whose address was read: a refused connection may be gone first)
+                _, recent = self._watch.refused()
+                recent = [(when, peer) for when, peer in recent if when >= job.since]  # (another job's: not
+                if recent:  # its news) (the latest whose address was read: a refused one may be gone first)
                     known = [peer for _, peer in recent if peer != UNKNOWN_ADDRESS] or [recent[-1][1]]
-                    reply["bad_token"] = {"count": count, "latest": known[-1]}
+                    reply["bad_token"] = {"count": len(recent), "latest": known[-1]}
         elif node is not None:
             reply = {"t": "evicted", "job": name, "reason": f"it {node.gone}"}
         else:
