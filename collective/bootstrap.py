@@ -131,7 +131,7 @@ def _config(launched: Launched, env: Mapping[str, str]) -> CollectiveConfig:
         given = env["COLLECTIVE_NODE_ADDRESS"].strip()
         host = given.rpartition(":")[0] if ":" in given else given  # (its port: 0 or the service's)
     elif launched.master is not None:
-        host = reaching(launched.master[0])
+        host = reaching(launched.master[0], launched.master_from)
     else:  # the address of this machine that the named orchestrator's host reaches
         assert launched.orchestrator is not None
         host = reaching(launched.orchestrator.rpartition(":")[0], "COLLECTIVE_GLOBAL_ADDRESS")
@@ -139,7 +139,7 @@ def _config(launched: Launched, env: Mapping[str, str]) -> CollectiveConfig:
     if launched.orchestrator is not None:
         address = launched.orchestrator
     elif master is not None and not launched.agent_store:
-        address = f"{resolve(master[0])}:{master[1]}"
+        address = f"{resolve(master[0], launched.master_from)}:{master[1]}"
     else:
         address = _PENDING  # published by rank 0 in the agent's store
     blank_port = not env.get("COLLECTIVE_DATA_SERVICE_PORT", "").strip()

@@ -53,6 +53,7 @@ class Launched:
     master: tuple[str, int] | None  # where rank 0 hosts it
     job: str
     agent_store: bool = False  # torchrun's agent serves a store on the master port
+    master_from: str = "MASTER_ADDR"  # the variable that named the master's host (for errors)
 
 
 def _int(environ: Mapping[str, str], name: str, what: str, minimum: int = 0) -> int:
@@ -119,6 +120,7 @@ def launched_from(environ: Mapping[str, str] | None = None) -> Launched:
     attempt = ""  # torchrun's restart: a new job
     if env.get("COLLECTIVE_PEER_IDS", "").strip():
         return _from_collective_launch(env, orchestrator, job)
+    named = "MASTER_ADDR"
     if env.get("RANK", "").strip() or env.get("WORLD_SIZE", "").strip():
         rank, world = _rank_and_world(env, "RANK", "WORLD_SIZE")
         master = _master(env)
@@ -138,6 +140,11 @@ def launched_from(environ: Mapping[str, str] | None = None) -> Launched:
         rank, world = _rank_and_world(env, "SLURM_PROCID", "SLURM_NTASKS")
         listed = [name for name in _NODE_LISTS if env.get(name, "").strip()]  # the step's hosts first
         master = _master(env, first_host(env[listed[0]], listed[0]) if listed else None)
+        named = (
+            "MASTER_ADDR"
+            if env.get("MASTER_ADDR", "").strip() or not listed
+            else f"the first host of {listed[0]}"
+        )
         slurm_job = env.get("SLURM_JOB_ID", "").strip()
         job = job or (f"slurm-{slurm_job}.{env.get('SLURM_STEP_ID', '0')}" if slurm_job else "")
         source, local, agent = "Slurm", env.get("SLURM_LOCALID"), False
@@ -159,9 +166,9 @@ def launched_from(environ: Mapping[str, str] | None = None) -> Launched:
         )
     if not job:  # rank 0's own orchestrator serves this job alone
         assert master is not None
-        job = f"init-{resolve(master[0])}:{master[1]}{attempt}"  # (localhost and 127.0.0.1: one job)
+        job = f"init-{resolve(master[0], named)}:{master[1]}{attempt}"  # (localhost and 127.0.0.1: one job)
     local_rank = int(local) if local is not None and local.strip().isdecimal() else None
-    return Launched(source, rank, world, local_rank, orchestrator, master, job, agent)
+    return Launched(source, rank, world, local_rank, orchestrator, master, job, agent, named)
 
 
 def _from_collective_launch(env: Mapping[str, str], orchestrator: str | None, job: str) -> Launched:

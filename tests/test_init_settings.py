@@ -201,6 +201,11 @@ def test_launcher_values_in_unusual_forms() -> None:
     del env["MASTER_PORT"]
     assert launched_from(env).master == ("c5", 29500)  # a blank MASTER_ADDR is unset
     assert launched_from({**CLEAN, **torchrun(1, 2, 1234), "LOCAL_RANK": "\u00b2"}).local_rank is None
+    unresolved = {**env, "SLURM_JOB_NODELIST": "no-such-host.invalid[01-02]"}  # (MASTER_ADDR was named)
+    with pytest.raises(
+        col.ConfigError, match=r"^the first host of SLURM_JOB_NODELIST='no-such-host.invalid01'"
+    ):
+        bootstrap._config(launched_from(unresolved), unresolved)
 
 
 def test_a_named_orchestrator_without_master_addr_gives_the_address_reaching_it(
