@@ -36,13 +36,15 @@ log = logging.getLogger(__name__)
 
 
 class _Embedded:
-    """Rank 0's orchestrator, served from a daemon thread until its job is over, the process exits
-    or ``stop``."""
+    """Rank 0's orchestrator, served from a daemon thread until its job is over or ``stop``. When
+    rank 0's process ends first, it serves the ranks still running for up to ``linger`` seconds
+    (they lost it at once, and said so, in runs that ended well)."""
 
-    def __init__(self, host: str, port: int, token: str | None) -> None:
+    def __init__(self, host: str, port: int, token: str | None, linger: float) -> None:
         self.orchestrator = Orchestrator(host, port, token=token, until_done=True)  # ends with its job
         self.thread = threading.Thread(target=self._serve, name="collective-orchestrator", daemon=True)
-        atexit.register(self.stop)
+        self.linger = linger
+        atexit.register(self._at_exit)
         with _lock:
             _embedded.append(self)
         self.thread.start()
@@ -51,7 +53,7 @@ class _Embedded:
         try:
             self.orchestrator.serve()
         finally:  # over: nothing of it stays (init/destroy cycles of torch's would pile them up)
-            atexit.unregister(self.stop)
+            atexit.unregister(self._at_exit)
             with _lock:
                 if self in _embedded:
                     _embedded.remove(self)
@@ -59,6 +61,15 @@ class _Embedded:
     def stop(self) -> None:
         self.orchestrator.stop()
         self.thread.join(2)
+
+    def _at_exit(self) -> None:
+        self.thread.join(0.5)  # (the job is over when every rank left)
+        if self.thread.is_alive():
+            log.warning(
+                "rank 0 serves the job's orchestrator to the ranks still running, %gs at most", self.linger
+            )
+            self.thread.join(self.linger)
+        self.stop()
 
 
 _lock = threading.Lock()
@@ -158,7 +169,7 @@ def _config(launched: Launched, env: Mapping[str, str]) -> CollectiveConfig:
             return dataclasses.replace(config, global_address=_through_agent_store(launched, host, config))
         if launched.rank == 0:
             try:
-                _Embedded(address.rpartition(":")[0], master[1], config.token)
+                _Embedded(address.rpartition(":")[0], master[1], config.token, config.timeout)
             except RegistrationError as exc:
                 cause = getattr(exc.__cause__, "errno", None)
                 advice = (
@@ -182,7 +193,7 @@ def _through_agent_store(launched: Launched, host: str, config: CollectiveConfig
     store_class = importlib.import_module("torch.distributed").TCPStore  # torch is only needed here
     master_host, master_port = launched.master  # type: ignore[misc]
     store = store_class(master_host, master_port, is_master=False, timeout=timedelta(seconds=config.timeout))
-    return meet_through_store(store, launched.rank, launched.job, host, config.token)
+    return meet_through_store(store, launched.rank, launched.job, host, config.token, config.timeout)
 
 
 class Store(Protocol):
@@ -193,11 +204,13 @@ class Store(Protocol):
     def get(self, key: str) -> bytes: ...  # waits until the key is set (the store's own timeout)
 
 
-def meet_through_store(store: Store, rank: int, job: str, host: str, token: str | None) -> str:
+def meet_through_store(
+    store: Store, rank: int, job: str, host: str, token: str | None, linger: float = 60.0
+) -> str:
     """The orchestrator's address: rank 0 starts one on a free port of ``host`` and publishes it."""
     key = f"collective/{job}/orchestrator"
     if rank == 0:
-        embedded = _Embedded(host, 0, token)
+        embedded = _Embedded(host, 0, token, linger)
         store.set(key, embedded.orchestrator.address)
     return bytes(store.get(key)).decode()
 
@@ -239,6 +252,6 @@ def init_with_store(
         store.set("collective/job", named or f"store-{os.getpid()}-{time.time_ns()}")
     job = bytes(store.get("collective/job")).decode()
     with _stopped_on_failure():
-        address = meet_through_store(store, rank, job, host, settings.token)
+        address = meet_through_store(store, rank, job, host, settings.token, settings.timeout)
         runtime.register(rank, device, dataclasses.replace(settings, global_address=address, job=job))
     return rank

@@ -38,7 +38,7 @@ def the_orchestrator_leaves(peer: int) -> int:
     col.all_reduce(peer, np.ones(1))
     if peer == 0:
         col.finish(peer)
-        return 0
+        os._exit(0)  # (at once: a normal exit serves the orchestrator to the others until they finish)
     pair = col.new_group([1, 2])
     for _ in range(400):  # about 5 s: the loss of the orchestrator is noticed in 2-3 s
         assert col.all_reduce(peer, np.ones(1), group=pair)[0] == 2.0
@@ -48,8 +48,21 @@ def the_orchestrator_leaves(peer: int) -> int:
     return 0
 
 
+def late_finish(peer: int) -> int:
+    """Rank 0 finishes and its process ends while the others still work, then finish."""
+    col.all_reduce(peer, np.ones(1))
+    if peer != 0:
+        time.sleep(4)  # (the loss of an orchestrator is noticed in 2-3 s)
+        assert col.all_reduce(peer, np.ones(1), group=col.new_group([1, 2]))[0] == 2.0
+    print(f"LATE OK {peer}", flush=True)
+    col.finish(peer)
+    return 0
+
+
 def main() -> int:
     peer = col.init()
+    if sys.argv[1:] == ["late_finish"]:
+        return late_finish(peer)
     if sys.argv[1:] == ["orchestrator_leaves"]:
         return the_orchestrator_leaves(peer)
     if len(sys.argv) > 1:

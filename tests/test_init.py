@@ -84,6 +84,20 @@ def test_a_group_of_one_host_goes_on_when_rank_0_leaves_with_the_orchestrator() 
         assert f"PAIR OK {rank}" in procs[rank].output(), procs[rank].output()
 
 
+def test_rank_0_ending_first_serves_the_orchestrator_to_the_others_until_they_finish() -> None:
+    """Rank 0's process ended with its orchestrator: the others logged that the orchestrator
+    stopped answering, in a run that ended well (and a job across hosts would have failed)."""
+    port = free_port()
+    env = lambda rank: {**CLEAN, "COLLECTIVE_TIMEOUT": "30", **torchrun(rank, 3, port)}  # noqa: E731
+    procs = [Proc([sys.executable, WORKER, "late_finish"], env(r)) for r in range(3)]
+    for proc, code in zip(procs, finish_all(procs, 90), strict=True):
+        assert code == 0, proc.output()
+    for rank in (1, 2):
+        output = procs[rank].output()
+        assert f"LATE OK {rank}" in output and "stopped answering" not in output, output
+    assert "serves the job's orchestrator to the ranks still running" in procs[0].output()
+
+
 @pytest.mark.parametrize(("how", "mib"), [("finish", 64), ("exit", 32)])
 def test_what_a_process_sent_arrives_though_it_leaves_at_once(how: str, mib: int) -> None:
     """Its sockets closed without lingering: after finish() the message was dropped (2 in 3 runs at
