@@ -28,14 +28,8 @@ from typing import IO, Any
 from collective.config import address_problem, job_problem
 from collective.errors import ConfigError, RegistrationError
 
-__all__ = [
-    "add_launch_arguments",
-    "add_orchestrator_arguments",
-    "launch",
-    "peer_ids_from_env",
-    "seconds_argument",
-    "serve_orchestrator",
-]
+__all__ = ["add_launch_arguments", "add_orchestrator_arguments", "launch", "peer_ids_from_env",
+           "seconds_argument", "serve_orchestrator"]  # fmt: skip
 
 READY_PREFIX = "collective orchestrator: listening on "
 STOP_GRACE = 5.0
@@ -115,6 +109,7 @@ def start_orchestrator() -> tuple[subprocess.Popen[str], str]:
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,  # Ctrl-C reaches launch alone
+        env={**os.environ, "COLLECTIVE_STOP_WITH_PARENT": "1"},  # (a launch killed outright stops nothing)
     )
     assert process.stdout is not None
     try:
@@ -221,6 +216,8 @@ def serve_orchestrator(args: argparse.Namespace) -> int:
     previous = {
         sig: signal.signal(sig, lambda *_: orchestrator.stop()) for sig in (signal.SIGINT, signal.SIGTERM)
     }
+    if os.environ.get("COLLECTIVE_STOP_WITH_PARENT") == "1":
+        orchestrator.stop_with_parent()
     try:
         print(f"{READY_PREFIX}{orchestrator.address}", flush=True)
         with nonblocking_logging():  # stderr may be a pipe nobody reads: the service never waits on it
@@ -262,8 +259,7 @@ def node_command(module: str | None, command: list[str]) -> list[str]:
 
 
 def _orchestrator_address(text: str, parser: argparse.ArgumentParser) -> str:
-    problem = address_problem(text, lowest_port=1)
-    if problem is not None:
+    if (problem := address_problem(text, lowest_port=1)) is not None:
         parser.error(f"argument --orchestrator: {problem}")
     return text
 

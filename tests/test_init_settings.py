@@ -3,8 +3,11 @@ leaves nothing behind, launcher values in unusual forms, and ``collective launch
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -164,6 +167,58 @@ def test_launch_passes_on_output_that_is_no_utf8() -> None:
     assert done.returncode == 0 and "UnicodeDecodeError" not in done.stderr, done.stderr[-2000:]
     for node in (0, 1):
         assert f"[node {node}] caf\\xe9\n" in done.stdout and f"[node {node}] 99999\n" in done.stdout
+
+
+def test_launch_killed_outright_leaves_no_orchestrator_behind(tmp_path: Path) -> None:
+    """SIGKILL (the OOM killer, a batch system's last word) gives launch no chance to stop its
+    orchestrator: it ran on, orphaned, forever. Now it stops with its parent (the nodes of one host
+    go on without it, to their end, as they would after the orchestrator's loss)."""
+    script = tmp_path / "loop.py"
+    script.write_text(
+        "import time, collective as col\npeer = col.init()\nfor _ in range(400):\n"
+        "    col.barrier(peer)\n    time.sleep(0.05)\n"
+    )
+    launch = subprocess.Popen(
+        [sys.executable, "-m", "collective", "launch", "--nodes", "2", "--timeout", "30", str(script)],
+        env=CLEAN, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and len(children) < 3:  # the orchestrator and 2 nodes
+            time.sleep(0.2)
+            children = _children_of(launch.pid)
+        assert len(children) == 3, children
+        (orchestrator,) = [
+            pid for pid in children if b"orchestrator" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        time.sleep(1.0)
+        launch.kill()
+        launch.wait(10)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _running(orchestrator):
+            time.sleep(0.2)
+        assert not _running(orchestrator)
+    finally:
+        launch.kill()
+        for pid in children:
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _children_of(pid: int) -> list[int]:
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            if int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def _running(pid: int) -> bool:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    return False
 
 
 def test_launch_gives_everything_after_m_module_to_the_module(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ Jobs are told apart by name; one orchestrator serves many, at the same time and 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -175,6 +176,18 @@ class Orchestrator:
 
     def stop(self) -> None:
         self._stopping.set()
+
+    def stop_with_parent(self) -> None:
+        """Stop once this process's parent has ended: ``collective launch`` started it, and a launch
+        killed outright (SIGKILL, the OOM killer) cannot stop it (it served nobody, forever)."""
+        parent = os.getppid()
+
+        def watch() -> None:
+            while not self._stopping.wait(0.5):
+                if os.getppid() != parent:
+                    self.stop()
+
+        threading.Thread(target=watch, name="collective-orchestrator-parent", daemon=True).start()
 
     def serve(self) -> None:
         """Run until stop(); then close the socket."""
