@@ -226,7 +226,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
         list(DEFAULT_OPS) if not args.op else list(OPS) if "all" in args.op else list(dict.fromkeys(args.op))
     )
     if "sendrecv" in ops and args.peers * args.nodes < 2:
-        parser.error("argument --op: sendrecv needs at least 2 peers")
+        if args.op and "all" in args.op:  # (every op that one peer has)
+            ops.remove("sendrecv")
+        else:
+            parser.error("argument --op: sendrecv needs at least 2 peers")
+    if args.compare == "trivial" and not set(ops) & set(TRIVIAL_OPS):
+        parser.error(f"argument --compare: the trivial baseline has {', '.join(TRIVIAL_OPS)} only")
     chosen = args.strategy or ["all"]
     strategies = list(ALL_STRATEGIES) if "all" in chosen else list(dict.fromkeys(chosen))
     try:

@@ -63,12 +63,14 @@ class _Embedded:
         self.thread.join(2)
 
     def _at_exit(self) -> None:
-        self.thread.join(0.5)  # (the job is over when every rank left)
-        if self.thread.is_alive():
+        """Serve the other ranks until each left or was lost (rank 0's own node may live on here)."""
+        deadline = time.monotonic() + self.linger
+        if self.thread.is_alive() and self.orchestrator.running_besides(0):
             log.warning(
                 "rank 0 serves the job's orchestrator to the ranks still running, %gs at most", self.linger
             )
-            self.thread.join(self.linger)
+            while self.orchestrator.running_besides(0) and time.monotonic() < deadline:
+                self.thread.join(0.1)
         self.stop()
 
 

@@ -105,6 +105,11 @@ def test_a_wrong_result_is_counted_and_fails_the_run(
         (["--backend", "torch", "--strategy", "ring"], "--peers, --strategy, --alloc and --compare trivial"),
         (["--backend", "torch", "--alloc"], "--peers, --strategy, --alloc and --compare trivial"),
         (["--backend", "torch", "--peers", "4"], "--peers, --strategy, --alloc and --compare trivial"),
+        (
+            ["--op", "all_gather", "--compare", "trivial"],
+            "the trivial baseline has all_reduce, reduce, broadcast",
+        ),
+        (["--op", "sendrecv", "--peers", "1"], "argument --op: sendrecv needs at least 2 peers"),
         (["--json", "/nonexistent-folder/rows.json"], "argument --json: no directory /nonexistent-folder"),
         (["--json", "."], "argument --json: . is a directory: name a file"),  # (not after the sweep)
         (["--plot", "/nonexistent-folder/p.png"], "argument --plot: no directory /nonexistent-folder"),
@@ -285,6 +290,20 @@ def test_every_op_is_measured_and_checked(
     assert busbw_factor("gather", 4) == busbw_factor("sendrecv", 4) == 1
     gathers = [row for row in rows if row["op"] == "gather" and row["size"] == 512 << 10]
     assert sorted(row["root"] for row in gathers) == [0, 1, 2, 3]
+
+
+def test_every_op_of_one_peer_is_every_op_but_sendrecv(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """--op all --peers 1 was refused: 'sendrecv needs at least 2 peers'."""
+    from collective.bench.ops import OPS
+
+    out_json = tmp_path / "one.json"
+    argv = ["bench", "--op", "all", "--peers", "1", "-b", "64", "-e", "64", "-w", "1", "-n", "2",
+            "--strategy", "ring", "--json", str(out_json)]  # fmt: skip
+    status, out, _ = run_cli(argv, capsys)
+    assert status == 0, out
+    assert {row["op"] for row in json.loads(out_json.read_text())["rows"]} == set(OPS) - {"sendrecv"}
 
 
 def test_every_op_against_gloo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

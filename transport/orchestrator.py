@@ -44,15 +44,8 @@ from collective.transport.auth import UNKNOWN_ADDRESS, watch_refusals
 from collective.transport.logs import Throttle
 from collective.transport.sockets import make_socket
 
-__all__ = [
-    "HEARTBEAT_INTERVAL",
-    "LOST_AFTER",
-    "MAX_MESSAGE",
-    "Orchestrator",
-    "is_peer_list",
-    "pack",
-    "unpack",
-]
+__all__ = ["HEARTBEAT_INTERVAL", "LOST_AFTER", "MAX_MESSAGE", "Orchestrator", "is_peer_list", "pack",
+           "unpack"]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -183,11 +176,16 @@ class Orchestrator:
         parent = os.getppid()
 
         def watch() -> None:
-            while not self._stopping.wait(0.5):
-                if os.getppid() != parent:
-                    self.stop()
+            while not self._stopping.wait(0.5) and os.getppid() == parent:
+                pass
+            self.stop()
 
         threading.Thread(target=watch, name="collective-orchestrator-parent", daemon=True).start()
+
+    def running_besides(self, peer: int) -> int:
+        """Nodes of the jobs served here that neither left nor were lost, but the one of ``peer``."""
+        nodes = [node for job in list(self._jobs.values()) for node in list(job.nodes.values())]
+        return sum(1 for node in nodes if node.gone is None and peer not in node.peers)
 
     def serve(self) -> None:
         """Run until stop(); then close the socket."""
