@@ -64,13 +64,18 @@ class _Embedded:
 
     def _at_exit(self) -> None:
         """Serve the other ranks until each left or was lost (rank 0's own node may live on here)."""
-        deadline = time.monotonic() + self.linger
-        if self.thread.is_alive() and self.orchestrator.running_besides(0):
-            log.warning(
-                "rank 0 serves the job's orchestrator to the ranks still running, %gs at most", self.linger
-            )
-            while self.orchestrator.running_besides(0) and time.monotonic() < deadline:
-                self.thread.join(0.1)
+        started, said = time.monotonic(), False  # (said only when the others take more than a moment)
+        while self.thread.is_alive() and self.orchestrator.running_besides(0):
+            waited = time.monotonic() - started
+            if waited >= self.linger:
+                break
+            if waited >= 1.0 and not said:
+                log.warning(
+                    "rank 0 serves the job's orchestrator to the ranks still running, %gs at most",
+                    self.linger,
+                )
+                said = True
+            self.thread.join(0.1)
         self.stop()
 
 
