@@ -63,7 +63,11 @@ class _Embedded:
         self.thread.join(2)
 
     def _at_exit(self) -> None:
-        """Serve the other ranks until each left or was lost (rank 0's own node may live on here)."""
+        """Serve the other ranks until each left or was lost, once rank 0 finished (a rank 0 that
+        did not, a crash or Ctrl-C, stops at once: the others are told it is gone)."""
+        if any(runtime.has_job() for runtime in list(_joined)):
+            self.stop()
+            return
         started, said = time.monotonic(), False  # (said only when the others take more than a moment)
         while self.thread.is_alive() and self.orchestrator.running_besides(0):
             waited = time.monotonic() - started
@@ -82,6 +86,7 @@ class _Embedded:
 _lock = threading.Lock()
 _initialised: weakref.WeakKeyDictionary[Runtime, int] = weakref.WeakKeyDictionary()  # runtime -> its peer
 _embedded: list[_Embedded] = []
+_joined: weakref.WeakSet[Runtime] = weakref.WeakSet()  # runtimes whose peer joined through init()
 _PENDING = "127.0.0.1:1"  # stands for an orchestrator address not known yet while the settings are checked
 
 
@@ -121,6 +126,7 @@ def init(runtime: Runtime, device: str = "cpu", environ: Mapping[str, str] | Non
                 launched.orchestrator or f"hosted by rank 0 at {':'.join(map(str, launched.master or ()))}",
             )  # fmt: skip
             runtime.register(launched.rank, device, _config(launched, env))
+            _joined.add(runtime)
     except BaseException:
         with _lock:
             _initialised.pop(runtime, None)
@@ -261,4 +267,5 @@ def init_with_store(
     with _stopped_on_failure():
         address = meet_through_store(store, rank, job, host, settings.token, settings.timeout)
         runtime.register(rank, device, dataclasses.replace(settings, global_address=address, job=job))
+        _joined.add(runtime)
     return rank

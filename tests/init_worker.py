@@ -59,10 +59,24 @@ def late_finish(peer: int) -> int:
     return 0
 
 
+def rank_0_crashes(peer: int) -> int:
+    """Rank 0 raises after one collective, without finish(): the others learn it at once."""
+    col.all_reduce(peer, np.ones(1))
+    if peer == 0:
+        raise RuntimeError("rank 0 crashed")
+    try:
+        col.all_reduce(peer, np.ones(1))
+    except col.PeerLostError as exc:
+        print(f"LOST {peer} {exc}", flush=True)
+    return 0
+
+
 def main() -> int:
     peer = col.init()
     if sys.argv[1:] == ["late_finish"]:
         return late_finish(peer)
+    if sys.argv[1:] == ["rank_0_crashes"]:
+        return rank_0_crashes(peer)
     if sys.argv[1:] == ["orchestrator_leaves"]:
         return the_orchestrator_leaves(peer)
     if len(sys.argv) > 1:

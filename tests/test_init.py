@@ -98,6 +98,19 @@ def test_rank_0_ending_first_serves_the_orchestrator_to_the_others_until_they_fi
     assert "serves the job's orchestrator to the ranks still running" in procs[0].output()
 
 
+def test_rank_0_crashing_does_not_serve_the_orchestrator_on() -> None:
+    """A rank 0 that ended without finish() (a crash, Ctrl-C) waited for the others while its own
+    node lived on: they waited their whole timeout for it, and it for them."""
+    port = free_port()
+    env = lambda rank: {**CLEAN, "COLLECTIVE_TIMEOUT": "60", **torchrun(rank, 2, port)}  # noqa: E731
+    procs = [Proc([sys.executable, WORKER, "rank_0_crashes"], env(r)) for r in range(2)]
+    started = time.monotonic()
+    codes = finish_all(procs, 90)
+    assert time.monotonic() - started < 30, [p.output() for p in procs]
+    assert codes == [1, 0] and "LOST 1" in procs[1].output(), [p.output() for p in procs]
+    assert "serves the job's orchestrator" not in procs[0].output()
+
+
 @pytest.mark.parametrize(("how", "mib"), [("finish", 64), ("exit", 32)])
 def test_what_a_process_sent_arrives_though_it_leaves_at_once(how: str, mib: int) -> None:
     """Its sockets closed without lingering: after finish() the message was dropped (2 in 3 runs at
