@@ -37,7 +37,7 @@ from collective.api import default_runtime
 from collective.calls import AllReduce, Broadcast
 from collective.ddp_checks import agree_on_settings, settings_problem, writable_params
 from collective.errors import CollectiveError, CollectiveTimeout, InvalidArgumentError
-from collective.groups import Group
+from collective.groups import Group, as_group
 from collective.runtime import Runtime
 from collective.tensors import native
 from collective.work import Work
@@ -104,7 +104,7 @@ class GradientSync:
     ) -> None:
         self.peer = peer
         self.op = op
-        self.group = group
+        self.group = as_group(group)  # (a list of peer ids too)
         self.stale = stale
         self._runtime = runtime or default_runtime()
         problem = settings_problem(params, bucket_bytes, op)
@@ -126,7 +126,7 @@ class GradientSync:
         self._spare = [_bucket_of(names, params) for names in groups] if stale else None
         self.paused = False  # attach_torch's hooks do nothing while set (torch_no_sync)
         self._inflight: list[Work] = []  # the all_reduces of a step whose wait() timed out
-        agree_on_settings(self._runtime, peer, group, params, (bucket_bytes, op, stale), problem)
+        agree_on_settings(self._runtime, peer, self.group, params, (bucket_bytes, op, stale), problem)
 
     @property
     def buckets(self) -> list[list[str]]:

@@ -15,7 +15,7 @@ from collective.arrays import integer
 from collective.errors import InvalidArgumentError
 from collective.signature import describe_peers
 
-__all__ = ["Group", "new_group"]
+__all__ = ["Group", "as_group", "new_group"]
 
 
 @dataclass(frozen=True)
@@ -83,3 +83,13 @@ def new_group(ranks: Iterable[int], world: int | None = None) -> Group:
     if world is not None:
         group.check_within(world)
     return group
+
+
+def as_group(value: object) -> Group | None:
+    """A ``group=`` argument as a Group: a Group, a list (or tuple) of peer ids as ``new_group``
+    takes, or None (the whole job); InvalidArgumentError for anything else."""
+    if value is None or isinstance(value, Group):
+        return value
+    if isinstance(value, list | tuple | range):
+        return new_group(value)  # (the same members are the same group, whichever way named)
+    raise InvalidArgumentError(f"group must be a value of new_group() or a list of peer ids, got {value!r}")

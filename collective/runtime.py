@@ -44,7 +44,7 @@ from collective.errors import (
     RegistrationError,
 )
 from collective.executors import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW
-from collective.groups import Group, new_group
+from collective.groups import Group, as_group
 from collective.job import LocalJob
 from collective.p2p import Mailbox
 from collective.rendezvous import Rendezvous
@@ -212,6 +212,7 @@ class Runtime:
 
     def world_size(self, group: Group | None = None) -> int:
         """The number of peers in the job (or in ``group``)."""
+        group = as_group(group)
         if group is not None:
             return group.size
         job = self._job
@@ -374,12 +375,7 @@ class Runtime:
             job = self._member(peer_id)  # raise the precise RegistrationError
             member = self._peer(peer_id)
         job = member.job  # (the job this peer's registration joined, whatever another thread did since)
-        if group is not None and not isinstance(group, Group):
-            if not isinstance(group, list | tuple | range):
-                raise InvalidArgumentError(
-                    f"group must be a value of new_group() or a list of peer ids, got {group!r}"
-                )
-            group = new_group(group)  # (the same members are the same group, whichever way named)
+        group = as_group(group)
         if group is None:
             route = member.routes.get(None) or member.route(job.members, None)
         else:

@@ -1149,6 +1149,7 @@ def test_a_list_of_peer_ids_is_the_group_it_names(runtime: col.Runtime) -> None:
         return [float(whole[0]), float(pair), float(after[0])]
 
     assert run_peers(3, body, runtime) == [[3.0, 20.0, 300.0]] * 2 + [[3.0, 0.0, 300.0]]
+    assert runtime.world_size([0, 1]) == 2  # type: ignore[arg-type]
     with pytest.raises(col.InvalidArgumentError, match=r"peer 0 named more than once"):
         runtime.all_reduce(0, np.ones(1), group=[0, 0])  # type: ignore[arg-type]
     with pytest.raises(col.InvalidArgumentError, match=r"group must be a value of new_group\(\) or a list"):

@@ -423,6 +423,21 @@ def test_one_peers_bad_or_different_setting_fails_every_peer_at_once(
         assert run_peers(N, body, rt) == [[["b", "w"]]] * N
 
 
+def test_a_list_of_peer_ids_is_a_gradient_sync_group() -> None:
+    """GradientSync(group=[0, 1]) raised AttributeError after its agreement had run on every peer."""
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> Any:
+            rt.register(peer, "cpu", cfg())
+            if peer == 2:
+                return None
+            sync = GradientSync(peer, {"w": np.zeros(2)}, group=[0, 1], runtime=rt)
+            sync.ready("w", np.full(2, float(peer)))
+            return sync.wait()["w"].tolist()
+
+        assert run_peers(N, body, rt) == [[0.5, 0.5], [0.5, 0.5], None]
+
+
 def test_numpy_integers_are_bucket_bytes() -> None:
     with col.Runtime() as rt:
         rt.register(0, "cpu", col.CollectiveConfig(num_devices=1))
