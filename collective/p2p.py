@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 Key = tuple[int, int, int]  # (src, dst, tag)
 DEFAULT_LIMIT = 1 << 30  # unreceived bytes kept per source process
 MESSAGE_COST = 1 << 10  # bytes a message counts beyond its data (what keeping it costs, about)
+MAX_DROPPED_KEYS = 1024  # (dst, tag) pairs of dropped messages remembered for any-source receives
 
 
 PUMP_SLICE = 0.005  # a receive waiting for another process lets its messages in this often
@@ -56,6 +57,7 @@ class Mailbox:
         self._limit = limit
         self._pending: dict[int, int] = {}  # src -> bytes counted from another process, not yet received
         self._cut_off: dict[int, str] = {}  # src -> why its messages are dropped (it passed the limit)
+        self._dropped: dict[tuple[int, int], int] = {}  # (dst, tag) of a dropped message -> its src
         self._assembling: dict[tuple[int, int], tuple[np.ndarray, int]] = {}  # (node, id): (bytes, next part)
 
     def put(self, src: int, dst: int, tag: int, data: Array, remote: bool = False) -> None:
@@ -117,6 +119,8 @@ class Mailbox:
         if src not in self._cut_off and not (before and before + nbytes + MESSAGE_COST > self._limit):
             self._pending[src] = before + nbytes + MESSAGE_COST
             return True
+        if len(self._dropped) < MAX_DROPPED_KEYS:  # (for receives from any source)
+            self._dropped.setdefault((dst, tag), src)
         self._cut_off.setdefault(
             src,
             f"recv: peer {src} sent more than this process kept for it ({self._limit >> 20} MiB not yet "
@@ -159,9 +163,11 @@ class Mailbox:
                     return key[0], data
                 if self._closed is not None:
                     raise self._closed
-                cut = src if src is not None else next(iter(self._cut_off), None)
-                if cut in self._cut_off:
-                    raise MismatchError(self._cut_off[cut])
+                if src in self._cut_off:
+                    raise MismatchError(self._cut_off[src])
+                dropped = self._dropped.get((dst, tag)) if src is None else None  # (one for it was)
+                if dropped is not None:
+                    raise MismatchError(self._cut_off[dropped])
                 lost = gone(src)
                 if lost is not None:
                     raise lost

@@ -86,6 +86,10 @@ def test_a_sender_past_the_limit_is_cut_off_and_never_read_in_the_wrong_place() 
         box.take(0, 1, 9, time.monotonic() + 0.1, 0.1, lambda _: None)  # any tag from it
     source, data = box.take(2, 1, 5, time.monotonic() + 0.1, 0.1, lambda _: None)
     assert source == 2 and data.tolist() == [3.0]
+    with pytest.raises(col.MismatchError, match="peer 0 sent more than"):  # from any source: one was
+        box.take(None, 1, 5, time.monotonic() + 0.1, 0.1, lambda _: None)  # dropped for (peer 1, tag 5)
+    with pytest.raises(col.CollectiveTimeout):  # (another tag, another peer: nothing of theirs was)
+        box.take(None, 3, 7, time.monotonic() + 0.1, 0.1, lambda _: None)
 
 
 def test_empty_messages_count_against_the_limit_too() -> None:
