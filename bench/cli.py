@@ -200,7 +200,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequenc
     """Run the sweep described by ``args``; return the exit status (1 if any result was wrong, 128 +
     the signal when Ctrl-C, SIGTERM or SIGHUP stopped it: the rows measured are still printed)."""
     with handled((signal.SIGTERM, signal.SIGHUP), _stop):
-        return _run(args, parser, argv, out)
+        try:
+            return _run(args, parser, argv, out)
+        except _Stopped as stop:  # (outside the sweep: writing its results, say)
+            print(f"collective bench: stopped by signal {stop.signum}", file=sys.stderr)
+            return _status(stop)
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str], out: IO[str]) -> int:

@@ -292,6 +292,22 @@ def test_every_op_is_measured_and_checked(
     assert sorted(row["root"] for row in gathers) == [0, 1, 2, 3]
 
 
+def test_sigterm_while_the_results_are_written_is_exit_143(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside the sweep the stop was a traceback and exit 1 ('wrong results')."""
+
+    def write_json(*_: Any) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)  # (the handler raises here)
+
+    monkeypatch.setattr(bench_cli, "write_json", write_json)
+    argv = ["bench", "--op", "all_reduce", "--peers", "2", "-b", "8", "-e", "8", "-w", "1", "-n", "2",
+            "--json", str(tmp_path / "rows.json")]  # fmt: skip
+    status, _, err = run_cli(argv, capsys)
+    assert status == 143 and "stopped by signal 15" in err, err
+
+
 def test_every_op_of_one_peer_is_every_op_but_sendrecv(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
