@@ -109,7 +109,7 @@ def start_orchestrator() -> tuple[subprocess.Popen[str], str]:
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,  # Ctrl-C reaches launch alone
-        env={**os.environ, "COLLECTIVE_STOP_WITH_PARENT": "1"},  # (a launch killed outright stops nothing)
+        env={**os.environ, "COLLECTIVE_STOP_WITH_PARENT": str(os.getpid())},  # (if killed outright)
     )
     assert process.stdout is not None
     try:
@@ -216,8 +216,8 @@ def serve_orchestrator(args: argparse.Namespace) -> int:
     previous = {
         sig: signal.signal(sig, lambda *_: orchestrator.stop()) for sig in (signal.SIGINT, signal.SIGTERM)
     }
-    if os.environ.get("COLLECTIVE_STOP_WITH_PARENT") == "1":
-        orchestrator.stop_with_parent()
+    if (parent := os.environ.get("COLLECTIVE_STOP_WITH_PARENT", "")).isdecimal():
+        orchestrator.stop_with_parent(int(parent))
     try:
         print(f"{READY_PREFIX}{orchestrator.address}", flush=True)
         with nonblocking_logging():  # stderr may be a pipe nobody reads: the service never waits on it

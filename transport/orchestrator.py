@@ -170,10 +170,10 @@ class Orchestrator:
     def stop(self) -> None:
         self._stopping.set()
 
-    def stop_with_parent(self) -> None:
-        """Stop once this process's parent has ended: ``collective launch`` started it, and a launch
-        killed outright (SIGKILL, the OOM killer) cannot stop it (it served nobody, forever)."""
-        parent = os.getppid()
+    def stop_with_parent(self, parent: int) -> None:
+        """Stop once the parent process ``parent`` has ended (this process is reparented):
+        ``collective launch`` started it, and a launch killed outright (SIGKILL, the OOM killer)
+        cannot stop it (it served nobody, forever)."""
 
         def watch() -> None:
             while not self._stopping.wait(0.5) and os.getppid() == parent:
