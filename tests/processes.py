@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -17,6 +18,12 @@ WORKER = str(Path(__file__).with_name("node_worker.py"))
 READY = "collective orchestrator: listening on "
 
 
+def interruptible() -> None:
+    """In a child before it runs: SIGINT as a terminal's Ctrl-C finds it (a shell's background job
+    inherits SIGINT ignored, and Python then never raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Proc:
     """A child process whose output lines are collected, with the time each arrived."""
 
@@ -28,6 +35,7 @@ class Proc:
             text=True,
             env=env,
             stdin=subprocess.DEVNULL,
+            preexec_fn=interruptible,  # (Ctrl-C tests work where the test run itself ignores SIGINT)
         )
         self.lines: list[tuple[float, str]] = []
         self._seen = threading.Condition()

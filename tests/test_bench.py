@@ -24,6 +24,7 @@ from collective.bench.sweep import busbw_factor
 from collective.bench.trivial import BareAllReduce, TrivialGroup
 from collective.runtime import Runtime
 from tests.conftest import run_peers
+from tests.processes import interruptible
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -479,7 +480,10 @@ def test_a_bench_of_nodes_stopped_by_a_signal_stops_its_processes_and_their_shar
     their clean-up)."""
     argv = [sys.executable, "-m", "collective", "bench", "--nodes", "2", "--peers", "1", "--op", "all_reduce",
             "-b", "64M", "-e", "64M", "-w", "1", "-n", "100000", "--timeout", "60"]  # fmt: skip
-    bench = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bench = subprocess.Popen(  # (Ctrl-C reaches it even where this test's own SIGINT is ignored)
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible
+    )
+    started: list[int] = []
     try:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and len(_children(bench.pid)) < 3:  # the orchestrator, 2 nodes
@@ -492,8 +496,10 @@ def test_a_bench_of_nodes_stopped_by_a_signal_stops_its_processes_and_their_shar
     finally:
         bench.kill()
         bench.communicate()
-    time.sleep(0.5)
-    alive = [pid for pid in started if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
+        time.sleep(0.5)
+        alive = [pid for pid in started if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
+        for pid in alive:  # (a failed test leaves nothing running)
+            os.kill(pid, signal.SIGKILL)
     assert not alive, alive
     left = [
         name
