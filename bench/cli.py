@@ -5,11 +5,10 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
-import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO
 
 from collective.algorithms.strategies import parse_strategy
 from collective.bench.multinode import run_gloo, run_nodes, torch_available
@@ -20,7 +19,7 @@ from collective.bench.report import format_size, parse_size, print_summary, prin
 from collective.bench.sweep import Case, Row, resolve_dtype, run_case
 from collective.errors import ConfigError
 from collective.executors import DEFAULT_SHARE_BELOW
-from collective.launch import handled, seconds_argument
+from collective.launch import Stopped, seconds_argument, stop_status, stopped_by_signals
 from collective.transport.wire import SMALL_BYTES
 
 __all__ = ["add_arguments", "main", "run"]
@@ -199,12 +198,12 @@ def _unwritable(path: str) -> str | None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str], out: IO[str]) -> int:
     """Run the sweep described by ``args``; return the exit status (1 if any result was wrong, 128 +
     the signal when Ctrl-C, SIGTERM or SIGHUP stopped it: the rows measured are still printed)."""
-    with handled((signal.SIGTERM, signal.SIGHUP), _stop):
+    with stopped_by_signals():
         try:
             return _run(args, parser, argv, out)
-        except _Stopped as stop:  # (outside the sweep: writing its results, say)
+        except Stopped as stop:  # (outside the sweep: writing its results, say)
             print(f"collective bench: stopped by signal {stop.signum}", file=sys.stderr)
-            return _status(stop)
+            return stop_status(stop)
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str], out: IO[str]) -> int:
@@ -342,7 +341,7 @@ def run_torch(
             }
         except KeyboardInterrupt as stop:
             print("\n# interrupted", file=out)
-            return _status(stop)
+            return stop_status(stop)
         baseline = {(r.case.op, r.case.size, r.case.root): r for r in measured["gloo"]}
         for op in ops:
             for system in ("gloo", "torch"):
@@ -357,23 +356,6 @@ def run_torch(
         plot_rows(rows, args.plot, f"collective bench --backend torch, {args.dtype}")
         print(f"# plot written to {args.plot}", file=out)
     return 1 if wrong else 0
-
-
-class _Stopped(KeyboardInterrupt):
-    """SIGTERM or SIGHUP: the bench stops as on Ctrl-C (its worker processes first), with its status."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-def _stop(signum: int, frame: Any) -> None:
-    raise _Stopped(signum)
-
-
-def _status(stop: KeyboardInterrupt) -> int:
-    """The exit status of a bench stopped by ``stop``: 128 + its signal, as a shell reports it."""
-    return 128 + (stop.signum if isinstance(stop, _Stopped) else signal.SIGINT)
 
 
 def _measure(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tuple[list[Row], int]:
@@ -396,7 +378,7 @@ def _measure(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tu
             rows.extend(run_gloo(gloo_cases, args.nodes * args.peers, args.warmup, args.iters, args.timeout))
     except KeyboardInterrupt as stop:
         progress.close()
-        return rows, _status(stop)
+        return rows, stop_status(stop)
     progress.close()
     return rows, 0
 

@@ -28,8 +28,8 @@ from typing import IO, Any
 from collective.config import address_problem, job_problem
 from collective.errors import ConfigError, RegistrationError
 
-__all__ = ["add_launch_arguments", "add_orchestrator_arguments", "launch", "peer_ids_from_env",
-           "seconds_argument", "serve_orchestrator"]  # fmt: skip
+__all__ = ["Stopped", "add_launch_arguments", "add_orchestrator_arguments", "launch", "peer_ids_from_env",
+           "seconds_argument", "serve_orchestrator", "stop_status", "stopped_by_signals"]  # fmt: skip
 
 READY_PREFIX = "collective orchestrator: listening on "
 STOP_GRACE = 5.0
@@ -126,10 +126,10 @@ def start_orchestrator() -> tuple[subprocess.Popen[str], str]:
 
 def stop_processes(processes: Sequence[subprocess.Popen[Any]], groups: bool = False) -> None:
     """SIGTERM, then SIGKILL after a grace period; reap all. With ``groups`` (each process leads
-    its own session, as launch starts the nodes): SIGINT
-    first, so Python programs unwind and run their exit handlers (their shared memory is removed:
-    SIGTERM skips that), and every signal goes to the whole process group, so what a process
-    started (a shell's children, say) stops with it, even once the process itself has ended.
+    its own session, as launch starts the nodes): SIGINT first, so Python programs unwind and run
+    their exit handlers (their shared memory is removed: SIGTERM skips that), and every signal goes
+    to the whole process group, so what a process started (a shell's children, say) stops with it,
+    even once the process itself has ended.
     """
     if groups:
         _signal(processes, signal.SIGINT, groups)
@@ -286,16 +286,21 @@ def _reader_left(sink: IO[str]) -> int:
     return 128 + signal.SIGPIPE
 
 
-class _Stopped(Exception):
-    """SIGTERM or SIGHUP reached launch (a batch system's stop, a closed terminal)."""
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a batch system's stop, a closed terminal): unwinds as Ctrl-C does."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
         self.signum = signum
 
 
+def stop_status(stop: KeyboardInterrupt) -> int:
+    """The exit status of a command stopped by ``stop``: 128 + its signal, as a shell reports it."""
+    return 128 + (stop.signum if isinstance(stop, Stopped) else signal.SIGINT)
+
+
 @contextlib.contextmanager
-def handled(signums: Sequence[int], handler: Any) -> Iterator[None]:
+def _handled(signums: Sequence[int], handler: Any) -> Iterator[None]:
     """``handler`` for ``signums`` in the block (in the main thread; elsewhere signals stay as they are)."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -310,16 +315,16 @@ def handled(signums: Sequence[int], handler: Any) -> Iterator[None]:
 
 def _signals_held() -> contextlib.AbstractContextManager[None]:
     """Ctrl-C, SIGTERM and SIGHUP ignored in the block (launch is stopping its nodes already)."""
-    return handled((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), signal.SIG_IGN)
+    return _handled((signal.SIGINT, signal.SIGTERM, signal.SIGHUP), signal.SIG_IGN)
 
 
-def _stopped_by_signals() -> contextlib.AbstractContextManager[None]:
-    """SIGTERM and SIGHUP raise _Stopped in the main thread (so launch stops its nodes first)."""
+def stopped_by_signals() -> contextlib.AbstractContextManager[None]:
+    """SIGTERM and SIGHUP raise Stopped in the main thread (so what a command started stops first)."""
 
     def stop(signum: int, frame: Any) -> None:
-        raise _Stopped(signum)
+        raise Stopped(signum)
 
-    return handled((signal.SIGTERM, signal.SIGHUP), stop)
+    return _handled((signal.SIGTERM, signal.SIGHUP), stop)
 
 
 def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[str] = sys.stdout) -> int:
@@ -341,7 +346,7 @@ def launch(args: argparse.Namespace, parser: argparse.ArgumentParser, out: IO[st
         parser.error("nothing to run: give a script, -m module, or a program (and its arguments)")
     if args.module is None and args.program[0].endswith(".py") and not os.path.isfile(args.program[0]):
         parser.error(f"no such script {args.program[0]!r}")
-    with _stopped_by_signals():
+    with stopped_by_signals():
         return _run(args, out)
 
 
@@ -400,10 +405,8 @@ def _run(args: argparse.Namespace, out: IO[str]) -> int:
             message = f"collective launch: node {rank} {how}; stopping the others"
             print(message, file=sys.stderr)
         return code if code > 0 else 128 - code  # killed by signal N: 128 + N, as a shell reports it
-    except KeyboardInterrupt:
-        return 130
-    except _Stopped as stopped:
-        return 128 + stopped.signum
+    except KeyboardInterrupt as stop:  # Ctrl-C (130), or Stopped by SIGTERM / SIGHUP
+        return stop_status(stop)
     finally:
         with _signals_held():  # a second Ctrl-C or SIGTERM must not cut the stopping short
             for node, silent in zip(nodes, quiet, strict=True):
