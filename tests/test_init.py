@@ -72,12 +72,17 @@ def test_rank_0_dying_while_the_others_register_is_a_peer_lost_error_within_seco
     procs[0].wait(10)
 
 
+def _workers(world: int, *args: str, timeout: str = "30") -> list[Proc]:
+    """``world`` processes of tests/init_worker.py given ``args``, under torchrun's variables."""
+    port = free_port()
+    env = lambda rank: {**CLEAN, "COLLECTIVE_TIMEOUT": timeout, **torchrun(rank, world, port)}  # noqa: E731
+    return [Proc([sys.executable, WORKER, *args], env(rank)) for rank in range(world)]
+
+
 def test_a_group_of_one_host_goes_on_when_rank_0_leaves_with_the_orchestrator() -> None:
     """docs/failures.md: a group whose processes share a host goes on without the orchestrator. One
     member raised 'the orchestrator ... stopped answering' while the other got its result."""
-    port = free_port()
-    env = lambda rank: {**CLEAN, "COLLECTIVE_TIMEOUT": "30", **torchrun(rank, 3, port)}  # noqa: E731
-    procs = [Proc([sys.executable, WORKER, "orchestrator_leaves"], env(r)) for r in range(3)]
+    procs = _workers(3, "orchestrator_leaves")
     for proc, code in zip(procs, finish_all(procs, 90), strict=True):
         assert code == 0, proc.output()
     for rank in (1, 2):
@@ -87,9 +92,7 @@ def test_a_group_of_one_host_goes_on_when_rank_0_leaves_with_the_orchestrator() 
 def test_rank_0_ending_first_serves_the_orchestrator_to_the_others_until_they_finish() -> None:
     """Rank 0's process ended with its orchestrator: the others logged that the orchestrator
     stopped answering, in a run that ended well (and a job across hosts would have failed)."""
-    port = free_port()
-    env = lambda rank: {**CLEAN, "COLLECTIVE_TIMEOUT": "30", **torchrun(rank, 3, port)}  # noqa: E731
-    procs = [Proc([sys.executable, WORKER, "late_finish"], env(r)) for r in range(3)]
+    procs = _workers(3, "late_finish")
     for proc, code in zip(procs, finish_all(procs, 90), strict=True):
         assert code == 0, proc.output()
     for rank in (1, 2):
@@ -101,9 +104,7 @@ def test_rank_0_ending_first_serves_the_orchestrator_to_the_others_until_they_fi
 def test_rank_0_crashing_does_not_serve_the_orchestrator_on() -> None:
     """A rank 0 that ended without finish() (a crash, Ctrl-C) waited for the others while its own
     node lived on: they waited their whole timeout for it, and it for them."""
-    port = free_port()
-    env = lambda rank: {**CLEAN, "COLLECTIVE_TIMEOUT": "60", **torchrun(rank, 2, port)}  # noqa: E731
-    procs = [Proc([sys.executable, WORKER, "rank_0_crashes"], env(r)) for r in range(2)]
+    procs = _workers(2, "rank_0_crashes", timeout="60")
     started = time.monotonic()
     codes = finish_all(procs, 90)
     assert time.monotonic() - started < 30, [p.output() for p in procs]
@@ -115,9 +116,7 @@ def test_rank_0_crashing_does_not_serve_the_orchestrator_on() -> None:
 def test_what_a_process_sent_arrives_though_it_leaves_at_once(how: str, mib: int) -> None:
     """Its sockets closed without lingering: after finish() the message was dropped (2 in 3 runs at
     64 MiB); ending without finish() crashed in libzmq (every run at 32 MiB)."""
-    port = free_port()
-    env = lambda rank: {**CLEAN, "COLLECTIVE_TIMEOUT": "30", **torchrun(rank, 2, port)}  # noqa: E731
-    procs = [Proc([sys.executable, WORKER, how, str(mib)], env(r)) for r in range(2)]
+    procs = _workers(2, how, str(mib))
     for proc, code in zip(procs, finish_all(procs, 90), strict=True):
         assert code == 0, proc.output()
     assert "RECEIVED 1" in procs[1].output(), procs[1].output()
