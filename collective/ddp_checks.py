@@ -39,12 +39,9 @@ def settings_problem(params: Mapping[str, Any], bucket_bytes: Any, op: Any) -> s
     if not isinstance(params, Mapping) or not params:
         return "params must be a non-empty mapping of names to arrays"
     for name, value in params.items():
-        try:
-            array, _ = native(value)
-        except InvalidArgumentError as exc:
-            return f"params[{name!r}]: {exc}"
-        if not (hasattr(array, "shape") and hasattr(array, "dtype") and hasattr(array, "nbytes")):
-            return f"params[{name!r}] must be an array (numpy, CuPy, torch, JAX), got {type(value).__name__}"
+        _, problem = _array_of(value, f"params[{name!r}]")
+        if problem is not None:
+            return problem
     size = integer(bucket_bytes)
     if size is None or not 0 < size < 1 << 62:
         return f"bucket_bytes must be an integer > 0, got {bucket_bytes!r}"
@@ -100,12 +97,9 @@ def writable_params(params: Iterable[Any]) -> tuple[list[Any], str | None]:
     if not isinstance(params, Iterable) or isinstance(params, str | bytes | Mapping):
         return arrays, f"params must be an iterable of arrays, got {type(params).__name__}"
     for index, value in enumerate(params):
-        try:
-            array, _ = native(value)
-        except InvalidArgumentError as exc:
-            return [], f"params[{index}]: {exc}"
-        if not (hasattr(array, "shape") and hasattr(array, "dtype") and hasattr(array, "reshape")):
-            return [], f"params[{index}] must be an array (numpy, CuPy, torch), got {type(value).__name__}"
+        array, problem = _array_of(value, f"params[{index}]")
+        if problem is not None:
+            return [], problem
         if isinstance(value, np.generic):  # (read as a new 0-d array: the scalar itself stays as it was)
             return (
                 [],
@@ -118,3 +112,14 @@ def writable_params(params: Iterable[Any]) -> tuple[list[Any], str | None]:
             )
         arrays.append(array)
     return arrays, None
+
+
+def _array_of(value: Any, label: str) -> tuple[Any, str | None]:
+    """The array viewing ``value`` (numpy or CuPy), or why it is none (``label`` names it)."""
+    try:
+        array, _ = native(value)
+    except InvalidArgumentError as exc:
+        return None, f"{label}: {exc}"
+    if not all(hasattr(array, name) for name in ("shape", "dtype", "nbytes", "reshape")):
+        return None, f"{label} must be an array (numpy, CuPy, torch, JAX), got {type(value).__name__}"
+    return array, None
