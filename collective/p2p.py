@@ -41,8 +41,6 @@ Key = tuple[int, int, int]  # (src, dst, tag)
 DEFAULT_LIMIT = 1 << 30  # unreceived bytes kept per source process
 MESSAGE_COST = 1 << 10  # bytes a message counts beyond its data (what keeping it costs, about)
 MAX_DROPPED_KEYS = 1024  # (dst, tag) pairs of dropped messages remembered for any-source receives
-
-
 PUMP_SLICE = 0.005  # a receive waiting for another process lets its messages in this often
 
 

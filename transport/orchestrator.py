@@ -261,9 +261,9 @@ class Orchestrator:
         if job is not None and node is not None and node.gone is None:
             reply = {"t": "pong", "job": name} if job.formed else job.waiting()
             if not job.formed and self._watch is not None:
-                _, recent = self._watch.refused()
-                recent = [(when, peer) for when, peer in recent if when >= job.since]  # (another job's: not
-                if recent:  # its news) (the latest whose address was read: a refused one may be gone first)
+                _, recent = self._watch.refused()  # (those before this job's first registration: not its)
+                recent = [(when, peer) for when, peer in recent if when >= job.since]
+                if recent:  # (the latest whose address was read: a refused connection may be gone first)
                     known = [peer for _, peer in recent if peer != UNKNOWN_ADDRESS] or [recent[-1][1]]
                     reply["bad_token"] = {"count": len(recent), "latest": known[-1]}
         elif node is not None:
