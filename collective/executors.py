@@ -20,6 +20,7 @@ picks the executor.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,8 @@ from collective.step import Executor, Site, Step
 from collective.transport.inproc import Exchange, InProcessLink
 
 __all__ = ["DEFAULT_FUSE_BELOW", "DEFAULT_SHARE_BELOW", "Fused", "Linked", "Shared", "choose"]
+
+log = logging.getLogger("collective.executors")  # DEBUG: the path every step takes
 
 DEFAULT_FUSE_BELOW = 64 * 1024
 DEFAULT_SHARE_BELOW = 4 << 20
@@ -56,6 +59,20 @@ def choose(
     label: str,
 ) -> Executor:
     """How the step ``agreed`` of the group ``members`` runs, given every local peer's call."""
+    executor = _choose(site, members, local, agreed, calls, label)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s of group %s: %s", label, members, executor.path)
+    return executor
+
+
+def _choose(
+    site: Site,
+    members: tuple[int, ...],
+    local: tuple[int, ...],
+    agreed: Signature,
+    calls: list[Call],
+    label: str,
+) -> Executor:
     if site.node is not None:
         shm = site.node.shm_group(members)  # every member its own process, all on this host
         if shm is not None:
@@ -100,6 +117,8 @@ class Fused:
     cannot change what another rank reads, even for all_to_all in place.
     """
 
+    path = "fused"
+
     def __init__(self, agreed: Signature, calls: list[Call], fused: list[Any]) -> None:
         size = len(calls)
         self.results: list[Array | None] = []
@@ -126,6 +145,8 @@ class Fused:
 class Shared:
     """Each peer does its part reading the others' inputs, all meet at one barrier, each finishes."""
 
+    path = "shared"
+
     def __init__(self, exchange: Exchange, inputs: list[Any], state: Any) -> None:
         self.exchange = exchange
         self.inputs = inputs
@@ -147,6 +168,8 @@ class Shared:
 
 class Linked:
     """The configured strategy's schedule over the in-process Link."""
+
+    path = "linked"
 
     def __init__(self, exchange: Exchange, strategy_for: Any) -> None:
         self.exchange = exchange

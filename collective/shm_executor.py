@@ -59,6 +59,8 @@ STEPS: Counter[str] = Counter()  # steps this process ran through shared memory,
 class ShmGroup:
     """The executor of one group's steps through shared memory (one per group, reused every step)."""
 
+    path = "shm"
+
     def __init__(self, ring: HostRing, members: tuple[int, ...], me: int, purpose: str = "") -> None:
         self.ring = ring
         self._segment = ring.segment  # this process's own

@@ -29,6 +29,11 @@ __all__ = ["Executor", "Plan", "Site", "Step"]
 class Executor(Protocol):
     """One way of running an agreed step (collective.executors, collective.three_phase)."""
 
+    @property
+    def path(self) -> str:
+        """Its name, as choose() logs it at DEBUG level ("fused", "shm", "host tier", ...)."""
+        ...
+
     def run(self, step: Step) -> Array | None:
         """This peer's part of the step: its result (None where it gets none)."""
         ...

@@ -151,6 +151,10 @@ class ThreePhase:
         if self.exchange is not None:
             site.exchanges.add(self.exchange)
 
+    @property
+    def path(self) -> str:
+        return "three phases" if self.tier is None else "host tier"
+
     def abort(self, error: CollectiveError) -> None:
         if self.exchange is not None:
             self.exchange.abort(error)
