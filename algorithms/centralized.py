@@ -12,8 +12,8 @@ or receives 1 (broadcast); the center receives n-1 and/or sends n-1, each of the
 Latency: 2 steps, but the center's link carries 2(n-1) arrays, so it is bandwidth-poor.
 The center reduces in peer-index order, so the result does not depend on arrival order.
 
-The block collectives (blocks of B elements, ordered by peer) use the same star, center = peer 0
-or the root::
+The block collectives (one block per peer, ordered by peer; blocks may differ in size, B_i
+elements for peer i, N = the sum of them) use the same star, center = peer 0 or the root::
 
     gather / scatter      the root receives / sends block i from / to peer i      1 step
     all_gather            gather to 0, then 0 sends all n blocks to everyone       2 steps
@@ -21,9 +21,10 @@ or the root::
     all_to_all            gather every peer's n blocks to 0, transpose, scatter    2 steps
     barrier               an empty message to 0 from everyone, then 0 to everyone  2 steps
 
-Per non-center peer: 1 message out and (all_* / reduce_scatter / barrier) 1 in: B elements out for
-gather and all_gather, nB for reduce_scatter and all_to_all; nB in for all_gather and all_to_all,
-B for reduce_scatter and scatter. The center sends n-1 and receives n-1 of those.
+Per non-center peer i: 1 message out and (all_* / reduce_scatter / barrier) 1 in: B_i elements out
+for gather and all_gather, N for reduce_scatter, its whole src (row i) for all_to_all; N in for
+all_gather, B_i for reduce_scatter and scatter, its whole dst (column i) for all_to_all. The center
+sends n-1 and receives n-1 of those. Equal blocks (``blocks=None``): B_i = B, N = nB.
 """
 
 from __future__ import annotations
@@ -31,10 +32,14 @@ from __future__ import annotations
 from collective.algorithms.link import Link, reduce_received, send_signal, wait_signal
 from collective.algorithms.ops import (
     Array,
+    Blocks,
+    Counts,
     ReduceOp,
-    block,
+    column_blocks,
     copy_into,
-    empty_blocks,
+    count_matrix,
+    empty,
+    row_blocks,
     transpose_blocks,
 )
 
@@ -78,55 +83,66 @@ def all_reduce(link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
     broadcast(link, CENTER, dst)
 
 
-def gather(link: Link, root: int, src: Array, dst: Array | None) -> None:
-    """Block i of ``dst`` on ``root`` = ``src`` of peer i; every other peer sends its ``src`` to the root."""
+def gather(link: Link, root: int, src: Array, dst: Array | None, blocks: Blocks | None = None) -> None:
+    """Block i of ``dst`` on ``root`` = ``src`` of peer i; every other peer sends its ``src`` to the root.
+
+    ``blocks``: where each peer's block lies in ``dst`` (None: every block the size of ``src``).
+    """
     if link.rank != root:
         link.send(root, src)
         return
     assert dst is not None, "the root needs a result buffer"
-    length = src.size
-    copy_into(dst[block(root, length)], src)
+    blocks = Blocks.equal(link.size, src.size) if blocks is None else blocks
+    copy_into(dst[blocks.of(root)], src)
     for peer in range(link.size):
         if peer != root:
-            link.recv_into(peer, dst[block(peer, length)])
+            link.recv_into(peer, dst[blocks.of(peer)])
 
 
-def scatter(link: Link, root: int, src: Array | None, dst: Array) -> None:
-    """``dst`` of peer i = block i of ``src`` on ``root``, sent straight from the root."""
+def scatter(link: Link, root: int, src: Array | None, dst: Array, blocks: Blocks | None = None) -> None:
+    """``dst`` of peer i = block i of ``src`` on ``root``, sent straight from the root.
+
+    ``blocks``: where each peer's block lies in ``src`` (None: every block the size of ``dst``).
+    """
     if link.rank != root:
         link.recv_into(root, dst)
         return
     assert src is not None, "the root needs a source buffer"
-    length = dst.size
+    blocks = Blocks.equal(link.size, dst.size) if blocks is None else blocks
     for peer in range(link.size):
         if peer != root:
-            link.send(peer, src[block(peer, length)])
-    copy_into(dst, src[block(root, length)])
+            link.send(peer, src[blocks.of(peer)])
+    copy_into(dst, src[blocks.of(root)])
 
 
-def all_gather(link: Link, src: Array, dst: Array) -> None:
+def all_gather(link: Link, src: Array, dst: Array, blocks: Blocks | None = None) -> None:
     """Gather every peer's block into ``dst`` of the center, which sends the whole of it to everyone."""
-    gather(link, CENTER, src, dst)
+    gather(link, CENTER, src, dst, blocks)
     broadcast(link, CENTER, dst)
 
 
-def reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
+def reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp, blocks: Blocks | None = None) -> None:
     """Reduce the whole ``src`` to the center (in peer order), which sends block i to peer i."""
-    reduced = empty_blocks(src, 1, src.size) if link.rank == CENTER else None
+    reduced = empty(src, src.size) if link.rank == CENTER else None
     reduce(link, CENTER, src, reduced, op)
-    scatter(link, CENTER, reduced, dst)
+    scatter(link, CENTER, reduced, dst, blocks)
 
 
-def all_to_all(link: Link, src: Array, dst: Array) -> None:
-    """Gather every peer's ``src`` to the center, transpose its blocks there, scatter the result."""
+def all_to_all(link: Link, src: Array, dst: Array, counts: Counts | None = None) -> None:
+    """Gather every peer's ``src`` to the center, transpose its blocks there, scatter the result.
+
+    ``counts[r][j]``: the elements peer r sends to peer j (None: ``src.size // n`` each).
+    """
     n = link.size
-    rows = empty_blocks(src, n, src.size) if link.rank == CENTER else None  # row i: what peer i sends
-    gather(link, CENTER, src, rows)
+    matrix = count_matrix(counts, n, src.size)
+    rows_at, columns_at = row_blocks(matrix), column_blocks(matrix)
+    rows = empty(src, rows_at.total) if link.rank == CENTER else None  # row i: what peer i sends
+    gather(link, CENTER, src, rows, rows_at)
     columns = None
     if rows is not None:
-        columns = empty_blocks(src, n, src.size)  # row j: what peer j receives
-        transpose_blocks(rows, columns, n)
-    scatter(link, CENTER, columns, dst)
+        columns = empty(src, columns_at.total)  # row j: what peer j receives
+        transpose_blocks(rows, columns, n, matrix)
+    scatter(link, CENTER, columns, dst, columns_at)
 
 
 def barrier(link: Link) -> None:

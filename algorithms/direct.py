@@ -21,19 +21,21 @@ own chunk to everyone): the root sends 2(n-1)/n of the array, every other peer (
 Every chunk is reduced in one place and then copied, so all peers hold the same bits. Fewer
 elements than peers: the dispatcher falls back to Tree(2), as for Ring.
 
-Block collectives (blocks of B elements, ordered by peer index): every block goes straight to
-the peer that wants it, in one round::
+Block collectives (one block per peer, ordered by peer index; blocks may differ in size): every
+block goes straight to the peer that wants it, in one round::
 
     all_gather:      peer r sends its block to every other peer; block i arrives from peer i
     reduce_scatter:  peer r sends its block j to peer j; peer j combines the n blocks j in
                      peer order 0, 1, ..., n-1 (its own at its turn): bit-identical to a
                      sequential reduction over the peers
-    all_to_all:      peer r sends its block j to peer j; block i of dst arrives from peer i
+    all_to_all:      peer r sends its block j (counts[r][j] elements) to peer j; block i of dst
+                     arrives from peer i
     barrier:         an empty message from every peer to every other peer
     gather/scatter:  the dispatcher runs Centralized's, which is this very schedule (every peer
                      talks straight to the root)
 
-Per peer: n-1 messages of B elements out and n-1 in (0 elements for the barrier), 1 round.
+Per peer: n-1 messages out and n-1 in, one block each (B elements for equal blocks; 0 elements
+for the barrier), 1 round.
 """
 
 from __future__ import annotations
@@ -41,12 +43,16 @@ from __future__ import annotations
 from collective.algorithms.link import Link, reduce_received, send_signal, wait_signal
 from collective.algorithms.ops import (
     Array,
+    Blocks,
+    Counts,
     ReduceOp,
     array_module,
-    block,
     chunk_bounds,
     combine,
     copy_into,
+    count_matrix,
+    received_blocks,
+    sent_blocks,
 )
 
 __all__ = ["all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "reduce", "reduce_scatter"]
@@ -122,28 +128,34 @@ def broadcast(link: Link, root: int, buf: Array) -> None:
         link.recv_into(peer, buf[chunk[peer]])
 
 
-def all_gather(link: Link, src: Array, dst: Array) -> None:
-    """Block i of ``dst`` = ``src`` of peer i on every peer, each sent straight by its owner."""
-    n, r, length = link.size, link.rank, src.size
+def all_gather(link: Link, src: Array, dst: Array, blocks: Blocks | None = None) -> None:
+    """Block i of ``dst`` = ``src`` of peer i on every peer, each sent straight by its owner.
+
+    ``blocks``: where each peer's block lies in ``dst`` (None: every block the size of ``src``).
+    """
+    n, r = link.size, link.rank
+    blocks = Blocks.equal(n, src.size) if blocks is None else blocks
     for peer in range(n):
         if peer != r:
             link.send(peer, src)
-    copy_into(dst[block(r, length)], src)
+    copy_into(dst[blocks.of(r)], src)
     for peer in range(n):
         if peer != r:
-            link.recv_into(peer, dst[block(peer, length)])
+            link.recv_into(peer, dst[blocks.of(peer)])
 
 
-def reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
+def reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp, blocks: Blocks | None = None) -> None:
     """``dst`` of peer r = op over block r of every peer's ``src``, combined in peer order 0 .. n-1.
 
+    ``blocks``: where each peer's block lies in ``src`` (None: every block the size of ``dst``).
     ``dst`` must not overlap ``src``: it holds the running result before this peer's turn.
     """
-    n, r, length = link.size, link.rank, dst.size
+    n, r = link.size, link.rank
+    blocks = Blocks.equal(n, dst.size) if blocks is None else blocks
     for peer in range(n):
         if peer != r:
-            link.send(peer, src[block(peer, length)])
-    mine = src[block(r, length)]
+            link.send(peer, src[blocks.of(peer)])
+    mine = src[blocks.of(r)]
     if r == 0:
         copy_into(dst, mine)
     for peer in range(n):
@@ -156,17 +168,21 @@ def reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
             link.recv_reduce(peer, dst, dst, op)
 
 
-def all_to_all(link: Link, src: Array, dst: Array) -> None:
-    """Block j of ``src`` straight to peer j; block i of ``dst`` straight from peer i (one round)."""
+def all_to_all(link: Link, src: Array, dst: Array, counts: Counts | None = None) -> None:
+    """Block j of ``src`` straight to peer j; block i of ``dst`` straight from peer i (one round).
+
+    ``counts[r][j]``: the elements peer r sends to peer j (None: ``src.size // n`` each).
+    """
     n, r = link.size, link.rank
-    length = src.size // n
+    matrix = count_matrix(counts, n, src.size)
+    sending, receiving = sent_blocks(matrix, r), received_blocks(matrix, r)
     for peer in range(n):
         if peer != r:
-            link.send(peer, src[block(peer, length)])
-    copy_into(dst[block(r, length)], src[block(r, length)])
+            link.send(peer, src[sending.of(peer)])
+    copy_into(dst[receiving.of(r)], src[sending.of(r)])
     for peer in range(n):
         if peer != r:
-            link.recv_into(peer, dst[block(peer, length)])
+            link.recv_into(peer, dst[receiving.of(peer)])
 
 
 def barrier(link: Link) -> None:

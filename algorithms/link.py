@@ -20,6 +20,13 @@ message is consumed, that its buffer still holds what was sent.
 Messages between one ordered pair of peers arrive in the order they were sent. Every wait is
 bounded by the collective's deadline; an implementation raises CollectiveTimeout,
 PeerLostError or the error another peer aborted the collective with.
+
+Conformance
+-----------
+``collective.algorithms.conformance.check_link(make_links)`` checks an implementation against
+this contract (order per pair, matching by source, recv_reduce in place, both ownership rules,
+empty messages, timeouts, aborts); every transport's tests run it (tests/test_link_conformance.py)
+and a new transport runs it from its own.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ root -> root+1 -> ... -> root-1 for broadcast), the array cut into segments so t
 link of the chain works at once: each peer sends and/or receives the whole array once, in
 ceil(N / segment) messages; latency n-1 + segments - 1 segment-steps.
 
-Block collectives (blocks of B elements, ordered by peer index), every message one block::
+Block collectives (one block per peer, ordered by peer index; blocks may differ in size, and
+each message carries exactly one block, whatever its size, empty ones included)::
 
     all_gather, step s:      peer r sends block (r-s) mod n right, receives block (r-s-1) mod n
                              (its own block first; after n-1 steps it holds all n)
@@ -41,11 +42,13 @@ Block collectives (blocks of B elements, ordered by peer index), every message o
       s=1:  0 ─C──> 1   1 ─D──> 2   2 ─A──> 3   3 ─B──> 0     (partial results travel on)
       s=2:  0 ─B──> 1   1 ─C──> 2   2 ─D──> 3   3 ─A──> 0     peer 1 finishes B, 2 C, 3 D, 0 A
 
-Per peer: all_gather, reduce_scatter and all_to_all send n-1 messages of B elements in n-1 steps
-(reduce_scatter keeps n-2 partial blocks in a scratch buffer, as a sent block must not be written
-again). Gather: the peer at chain position p (the head 0, the root n-1) sends p+1 blocks; scatter:
-the peer p hops from the root sends n-1-p. Every link of the chain carries one block per step,
-so both take n-1 block-steps, as the root's own link needs anyway.
+Per peer: all_gather, reduce_scatter and all_to_all send n-1 messages of one block each in n-1
+steps (B elements each for equal blocks; reduce_scatter keeps n-2 partial blocks, each slot sized
+for its block, in a scratch buffer, as a sent block must not be written again). Gather: the peer
+at chain position p (the head 0, the root n-1) sends p+1 blocks (its own and the p before it);
+scatter: the peer p hops from the root sends n-1-p (those of the peers after it). Every link of
+the chain carries one block per step, so both take n-1 block-steps, as the root's own link needs
+anyway.
 """
 
 from __future__ import annotations
@@ -53,12 +56,16 @@ from __future__ import annotations
 from collective.algorithms.link import Link, send_signal, wait_signal
 from collective.algorithms.ops import (
     Array,
+    Blocks,
+    Counts,
     ReduceOp,
     array_module,
-    block,
     chunk_bounds,
     copy_into,
-    empty_blocks,
+    count_matrix,
+    empty,
+    received_blocks,
+    sent_blocks,
 )
 
 __all__ = [
@@ -150,78 +157,103 @@ def broadcast(link: Link, root: int, buf: Array, segment_bytes: int = DEFAULT_SE
             link.send(following, buf[piece])
 
 
-def all_gather(link: Link, src: Array, dst: Array) -> None:
-    """Block i of ``dst`` = ``src`` of peer i on every peer: each block travels n-1 hops to the right."""
-    n, r, length = link.size, link.rank, src.size
-    copy_into(dst[block(r, length)], src)
+def all_gather(link: Link, src: Array, dst: Array, blocks: Blocks | None = None) -> None:
+    """Block i of ``dst`` = ``src`` of peer i on every peer: each block travels n-1 hops to the right.
+
+    ``blocks``: where each peer's block lies in ``dst`` (None: every block the size of ``src``).
+    """
+    n, r = link.size, link.rank
+    blocks = Blocks.equal(n, src.size) if blocks is None else blocks
+    copy_into(dst[blocks.of(r)], src)
     right, left = (r + 1) % n, (r - 1) % n
     for step in range(n - 1):
-        link.send(right, dst[block((r - step) % n, length)])
-        link.recv_into(left, dst[block((r - step - 1) % n, length)])
+        link.send(right, dst[blocks.of((r - step) % n)])
+        link.recv_into(left, dst[blocks.of((r - step - 1) % n)])
 
 
-def reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
-    """``dst`` of peer r = op over every peer's block r of ``src``, each block reduced along the ring."""
-    n, r, length = link.size, link.rank, dst.size
+def reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp, blocks: Blocks | None = None) -> None:
+    """``dst`` of peer r = op over every peer's block r of ``src``, each block reduced along the ring.
+
+    ``blocks``: where each peer's block lies in ``src`` (None: every block the size of ``dst``).
+    """
+    n, r = link.size, link.rank
     if n == 1:
         copy_into(dst, src)
         return
+    blocks = Blocks.equal(n, dst.size) if blocks is None else blocks
     right, left = (r + 1) % n, (r - 1) % n
-    partials = empty_blocks(dst, n - 2, length)  # one slot per step: a sent partial is never rewritten
-    outgoing = src[block((r - 1) % n, length)]
+    incoming = [(r - step - 2) % n for step in range(n - 1)]  # == r at the last step
+    slots = blocks.select(incoming[:-1])  # one slot per step, sized for its block: a sent partial
+    partials = empty(dst, slots.total)  # is never rewritten
+    outgoing = src[blocks.of((r - 1) % n)]
     for step in range(n - 1):
-        incoming = (r - step - 2) % n  # == r at the last step
-        out = dst if step == n - 2 else partials[block(step, length)]
+        out = dst if step == n - 2 else partials[slots.of(step)]
         link.send(right, outgoing)
-        link.recv_reduce(left, src[block(incoming, length)], out, op)
+        link.recv_reduce(left, src[blocks.of(incoming[step])], out, op)
         outgoing = out
 
 
-def all_to_all(link: Link, src: Array, dst: Array) -> None:
-    """Block j of ``src`` to peer j, block i of ``dst`` from peer i: at step s, peer r+s and r-s."""
+def all_to_all(link: Link, src: Array, dst: Array, counts: Counts | None = None) -> None:
+    """Block j of ``src`` to peer j, block i of ``dst`` from peer i: at step s, peer r+s and r-s.
+
+    ``counts[r][j]``: the elements peer r sends to peer j (None: ``src.size // n`` each).
+    """
     n, r = link.size, link.rank
-    length = src.size // n
-    copy_into(dst[block(r, length)], src[block(r, length)])
+    matrix = count_matrix(counts, n, src.size)
+    sending, receiving = sent_blocks(matrix, r), received_blocks(matrix, r)
+    copy_into(dst[receiving.of(r)], src[sending.of(r)])
     for step in range(1, n):
         to, source = (r + step) % n, (r - step) % n
-        link.send(to, src[block(to, length)])
-        link.recv_into(source, dst[block(source, length)])
+        link.send(to, src[sending.of(to)])
+        link.recv_into(source, dst[receiving.of(source)])
 
 
-def gather(link: Link, root: int, src: Array, dst: Array | None) -> None:
-    """Block i of ``dst`` on ``root`` = ``src`` of peer i, relayed block by block along the chain."""
-    n, r, length = link.size, link.rank, src.size
+def gather(link: Link, root: int, src: Array, dst: Array | None, blocks: Blocks | None = None) -> None:
+    """Block i of ``dst`` on ``root`` = ``src`` of peer i, relayed block by block along the chain.
+
+    ``blocks``: where each peer's block lies in ``dst`` (None: every block the size of ``src``).
+    """
+    n, r = link.size, link.rank
+    blocks = Blocks.equal(n, src.size) if blocks is None else blocks
     position = (r - root - 1) % n  # 0 = head of the chain (root+1), n-1 = the root
     previous, following = (r - 1) % n, (r + 1) % n
     if position != n - 1:
         link.send(following, src)
-        relay = empty_blocks(src, position, length)  # the blocks of the peers before this one
+        # the blocks of the peers before this one, nearest first: r-1, r-2, ..., the head
+        relaying = blocks.select((r - 1 - index) % n for index in range(position))
+        relay = empty(src, relaying.total)
         for index in range(position):
-            link.recv_into(previous, relay[block(index, length)])
-            link.send(following, relay[block(index, length)])
+            link.recv_into(previous, relay[relaying.of(index)])
+            link.send(following, relay[relaying.of(index)])
         return
     assert dst is not None, "the root needs a result buffer"
-    copy_into(dst[block(root, length)], src)
+    copy_into(dst[blocks.of(root)], src)
     for hops in range(1, n):  # blocks arrive nearest first: from root-1, root-2, ..., root+1
-        link.recv_into(previous, dst[block((root - hops) % n, length)])
+        link.recv_into(previous, dst[blocks.of((root - hops) % n)])
 
 
-def scatter(link: Link, root: int, src: Array | None, dst: Array) -> None:
-    """``dst`` of peer i = block i of ``src`` on ``root``, relayed block by block along the chain."""
-    n, r, length = link.size, link.rank, dst.size
+def scatter(link: Link, root: int, src: Array | None, dst: Array, blocks: Blocks | None = None) -> None:
+    """``dst`` of peer i = block i of ``src`` on ``root``, relayed block by block along the chain.
+
+    ``blocks``: where each peer's block lies in ``src`` (None: every block the size of ``dst``).
+    """
+    n, r = link.size, link.rank
+    blocks = Blocks.equal(n, dst.size) if blocks is None else blocks
     position = (r - root) % n  # 0 = the root, n-1 = the tail
     previous, following = (r - 1) % n, (r + 1) % n
     if position != 0:
-        relay = empty_blocks(dst, n - 1 - position, length)  # the blocks of the peers after this one
+        # the blocks of the peers after this one, farthest first: root-1, root-2, ..., r+1
+        relaying = blocks.select((root - 1 - index) % n for index in range(n - 1 - position))
+        relay = empty(dst, relaying.total)
         for index in range(n - 1 - position):
-            link.recv_into(previous, relay[block(index, length)])
-            link.send(following, relay[block(index, length)])
+            link.recv_into(previous, relay[relaying.of(index)])
+            link.send(following, relay[relaying.of(index)])
         link.recv_into(previous, dst)
         return
     assert src is not None, "the root needs a source buffer"
     for hops in range(n - 1, 0, -1):  # the farthest peer's block first
-        link.send(following, src[block((root + hops) % n, length)])
-    copy_into(dst, src[block(root, length)])
+        link.send(following, src[blocks.of((root + hops) % n)])
+    copy_into(dst, src[blocks.of(root)])
 
 
 def barrier(link: Link) -> None:

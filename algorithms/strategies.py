@@ -8,7 +8,10 @@ collective need at least one element per peer: below that the dispatcher falls b
 
 The block collectives (all_gather, reduce_scatter, all_to_all, gather, scatter) work on blocks
 of B >= 0 elements, one per peer and ordered by peer index, and need no fallback; barrier carries
-no data. Which schedule each strategy runs (every module draws its own)::
+no data. Blocks may also differ in size: ``blocks`` (an ``ops.Blocks`` or a sequence of one size
+per peer) says where each peer's block lies in the array of all of them, and all_to_all's
+``counts[r][j]`` how many elements peer r sends to peer j; every peer passes the same sizes (the
+caller agrees them first). Which schedule each strategy runs (every module draws its own)::
 
                    Centralized        Tree(k)                Ring                  Direct
     all_gather     gather+broadcast   gather+broadcast       n-1 steps right       1 round, all pairs
@@ -19,7 +22,12 @@ no data. Which schedule each strategy runs (every module draws its own)::
     scatter        root -> every peer subtrees in 1 msg each chain, block by block  = Centralized
     barrier        via peer 0         up and down the heap   dissemination         all pairs
 
-The dispatchers check the block sizes and the root (InvalidArgumentError) before any message.
+Uneven blocks take the same schedules and the same messages; only their sizes change (zero-size
+blocks send empty messages). ``blocks=None`` (``counts=None``) means equal blocks, and sends
+exactly what the equal ``Blocks.equal(n, B)`` does.
+
+The dispatchers check the block sizes, the counts and the root before any message (arguments.py:
+InvalidArgumentError).
 all_gather may run in place (``src`` a view of this peer's block of ``dst``); for the others
 ``src`` and ``dst`` must not overlap.
 """
@@ -30,11 +38,13 @@ import logging
 from dataclasses import dataclass
 
 from collective.algorithms import centralized, direct, ring, tree
+from collective.algorithms.arguments import BlockSizes, check_blocks, check_counts, check_root
 from collective.algorithms.link import Link
-from collective.algorithms.ops import Array, ReduceOp
-from collective.errors import ConfigError, InvalidArgumentError
+from collective.algorithms.ops import Array, Counts, ReduceOp
+from collective.errors import ConfigError
 
 __all__ = [
+    "BlockSizes",
     "Centralized",
     "Direct",
     "Ring",
@@ -182,105 +192,112 @@ def broadcast(strategy: Strategy | str, link: Link, root: int, buf: Array) -> No
             direct.broadcast(link, root, buf)
 
 
-def _check_root(collective: str, link: Link, root: int) -> None:
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < link.size:
-        raise InvalidArgumentError(
-            f"{collective} on peer {link.rank}: root {root!r} is outside the group of {link.size} peers "
-            f"(0 .. {link.size - 1})"
-        )
-
-
-def _check_blocks(
-    collective: str, link: Link, whole: tuple[str, Array | None], part: tuple[str, Array]
+def all_gather(
+    strategy: Strategy | str, link: Link, src: Array, dst: Array, blocks: BlockSizes | None = None
 ) -> None:
-    """``whole`` must hold one block the size and dtype of ``part`` per peer."""
-    (whole_name, whole_array), (part_name, part_array) = whole, part
-    n = link.size
-    if whole_array is None:
-        raise InvalidArgumentError(
-            f"{collective} on peer {link.rank} (the root) needs {whole_name}, got None"
-        )
-    if whole_array.size != n * part_array.size or whole_array.dtype != part_array.dtype:
-        raise InvalidArgumentError(
-            f"{collective} on peer {link.rank}: {whole_name} has {whole_array.size} elements of "
-            f"{whole_array.dtype}; expected {n} peers x {part_array.size} ({part_name}'s size) = "
-            f"{n * part_array.size} elements of {part_array.dtype}"
-        )
+    """Block i of ``dst`` = ``src`` of peer i, on every peer; raises InvalidArgumentError on bad sizes.
 
-
-def all_gather(strategy: Strategy | str, link: Link, src: Array, dst: Array) -> None:
-    """Block i of ``dst`` = ``src`` of peer i, on every peer; raises InvalidArgumentError on bad sizes."""
-    _check_blocks("all_gather", link, ("dst", dst), ("src", src))
+    ``blocks``: where each peer's block lies in ``dst`` (None: each the size of ``src``).
+    """
+    layout = check_blocks("all_gather", link, blocks, ("src", src), ("dst", dst))
     match parse_strategy(strategy):
         case Centralized():
-            centralized.all_gather(link, src, dst)
+            centralized.all_gather(link, src, dst, layout)
         case Tree(arity):
-            tree.all_gather(link, src, dst, arity)
+            tree.all_gather(link, src, dst, arity, layout)
         case Ring():
-            ring.all_gather(link, src, dst)
+            ring.all_gather(link, src, dst, layout)
         case Direct():
-            direct.all_gather(link, src, dst)
+            direct.all_gather(link, src, dst, layout)
 
 
-def reduce_scatter(strategy: Strategy | str, link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
-    """``dst`` of peer r = op over block r of every peer's ``src``; raises InvalidArgumentError."""
-    _check_blocks("reduce_scatter", link, ("src", src), ("dst", dst))
+def reduce_scatter(
+    strategy: Strategy | str,
+    link: Link,
+    src: Array,
+    dst: Array,
+    op: ReduceOp,
+    blocks: BlockSizes | None = None,
+) -> None:
+    """``dst`` of peer r = op over block r of every peer's ``src``; raises InvalidArgumentError.
+
+    ``blocks``: where each peer's block lies in ``src`` (None: each the size of ``dst``).
+    """
+    layout = check_blocks("reduce_scatter", link, blocks, ("dst", dst), ("src", src))
     match parse_strategy(strategy):
         case Centralized():
-            centralized.reduce_scatter(link, src, dst, op)
+            centralized.reduce_scatter(link, src, dst, op, layout)
         case Tree(arity):
-            tree.reduce_scatter(link, src, dst, op, arity)
+            tree.reduce_scatter(link, src, dst, op, arity, layout)
         case Ring():
-            ring.reduce_scatter(link, src, dst, op)
+            ring.reduce_scatter(link, src, dst, op, layout)
         case Direct():
-            direct.reduce_scatter(link, src, dst, op)
+            direct.reduce_scatter(link, src, dst, op, layout)
 
 
-def all_to_all(strategy: Strategy | str, link: Link, src: Array, dst: Array) -> None:
-    """Block j of ``src`` goes to peer j; block i of ``dst`` came from peer i. Raises InvalidArgumentError."""
-    n = link.size
-    if src.size % n or src.size != dst.size or src.dtype != dst.dtype:
-        raise InvalidArgumentError(
-            f"all_to_all on peer {link.rank}: src ({src.size} elements of {src.dtype}) and dst "
-            f"({dst.size} of {dst.dtype}) must have the same dtype and size, a multiple of {n} peers"
-        )
+def all_to_all(
+    strategy: Strategy | str, link: Link, src: Array, dst: Array, counts: Counts | None = None
+) -> None:
+    """Block j of ``src`` goes to peer j; block i of ``dst`` came from peer i. Raises InvalidArgumentError.
+
+    ``counts[i][j]``: the elements peer i sends to peer j (None: ``src.size // n`` each).
+    """
+    matrix = check_counts(link, counts, src, dst)
     match parse_strategy(strategy):
         case Centralized():
-            centralized.all_to_all(link, src, dst)
+            centralized.all_to_all(link, src, dst, matrix)
         case Tree(arity):
-            tree.all_to_all(link, src, dst, arity)
+            tree.all_to_all(link, src, dst, arity, matrix)
         case Ring():
-            ring.all_to_all(link, src, dst)
+            ring.all_to_all(link, src, dst, matrix)
         case Direct():
-            direct.all_to_all(link, src, dst)
+            direct.all_to_all(link, src, dst, matrix)
 
 
-def gather(strategy: Strategy | str, link: Link, root: int, src: Array, dst: Array | None) -> None:
-    """Block i of ``dst`` on ``root`` = ``src`` of peer i (``dst`` only on the root, None elsewhere)."""
-    _check_root("gather", link, root)
-    if link.rank == root:
-        _check_blocks("gather", link, ("dst", dst), ("src", src))
+def gather(
+    strategy: Strategy | str,
+    link: Link,
+    root: int,
+    src: Array,
+    dst: Array | None,
+    blocks: BlockSizes | None = None,
+) -> None:
+    """Block i of ``dst`` on ``root`` = ``src`` of peer i (``dst`` only on the root, None elsewhere).
+
+    ``blocks``: where each peer's block lies in ``dst`` (None: each the size of ``src``).
+    """
+    check_root("gather", link, root)
+    layout = check_blocks("gather", link, blocks, ("src", src), ("dst", dst) if link.rank == root else None)
     match parse_strategy(strategy):
         case Centralized() | Direct():  # Direct's schedule is Centralized's: every peer to the root
-            centralized.gather(link, root, src, dst)
+            centralized.gather(link, root, src, dst, layout)
         case Tree(arity):
-            tree.gather(link, root, src, dst, arity)
+            tree.gather(link, root, src, dst, arity, layout)
         case Ring():
-            ring.gather(link, root, src, dst)
+            ring.gather(link, root, src, dst, layout)
 
 
-def scatter(strategy: Strategy | str, link: Link, root: int, src: Array | None, dst: Array) -> None:
-    """``dst`` of peer i = block i of ``src`` on ``root`` (``src`` only on the root, None elsewhere)."""
-    _check_root("scatter", link, root)
-    if link.rank == root:
-        _check_blocks("scatter", link, ("src", src), ("dst", dst))
+def scatter(
+    strategy: Strategy | str,
+    link: Link,
+    root: int,
+    src: Array | None,
+    dst: Array,
+    blocks: BlockSizes | None = None,
+) -> None:
+    """``dst`` of peer i = block i of ``src`` on ``root`` (``src`` only on the root, None elsewhere).
+
+    ``blocks``: where each peer's block lies in ``src`` (None: each the size of ``dst``).
+    """
+    check_root("scatter", link, root)
+    layout = check_blocks("scatter", link, blocks, ("dst", dst), ("src", src) if link.rank == root else None)
     match parse_strategy(strategy):
         case Centralized() | Direct():  # Direct's schedule is Centralized's: the root to every peer
-            centralized.scatter(link, root, src, dst)
+            centralized.scatter(link, root, src, dst, layout)
         case Tree(arity):
-            tree.scatter(link, root, src, dst, arity)
+            tree.scatter(link, root, src, dst, arity, layout)
         case Ring():
-            ring.scatter(link, root, src, dst)
+            ring.scatter(link, root, src, dst, layout)
 
 
 def barrier(strategy: Strategy | str, link: Link) -> None:

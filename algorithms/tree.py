@@ -14,24 +14,31 @@ Messages per peer: at most k received and 1 sent (reduce), 1 received and at mos
 k=1), so small arrays are latency-bound on the height, large ones on the k sends of a node.
 Tree(1) is a chain. Children are combined in position order, so results are deterministic.
 
-Block collectives (blocks of B elements, ordered by peer index). A subtree's blocks travel
-together in one message, packed in the subtree's *preorder* (a position, then its first child's
-subtree, then its second child's, ...), so each child's part is one contiguous slice that a
-parent receives into, or sends from, directly; only the root permutes blocks to and from peer
-order (position p is peer (p + root) mod n), and only for subtrees whose peers are not consecutive::
+Block collectives (one block per peer, ordered by peer index; blocks may differ in size). A
+subtree's blocks travel together in one message, packed in the subtree's *preorder* (a position,
+then its first child's subtree, then its second child's, ...), so each child's part is one
+contiguous slice that a parent receives into, or sends from, directly; only the root permutes
+blocks to and from peer order (position p is peer (p + root) mod n), and only for subtrees whose
+peers are not consecutive::
 
     gather to position 0, Tree(2), 7 peers          preorder packing, sizes in blocks
         3 ─[3]─> 1 <─[4]─ 4                          1 sends [1 3 4]   (3 blocks)
         5 ─[5]─> 2 <─[6]─ 6                          2 sends [2 5 6]   (3 blocks)
         1 ─[1 3 4]─> 0 <─[2 5 6]─ 2                  0 holds [0 1 3 4 2 5 6] -> peer order
 
-    gather          a peer sends 1 message: its subtree's blocks (s blocks, s = subtree size)
-    scatter         the same messages, downwards: a peer receives s blocks and sends on s-1
-    all_gather      gather to peer 0, then broadcast the nB elements down the heap
-    reduce_scatter  reduce the nB elements up the heap to peer 0, then scatter from it
-    all_to_all      gather every peer's nB elements (s*nB per message) to peer 0, transpose its
-                    n x n blocks there, scatter the n x n blocks back (s*nB per message)
+    gather          a peer sends 1 message: its subtree's blocks (the sum of their sizes: sB
+                    for s peers of B elements each)
+    scatter         the same messages, downwards: a peer receives its subtree's blocks and sends
+                    on all but its own
+    all_gather      gather to peer 0, then broadcast all N elements (every block) down the heap
+    reduce_scatter  reduce the N elements up the heap to peer 0, then scatter from it
+    all_to_all      gather every peer's whole src (its row) to peer 0, a subtree's rows in one
+                    message; transpose the n x n blocks there (block (i, j): what i sends j);
+                    scatter every peer's whole dst (its column) back down the same way
     barrier         an empty message up the heap to peer 0 and back down: 2 x height steps
+
+A subtree whose blocks are all empty still sends its (empty) message, so every schedule sends the
+same messages whatever the sizes.
 """
 
 from __future__ import annotations
@@ -39,11 +46,15 @@ from __future__ import annotations
 from collective.algorithms.link import Link, send_signal, wait_signal
 from collective.algorithms.ops import (
     Array,
+    Blocks,
+    Counts,
     ReduceOp,
     array_module,
-    block,
+    column_blocks,
     copy_into,
-    empty_blocks,
+    count_matrix,
+    empty,
+    row_blocks,
     transpose_blocks,
 )
 
@@ -151,9 +162,15 @@ def _consecutive(peers: list[int]) -> bool:
     return peers == list(range(peers[0], peers[0] + len(peers)))
 
 
-def gather(link: Link, root: int, src: Array, dst: Array | None, arity: int = 2) -> None:
-    """Block i of ``dst`` on ``root`` = ``src`` of peer i, each subtree's blocks in one message up."""
-    n, length = link.size, src.size
+def gather(
+    link: Link, root: int, src: Array, dst: Array | None, arity: int = 2, blocks: Blocks | None = None
+) -> None:
+    """Block i of ``dst`` on ``root`` = ``src`` of peer i, each subtree's blocks in one message up.
+
+    ``blocks``: where each peer's block lies in ``dst`` (None: every block the size of ``src``).
+    """
+    n = link.size
+    blocks = Blocks.equal(n, src.size) if blocks is None else blocks
     position = (link.rank - root) % n
     below = children(position, n, arity)
     if position != 0:
@@ -161,31 +178,39 @@ def gather(link: Link, root: int, src: Array, dst: Array | None, arity: int = 2)
         if not below:
             link.send(up, src)
             return
-        packed = empty_blocks(src, subtree_size(position, n, arity), length)
-        copy_into(packed[block(0, length)], src)
+        packing = blocks.select(_peers(root, subtree(position, n, arity), n))  # in preorder
+        packed = empty(src, packing.total)
+        copy_into(packed[packing.of(0)], src)
         offset = 1
         for child in below:
             count = subtree_size(child, n, arity)
-            link.recv_into((child + root) % n, packed[offset * length : (offset + count) * length])
+            link.recv_into((child + root) % n, packed[packing.span(offset, offset + count)])
             offset += count
         link.send(up, packed)
         return
     assert dst is not None, "the root needs a result buffer"
-    copy_into(dst[block(root, length)], src)
+    copy_into(dst[blocks.of(root)], src)
     for child in below:
         peers = _peers(root, subtree(child, n, arity), n)
         if _consecutive(peers):  # received straight into place
-            link.recv_into(peers[0], dst[peers[0] * length : (peers[-1] + 1) * length])
+            link.recv_into(peers[0], dst[blocks.span(peers[0], peers[-1] + 1)])
             continue
-        packed = empty_blocks(src, len(peers), length)
+        packing = blocks.select(peers)
+        packed = empty(src, packing.total)
         link.recv_into(peers[0], packed)
         for index, peer in enumerate(peers):
-            copy_into(dst[block(peer, length)], packed[block(index, length)])
+            copy_into(dst[blocks.of(peer)], packed[packing.of(index)])
 
 
-def scatter(link: Link, root: int, src: Array | None, dst: Array, arity: int = 2) -> None:
-    """``dst`` of peer i = block i of ``src`` on ``root``, each subtree's blocks in one message down."""
-    n, length = link.size, dst.size
+def scatter(
+    link: Link, root: int, src: Array | None, dst: Array, arity: int = 2, blocks: Blocks | None = None
+) -> None:
+    """``dst`` of peer i = block i of ``src`` on ``root``, each subtree's blocks in one message down.
+
+    ``blocks``: where each peer's block lies in ``src`` (None: every block the size of ``dst``).
+    """
+    n = link.size
+    blocks = Blocks.equal(n, dst.size) if blocks is None else blocks
     position = (link.rank - root) % n
     below = children(position, n, arity)
     if position != 0:
@@ -193,51 +218,60 @@ def scatter(link: Link, root: int, src: Array | None, dst: Array, arity: int = 2
         if not below:
             link.recv_into(up, dst)
             return
-        packed = empty_blocks(dst, subtree_size(position, n, arity), length)
+        packing = blocks.select(_peers(root, subtree(position, n, arity), n))  # in preorder
+        packed = empty(dst, packing.total)
         link.recv_into(up, packed)
-        copy_into(dst, packed[block(0, length)])
+        copy_into(dst, packed[packing.of(0)])
         offset = 1
         for child in below:
             count = subtree_size(child, n, arity)
-            link.send((child + root) % n, packed[offset * length : (offset + count) * length])
+            link.send((child + root) % n, packed[packing.span(offset, offset + count)])
             offset += count
         return
     assert src is not None, "the root needs a source buffer"
     for child in below:
         peers = _peers(root, subtree(child, n, arity), n)
         if _consecutive(peers):  # sent straight from place
-            link.send(peers[0], src[peers[0] * length : (peers[-1] + 1) * length])
+            link.send(peers[0], src[blocks.span(peers[0], peers[-1] + 1)])
             continue
-        packed = empty_blocks(dst, len(peers), length)
+        packing = blocks.select(peers)
+        packed = empty(dst, packing.total)
         for index, peer in enumerate(peers):
-            copy_into(packed[block(index, length)], src[block(peer, length)])
+            copy_into(packed[packing.of(index)], src[blocks.of(peer)])
         link.send(peers[0], packed)
-    copy_into(dst, src[block(root, length)])
+    copy_into(dst, src[blocks.of(root)])
 
 
-def all_gather(link: Link, src: Array, dst: Array, arity: int = 2) -> None:
+def all_gather(link: Link, src: Array, dst: Array, arity: int = 2, blocks: Blocks | None = None) -> None:
     """Gather up the heap to peer 0 into its ``dst``, then broadcast ``dst`` down the heap."""
-    gather(link, 0, src, dst, arity)
+    gather(link, 0, src, dst, arity, blocks)
     broadcast(link, 0, dst, arity)
 
 
-def reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp, arity: int = 2) -> None:
+def reduce_scatter(
+    link: Link, src: Array, dst: Array, op: ReduceOp, arity: int = 2, blocks: Blocks | None = None
+) -> None:
     """Reduce the whole ``src`` up the heap to peer 0, then scatter its blocks down the heap."""
-    reduced = empty_blocks(src, 1, src.size) if link.rank == 0 else None
+    reduced = empty(src, src.size) if link.rank == 0 else None
     reduce(link, 0, src, reduced, op, arity)
-    scatter(link, 0, reduced, dst, arity)
+    scatter(link, 0, reduced, dst, arity, blocks)
 
 
-def all_to_all(link: Link, src: Array, dst: Array, arity: int = 2) -> None:
-    """Gather every peer's ``src`` up the heap to peer 0, transpose its blocks, scatter them down."""
+def all_to_all(link: Link, src: Array, dst: Array, arity: int = 2, counts: Counts | None = None) -> None:
+    """Gather every peer's ``src`` up the heap to peer 0, transpose its blocks, scatter them down.
+
+    ``counts[r][j]``: the elements peer r sends to peer j (None: ``src.size // n`` each).
+    """
     n = link.size
-    rows = empty_blocks(src, n, src.size) if link.rank == 0 else None  # row i: what peer i sends
-    gather(link, 0, src, rows, arity)
+    matrix = count_matrix(counts, n, src.size)
+    rows_at, columns_at = row_blocks(matrix), column_blocks(matrix)
+    rows = empty(src, rows_at.total) if link.rank == 0 else None  # row i: what peer i sends
+    gather(link, 0, src, rows, arity, rows_at)
     columns = None
     if rows is not None:
-        columns = empty_blocks(src, n, src.size)  # row j: what peer j receives
-        transpose_blocks(rows, columns, n)
-    scatter(link, 0, columns, dst, arity)
+        columns = empty(src, columns_at.total)  # row j: what peer j receives
+        transpose_blocks(rows, columns, n, matrix)
+    scatter(link, 0, columns, dst, arity, columns_at)
 
 
 def barrier(link: Link, arity: int = 2) -> None:

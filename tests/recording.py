@@ -5,19 +5,25 @@ peer (the algorithms' cost model) and enforces the Link ownership rule adversari
 is consumed only while its sender is blocked (in a receive, a flush, or done), as late as any
 real transport could, and at that moment the sender's buffer must still hold what was sent.
 A sender that wrote to a lent buffer too early is reported in ``violations``.
+
+Like a real transport it passes the shipped Link conformance checks
+(``collective.algorithms.conformance``): with a ``timeout`` every wait ends by the network's
+deadline (CollectiveTimeout), and ``abort(peer, reason)`` fails every wait as a peer that gave up.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from collective.algorithms.ops import ReduceOp, combine
+from collective.errors import CollectiveTimeout, PeerLostError
 
 WAIT = 20.0
 
@@ -28,11 +34,16 @@ class Traffic:
     sent_bytes: int = 0
     received_messages: int = 0
     received_bytes: int = 0
+    messages: list[tuple[int, int]] = field(default_factory=list)  # (destination, bytes), in sending order
 
 
 class Network:
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, timeout: float | None = None) -> None:
+        """``size`` peers; with ``timeout`` every wait ends by that many seconds from now (else
+        each wait gives up after ``WAIT``)."""
         self.size = size
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.gave_up: tuple[int, str] | None = None  # (peer, reason) once a peer aborted
         self.cv = threading.Condition()
         self.boxes: dict[tuple[int, int], deque[tuple[Any, bytes]]] = {}
         self.running = [True] * size
@@ -42,6 +53,22 @@ class Network:
 
     def links(self) -> list[RecordingLink]:
         return [RecordingLink(self, rank) for rank in range(self.size)]
+
+    def abort(self, peer: int, reason: str) -> None:
+        """``peer`` gives up: every wait, now or later, raises PeerLostError naming it and ``reason``."""
+        with self.cv:
+            self.gave_up = (peer, reason)
+            self.cv.notify_all()
+
+    def wait_for(self, ready: Callable[[], bool], what: str, peers: list[int]) -> None:
+        """Wait (holding ``cv``) until ``ready()``; raise on an abort or past the deadline."""
+        limit = WAIT if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+        self.cv.wait_for(lambda: self.gave_up is not None or ready(), timeout=limit)
+        if self.gave_up is not None:
+            peer, reason = self.gave_up
+            raise PeerLostError(f"peer {peer} gave up: {reason}", [peer])
+        if not ready():
+            raise CollectiveTimeout(f"{what}: timed out", peers)
 
     def run(self, body: Callable[[RecordingLink], Any]) -> list[Any]:
         """Run ``body(link)`` for every peer in its own thread; re-raise the first failure."""
@@ -106,6 +133,7 @@ class RecordingLink:
             traffic = net.traffic[self._rank]
             traffic.sent_messages += 1
             traffic.sent_bytes += data.nbytes
+            traffic.messages.append((dst, data.nbytes))
             net.cv.notify_all()
 
     def _consume(self, src: int, use: Callable[[Any], None]) -> None:
@@ -113,11 +141,11 @@ class RecordingLink:
         with net.cv:
             net.running[self._rank] = False
             net.cv.notify_all()
-            ready = net.cv.wait_for(
-                lambda: bool(net.boxes.get((src, self._rank))) and not net.running[src], timeout=WAIT
+            net.wait_for(
+                lambda: bool(net.boxes.get((src, self._rank))) and not net.running[src],
+                f"peer {self._rank} waited for a message from {src}",
+                [src],
             )
-            if not ready:
-                raise TimeoutError(f"peer {self._rank} waited for a message from {src}")
             data, snapshot = net.boxes[(src, self._rank)].popleft()
             if data.tobytes() != snapshot:
                 net.violations.append(f"peer {src} wrote to a buffer lent to peer {self._rank}")
@@ -154,6 +182,9 @@ class RecordingLink:
         with net.cv:
             net.running[self._rank] = False
             net.cv.notify_all()
-            if not net.cv.wait_for(lambda: net.outstanding[self._rank] == 0, timeout=WAIT):
-                raise TimeoutError(f"peer {self._rank}: lent buffers never consumed")
+            net.wait_for(
+                lambda: net.outstanding[self._rank] == 0,
+                f"peer {self._rank}: lent buffers never consumed",
+                [],
+            )
             net.running[self._rank] = True

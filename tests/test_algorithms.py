@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import doctest
 import itertools
 import math
 
 import numpy as np
 import pytest
 
-from collective.algorithms import ring, strategies
-from collective.algorithms.ops import ReduceOp, chunk_bounds
+from collective.algorithms import ops, ring, strategies
+from collective.algorithms.ops import Blocks, ReduceOp, chunk_bounds, transpose_blocks
 from collective.algorithms.ring import DEFAULT_SEGMENT_BYTES
 from collective.algorithms.strategies import Centralized, Direct, Ring, Strategy, Tree, resolve_all_reduce
 from collective.algorithms.tree import children
+from collective.errors import InvalidArgumentError
 from tests.conftest import peer_input, reference
 from tests.recording import Network, RecordingLink
 
@@ -236,3 +238,36 @@ def test_recording_link_catches_a_write_to_a_lent_buffer() -> None:
     network = Network(2)
     network.run(careless)
     assert network.violations == ["peer 0 wrote to a buffer lent to peer 1"]
+
+
+def test_the_ops_doctests_hold() -> None:
+    failures, tried = doctest.testmod(ops)
+    assert tried > 0 and failures == 0
+
+
+@pytest.mark.parametrize("sizes", [[1, -1], [True, 2], [1.0], 3, ["2"], [None]], ids=repr)
+def test_blocks_refuse_what_is_not_a_size(sizes: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="block sizes must be integers >= 0"):
+        Blocks(sizes)  # type: ignore[arg-type]
+
+
+def test_blocks_are_values() -> None:
+    blocks = Blocks(np.array([2, 0, 3]))  # numpy integers are sizes too
+    assert blocks == Blocks([2, 0, 3]) == Blocks((2, 0, 3)) and hash(blocks) == hash(Blocks([2, 0, 3]))
+    assert blocks != Blocks([2, 3]) and blocks.sizes == (2, 0, 3)
+    assert [blocks.of(i) for i in range(3)] == [slice(0, 2), slice(2, 2), slice(2, 5)]
+    assert blocks.span(0, 3) == slice(0, 5) and blocks.span(1, 1) == slice(2, 2)
+    assert Blocks([]).total == 0 and Blocks.equal(4, 0).total == 0
+    assert Blocks.equal(3, 5).of(2) == ops.block(2, 5)
+
+
+@pytest.mark.parametrize("peers", [1, 2, 3, 5])
+def test_transpose_blocks_by_counts(peers: int) -> None:
+    rng = np.random.default_rng(peers)
+    for counts in (rng.integers(0, 4, (peers, peers)).tolist(), [[3] * peers] * peers, [[0] * peers] * peers):
+        rows = [np.arange(sum(row)) + 100 * i for i, row in enumerate(counts)]
+        sent = [np.split(row, np.cumsum(counts[i])[:-1]) for i, row in enumerate(rows)]
+        expected = np.concatenate([sent[i][j] for j in range(peers) for i in range(peers)]).astype(np.int64)
+        out = np.empty(expected.size, np.int64)
+        transpose_blocks(np.concatenate(rows).astype(np.int64), out, peers, counts)
+        np.testing.assert_array_equal(out, expected)

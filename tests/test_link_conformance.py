@@ -1,27 +1,33 @@
-"""One conformance suite for the Link protocol, run against every Link implementation.
+"""The Link conformance checks shipped in collective.algorithms.conformance, run against every Link.
 
-The in-process link, the recording link of the algorithm tests (so the simulation behaves like
-the real thing) and the ZeroMQ link between data services (over TCP, and through shared memory
-for large chunks between nodes of one host) all pass the same checks.
+This file only says how to build each transport's links (a factory per transport) and runs every
+shipped check against each, one test id per (transport, check): the in-process link, the
+recording link of the algorithm tests (so the simulation behaves like the real thing) and the
+ZeroMQ link between data services (over TCP, and through shared memory for large chunks between
+nodes of one host). A new transport adds its factory here or runs ``check_link`` from its own
+tests. The tests after the checks pin what is particular to one transport (its error messages,
+its ways to fail).
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import pytest
 import zmq
 
-from collective.algorithms.ops import ReduceOp
+from collective.algorithms import conformance
+from collective.algorithms.conformance import CHECKS, LinkGroup, MakeLinks, check_link
+from collective.algorithms.ops import ReduceOp, combine
 from collective.errors import CollectiveTimeout, PeerLostError
 from collective.transport.inproc import COPY_BELOW, Exchange, InProcessLink
 from collective.transport.network import NodeNetwork
 from collective.transport.zmq_link import ZmqLink
-from tests.recording import Network, run_links
+from tests.recording import Network
 
 
 def inproc_links(n: int, timeout: float = 10.0) -> list[Any]:
@@ -57,110 +63,120 @@ class ZmqMesh:
         self.context.destroy(linger=0)
 
 
-LINKS: dict[str, Callable[[int], Any]] = {
-    "inproc": inproc_links,
-    "recording": lambda n: Network(n).links(),
-    "zmq": lambda n: ZmqMesh(n, shared=False),
-    "zmq-shm": lambda n: ZmqMesh(n, shared=True),
+# -- a factory per transport: n peers whose waits end ``timeout`` seconds from now ---------------
+
+
+def inproc_group(n: int, timeout: float) -> LinkGroup:
+    links = inproc_links(n, timeout)
+    exchange = links[0]._exchange
+
+    def abort(peer: int, reason: str) -> None:
+        exchange.abort(PeerLostError(f"peer {peer} gave up: {reason}", [peer]))
+
+    return LinkGroup(links, abort=abort)
+
+
+def recording_group(n: int, timeout: float) -> LinkGroup:
+    network = Network(n, timeout=timeout)
+    return LinkGroup(network.links(), abort=network.abort)
+
+
+def zmq_group(n: int, timeout: float, shared: bool) -> LinkGroup:
+    mesh = ZmqMesh(n, shared=shared, timeout=timeout)
+    return LinkGroup(
+        mesh.links, abort=lambda peer, reason: mesh.networks[peer].abort(0, reason), close=mesh.close
+    )
+
+
+TRANSPORTS: dict[str, MakeLinks] = {
+    "inproc": inproc_group,
+    "recording": recording_group,
+    "zmq": functools.partial(zmq_group, shared=False),
+    "zmq-shm": functools.partial(zmq_group, shared=True),
 }
 
 
-@pytest.fixture(params=list(LINKS))
-def make_links(request: pytest.FixtureRequest) -> Callable[[int], list[Any]]:
-    def make(n: int) -> list[Any]:
-        made = LINKS[request.param](n)
-        if isinstance(made, ZmqMesh):
-            request.addfinalizer(made.close)
-            return made.links
-        return list(made)
-
-    return make
+@pytest.mark.parametrize("check", CHECKS, ids=str)
+@pytest.mark.parametrize("transport", list(TRANSPORTS))
+def test_link_conforms(transport: str, check: conformance.Check) -> None:
+    check(TRANSPORTS[transport])
 
 
-@pytest.mark.parametrize("length", [0, 1, 5, COPY_BELOW // 8 + 1])  # empty, small (copied), large (lent)
-def test_messages_between_a_pair_arrive_in_order(make_links: Any, length: int) -> None:
-    sent = [np.arange(length, dtype=np.float64) + 1000 * k for k in range(3)]
+def test_check_link_runs_every_check() -> None:
+    made: list[tuple[int, float]] = []
 
-    def body(link: Any) -> list[np.ndarray]:
-        if link.rank == 0:
-            for array in sent:
-                link.send(1, array)
-            return []
-        received = []
-        for _ in sent:
-            out = np.empty(length)
-            link.recv_into(0, out)
-            received.append(out)
-        return received
+    def counting(n: int, timeout: float) -> LinkGroup:
+        made.append((n, timeout))
+        return inproc_group(n, timeout)
 
-    received = run_links(make_links(2), body)[1]
-    for got, want in zip(received, sent, strict=True):
-        np.testing.assert_array_equal(got, want)
+    check_link(counting)
+    every = list(made)
+    made.clear()
+    check_link(counting, timeouts=False, aborts=False)
+    assert len(made) == len(every) - 2  # all but the groups of the timeout and the abort checks
+    assert any(timeout < 1 for _, timeout in every) and all(timeout >= 1 for _, timeout in made)
 
 
-@pytest.mark.parametrize("op", list(ReduceOp))
-def test_recv_reduce_combines_message_and_operand(make_links: Any, op: ReduceOp) -> None:
-    a, b = np.array([1.0, -2.0, 3.0]), np.array([4.0, 5.0, -6.0])
-    if op.ufunc_name.startswith("bitwise"):  # integers only
-        a, b = a.astype(np.int64), b.astype(np.int64)
-    ufunc = getattr(np, op.ufunc_name)
-
-    def body(link: Any) -> Any:
-        if link.rank == 0:
-            link.send(1, a)
-            return None
-        out = np.empty(3, b.dtype)
-        link.recv_reduce(0, b, out, op)
-        in_place = b.copy()
-        link.recv_reduce(0, in_place, in_place, op)
-        return out, in_place
-
-    def twice(link: Any) -> Any:
-        if link.rank == 0:
-            link.send(1, a)
-        return body(link)
-
-    out, in_place = run_links(make_links(2), twice)[1]
-    np.testing.assert_array_equal(out, ufunc(a, b))
-    np.testing.assert_array_equal(in_place, ufunc(a, b))
+# -- the checks catch broken links -------------------------------------------------------------
 
 
-def test_every_peer_sends_and_receives_in_the_same_step(make_links: Any) -> None:
-    """The ring pattern: send right, receive left, with large (lent) buffers, without deadlock."""
-    n, length = 5, COPY_BELOW // 4
+class Wrapped:
+    """A Link passing every call to another (subclasses break one method)."""
 
-    def body(link: Any) -> np.ndarray:
-        mine = np.full(length, link.rank, np.float32)
-        out = np.empty(length, np.float32)
-        link.send((link.rank + 1) % n, mine)
-        link.recv_into((link.rank - 1) % n, out)
-        return out
+    def __init__(self, link: Any) -> None:
+        self.link = link
+        self.rank, self.size = link.rank, link.size
 
-    for rank, out in enumerate(run_links(make_links(n), body)):
-        assert (out == (rank - 1) % n).all()
+    def send(self, dst: int, data: Any) -> None:
+        self.link.send(dst, data)
 
+    def recv_into(self, src: int, out: Any) -> None:
+        self.link.recv_into(src, out)
 
-def test_after_flush_the_sender_may_reuse_its_buffer(make_links: Any) -> None:
-    """The Link contract: once ``flush`` returns, writing the sent buffer cannot change what the
-    receiver gets (in process: the receiver has consumed it; over ZeroMQ: it has left the buffer)."""
-    sent = np.arange(COPY_BELOW, dtype=np.float64)  # lent, not copied, by the in-process link
+    def recv_reduce(self, src: int, operand: Any, out: Any, op: ReduceOp) -> None:
+        self.link.recv_reduce(src, operand, out, op)
 
-    def body(link: Any) -> Any:
-        if link.rank == 0:
-            buffer = sent.copy()
-            link.send(1, buffer)
-            link.flush()
-            buffer[...] = -1  # reused at once
-            return None
-        time.sleep(0.2)  # receive late: the sender's flush had to wait, or the data had left
-        out = np.empty(COPY_BELOW)
-        link.recv_into(0, out)
-        return out
-
-    np.testing.assert_array_equal(run_links(make_links(2), body)[1], sent)
+    def flush(self) -> None:
+        self.link.flush()
 
 
-# -- the real transports only ------------------------------------------------------------------
+class ReceivesBeforeReducing(Wrapped):
+    """Receives the message into ``out`` and then combines: wrong when ``operand`` is ``out``."""
+
+    def recv_reduce(self, src: int, operand: Any, out: Any, op: ReduceOp) -> None:
+        self.link.recv_into(src, out)
+        combine(op, out, operand, out)
+
+
+class FlushesAtOnce(Wrapped):
+    """Returns from ``flush`` while a lent buffer is still to be read."""
+
+    def flush(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("broken", "check", "message"),
+    [
+        (ReceivesBeforeReducing, "recv_reduce", "in place"),
+        (FlushesAtOnce, "reuse_after_flush", "written after flush"),
+    ],
+)
+def test_the_checks_catch_a_broken_link(broken: type[Wrapped], check: str, message: str) -> None:
+    def make(n: int, timeout: float) -> list[Any]:
+        return [broken(link) for link in inproc_links(n, timeout)]
+
+    (chosen,) = [c for c in CHECKS if c.name == check]
+    with pytest.raises(AssertionError, match=message):
+        chosen(make, large_bytes=COPY_BELOW + 8)  # lent by the in-process link, not copied
+
+
+def test_a_factory_with_the_wrong_ranks_is_refused() -> None:
+    with pytest.raises(AssertionError, match=r"ranks 0 \.\. 1 in a group of 2; got ranks \[1, 0\]"):
+        check_link(lambda n, timeout: list(reversed(inproc_links(n, timeout))))
+
+
+# -- what is particular to one transport ---------------------------------------------------------
 
 
 def test_a_zmq_receive_that_never_completes_times_out() -> None:
