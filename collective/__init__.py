@@ -11,9 +11,11 @@ from collective.algorithms.ops import ReduceOp
 from collective.algorithms.strategies import Centralized, Direct, Ring, Tree
 from collective.api import (
     all_gather,
+    all_gather_v,
     all_reduce,
     all_reduce_coalesced,
     all_to_all,
+    all_to_all_v,
     barrier,
     broadcast,
     default_runtime,
@@ -25,6 +27,7 @@ from collective.api import (
     recv_any,
     reduce,
     reduce_scatter,
+    reduce_scatter_v,
     register,
     reset,
     scatter,
@@ -53,7 +56,8 @@ __all__ = [
     "Centralized", "CollectiveConfig", "CollectiveError", "CollectiveTimeout", "ConfigError", "Direct",
     "Group", "InvalidArgumentError", "JobClosedError", "MismatchError", "PeerLostError", "ReduceOp",
     "RegistrationError", "Ring", "Runtime", "Tree", "Work",
-    "all_gather", "all_reduce", "all_reduce_coalesced", "all_to_all", "barrier", "broadcast",
-    "default_runtime", "finish", "gather", "init", "new_group", "peer_ids_from_env", "recv", "recv_any",
-    "reduce", "reduce_scatter", "register", "reset", "scatter", "send", "world_size",
+    "all_gather", "all_gather_v", "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_v",
+    "barrier", "broadcast", "default_runtime", "finish", "gather", "init", "new_group", "peer_ids_from_env",
+    "recv", "recv_any", "reduce", "reduce_scatter", "reduce_scatter_v", "register", "reset", "scatter",
+    "send", "world_size",
 ]  # fmt: skip

@@ -13,9 +13,9 @@ from collective.groups import new_group as _new_group
 from collective.runtime import Runtime
 
 __all__ = [
-    "all_gather", "all_reduce", "all_reduce_coalesced", "all_to_all", "barrier", "broadcast",
-    "default_runtime", "finish", "gather", "init", "new_group", "recv", "recv_any", "reduce",
-    "reduce_scatter", "register", "reset", "scatter", "send", "world_size",
+    "all_gather", "all_gather_v", "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_v",
+    "barrier", "broadcast", "default_runtime", "finish", "gather", "init", "new_group", "recv", "recv_any",
+    "reduce", "reduce_scatter", "reduce_scatter_v", "register", "reset", "scatter", "send", "world_size",
 ]  # fmt: skip
 
 Op = ReduceOp | str
@@ -126,6 +126,42 @@ def scatter(
 ) -> Any:  # fmt: skip
     """The root passes (group size, ...); each peer gets its row."""
     return _default.scatter(peer_id, x, root, group=group, timeout=timeout, async_op=async_op, out=out)
+
+
+def all_gather_v(
+    peer_id: int, x: Array, *, group: Group | None = None, timeout: float | None = None,
+    async_op: bool = False, out: Array | None = None,
+) -> Any:  # fmt: skip
+    """Every peer's ``x`` (rows may differ between peers), a list in group-rank order."""
+    return _default.all_gather_v(peer_id, x, group=group, timeout=timeout, async_op=async_op, out=out)
+
+
+def reduce_scatter_v(
+    peer_id: int, x: Array, sizes: Sequence[int], op: Op = "sum", *, group: Group | None = None,
+    timeout: float | None = None, async_op: bool = False, out: Array | None = None,
+) -> Any:  # fmt: skip
+    """``op`` over every peer's ``x``; rank i gets its ``sizes[i]`` rows of the result."""
+    return _default.reduce_scatter_v(
+        peer_id, x, sizes, op, group=group, timeout=timeout, async_op=async_op, out=out
+    )
+
+
+def all_to_all_v(
+    peer_id: int,
+    x: Array,
+    send_sizes: Sequence[int],
+    *,
+    recv_sizes: Sequence[int] | None = None,
+    group: Group | None = None,
+    timeout: float | None = None,
+    async_op: bool = False,
+    out: Array | None = None,
+) -> Any:
+    """``send_sizes[j]`` rows of ``x`` to rank j; a list back of the rows each peer sent this one."""
+    return _default.all_to_all_v(
+        peer_id, x, send_sizes, recv_sizes=recv_sizes, group=group, timeout=timeout, async_op=async_op,
+        out=out,
+    )  # fmt: skip
 
 
 def barrier(

@@ -3,15 +3,13 @@
 A peer's call (``AllReduce(x, op)``, ``Gather(x, root)``, ...) is made by the API, checked here
 (``prepare``: a problem becomes the signature's ``error``, so every peer fails together), agreed
 at the rendezvous (its ``rules``), then run by an executor (collective.executors), which asks the
-call for what only the call knows:
+call only what the call knows:
 
-* ``result_shape``: the shape of this peer's result (None: this peer gets none, e.g. off the root);
-* ``fuse``: every peer's flat result from every peer's flat input, computed in one place (small
-  arrays, in one process);
-* ``part`` / ``after``: this peer's share of the work when all inputs are in shared memory and the
-  peers meet at one barrier in between;
-* ``run_link``: the schedule of the configured strategy over a Link (collective.algorithms);
-* ``finish``: the last touch (mean divides by the group's size).
+* ``movement``: how the agreed call's data moves (a family of collective.movement: a reduction,
+  a copy, stacked blocks, ...), which every path runs without knowing the collective's name;
+* ``result_shape`` / ``new_result``: this peer's result (None: it gets none, e.g. off the root);
+* ``source`` / ``unpacked``: this peer's input, flat;
+* ``finish``: the last touch (mean divides by the group's size; the caller's kind or ``out``).
 
 Flat arrays are 1-D C-contiguous views; a collective of a group of ``n`` peers sees its blocks in
 group-rank order.
@@ -22,44 +20,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-import numpy as np
-
-from collective.algorithms.link import Link
-from collective.algorithms.ops import NUMPY_UFUNCS, Array, ReduceOp, array_module, combine, copy_into
+from collective.algorithms.ops import Array, ReduceOp
 from collective.arrays import CPU, Device, check_array, check_out, flat, integer, placement, scale_for_mean
 from collective.errors import InvalidArgumentError
+from collective.movement import Movement
 from collective.pool import pool
 from collective.signature import Rules, Signature, describe_peers
 from collective.tensors import Back, identity, native, writable
 
-__all__ = ["Call", "Strategies", "blocks", "reduce_all", "slice_of"]
+__all__ = ["Call", "Strategies", "parse_op"]
 
 Strategies = Callable[[str], Any]  # collective kind -> the strategy configured for it
-
-
-def reduce_all(op: ReduceOp, inputs: list[Any], out: Array | None = None) -> Array:
-    """The reduction of ``inputs`` in their order (peer order) into ``out`` (a new array if None).
-
-    ``out`` may be the first or the second input, never a later one (it is written first).
-    """
-    if len(inputs) == 1:
-        if out is None:
-            return inputs[0].copy()
-        copy_into(out, inputs[0])
-        return out
-    first = inputs[0]
-    if type(first) is np.ndarray:  # the ufunc itself: this runs on every small step
-        ufunc = NUMPY_UFUNCS[op]
-        result = out if out is not None else np.empty(first.shape, first.dtype)  # (the inputs' dtype:
-        ufunc(first, inputs[1], out=result)  # a ufunc's own result of '>f4' inputs is '<f4')
-        for other in inputs[2:]:
-            ufunc(result, other, out=result)
-        return result
-    result = out if out is not None else array_module(first).empty(first.shape, first.dtype)
-    combine(op, first, inputs[1], result)
-    for other in inputs[2:]:
-        combine(op, result, other, result)
-    return result
 
 
 _SPELLED: dict[Any, ReduceOp] = {**{op.value: op for op in ReduceOp}, **{op: op for op in ReduceOp}}
@@ -76,25 +47,18 @@ def parse_op(op: Any) -> tuple[ReduceOp | None, str | None]:
         return None, str(exc)
 
 
-def blocks(array: Array, n: int) -> list[Array]:
-    """``n`` equal contiguous blocks of a flat array."""
-    k = array.size // n if n else 0
-    return [array[i * k : (i + 1) * k] for i in range(n)]
-
-
 class Call:
     """One peer's side of one collective. Subclasses set ``kind`` and override what differs."""
 
     kind: ClassVar[str]
+    strategy_kind: ClassVar[str]  # whose configured strategy it runs (CollectiveConfig: local_<kind>_...)
     rules: ClassVar[Rules] = Rules(("op", "shape", "dtype"))
     reduces: ClassVar[bool] = True  # takes an op
     rooted: ClassVar[bool] = False  # takes a root
-    alias_safe: ClassVar[bool] = True  # its schedules may write ``out`` while it is also ``x``
-    source_elsewhere: ClassVar[bool] = False  # a sourced call may find its source outside the group
 
     __slots__ = (
-        "back", "device", "op", "op_arg", "out", "out_apart", "out_given", "problem", "root", "root_peer",
-        "signature", "src", "x",
+        "back", "device", "op", "op_arg", "out", "out_apart", "out_given", "problem", "rank", "root",
+        "root_peer", "signature", "src", "x",
     )  # fmt: skip
 
     def __init__(self, x: Any = None, op: Any = "sum", root: Any = None, out: Any = None) -> None:
@@ -121,6 +85,7 @@ class Call:
         self.root_peer = root  # the root as the caller named it (a peer id); ``root`` becomes its rank
         self.src: Array | None = None  # this peer's flat input, once prepared
         self.device = CPU
+        self.rank = 0  # this peer's rank in the group, once prepared
         self.problem: str | None = problem  # set by refuse(): found before this call was made
         self.op: ReduceOp | None = None  # parsed from ``op`` by prepare()
         self.signature: Signature  # set by prepare()
@@ -134,6 +99,7 @@ class Call:
         given as a peer id; from here on ``root`` is its rank in the group.
         """
         self.device = device
+        self.rank = rank
         op: ReduceOp | None = None
         problem: str | None = None
         if self.reduces:
@@ -165,11 +131,6 @@ class Call:
         when it is kept unpacked, so an executor able to read pieces skips the packing copy (None:
         read ``source()``)."""
         return None
-
-    def moved(self, agreed: Signature) -> Signature:
-        """The collective whose data the Shm executor moves for ``agreed``: the call's own (the host
-        tier's first phase agrees on a collective but moves its inputs to the host's leader)."""
-        return agreed
 
     def refuse(self, problem: str) -> None:
         """Fail this call on every peer with ``problem`` (a bad argument found outside the call)."""
@@ -226,35 +187,22 @@ class Call:
             return self.out_given
         return result if self.back is identity else self.back(result)
 
-    # -- the work, by executor ------------------------------------------------------------------
+    # -- the work --------------------------------------------------------------------------------
 
-    @classmethod
-    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
-        """Every rank's flat result (None for a rank that gets none) from every rank's flat input."""
-        raise NotImplementedError
+    def movement(self, agreed: Signature, size: int) -> Movement:
+        """How the data of ``agreed`` (a group of ``size``) moves: a family of collective.movement,
+        made once per distinct call (a group repeats the same few)."""
+        key = (agreed, size)
+        found = _MOVEMENTS.get(key)
+        if found is None:
+            if len(_MOVEMENTS) >= 256:
+                _MOVEMENTS.clear()
+            found = _MOVEMENTS[key] = self.moves(agreed, size)
+        return found
 
-    @classmethod
-    def shared(cls, agreed: Signature, inputs: list[Any]) -> Any:
-        """State shared by the ranks of one shared-memory collective (e.g. a result buffer)."""
-        return None
-
-    def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
-        """This rank's work before the barrier (it reads the others' inputs directly)."""
-        fused = self.fuse_one(agreed, inputs, rank)
-        if dst is not None and fused is not None:
-            copy_into(dst, fused)
-
-    def after(self, agreed: Signature, state: Any, rank: int, dst: Array | None) -> None:
-        """This rank's work after the barrier (the inputs may no longer be read)."""
-
-    def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
-        return self.fuse(agreed, inputs)[rank]
-
-    def run_link(
-        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
-    ) -> None:
+    def moves(self, agreed: Signature, size: int) -> Movement:
+        """The movement of ``agreed`` (what ``movement`` caches): each call class says its family."""
         raise NotImplementedError
 
 
-def slice_of(length: int, parts: int, index: int) -> slice:
-    return slice(index * length // parts, (index + 1) * length // parts)
+_MOVEMENTS: dict[tuple[Signature, int], Movement] = {}

@@ -1,60 +1,46 @@
-"""The call objects: one class per collective, each with its checks, agreement rules and work.
+"""The call objects: one class per collective, each with its checks, agreement rules and movement.
 
 What every call does and when is told in collective.call (the base class). Adding a collective
-means adding one class here (and its schedule in algorithms/).
+means adding one class here: its checks, what must agree, its result, and which movement family
+(collective.movement) its data follows; where no family fits, a new family with its schedule.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-from collective.algorithms import strategies
-from collective.algorithms.link import Link
-from collective.algorithms.ops import Array, ReduceOp, array_module, copy_into
+from collective.algorithms.ops import Array, ReduceOp
 from collective.arrays import Device, check_array, check_out
-from collective.call import Call, Strategies, blocks, reduce_all, slice_of
+from collective.call import Call
+from collective.movement import Copy, Exchange, Movement, Nothing, ReducedBlocks, Reduction, Rows, Stack
 from collective.signature import Rules, Signature
+from collective.uneven import AllGatherV, AllToAllV, ReduceScatterV
 
 __all__ = [
-    "CALLS", "RULES", "WHOLE", "AllGather", "AllReduce", "AllToAll", "Barrier", "Broadcast", "Coalesced",
-    "Gather", "Reduce", "ReduceScatter", "Scatter", "rules_of",
+    "CALLS", "RULES", "AllGather", "AllGatherV", "AllReduce", "AllToAll", "AllToAllV", "Barrier", "Broadcast",
+    "Coalesced", "Gather", "Reduce", "ReduceScatter", "ReduceScatterV", "Scatter", "rules_of",
 ]  # fmt: skip
+
+
+def _elements(shape: tuple[int, ...] | None) -> int:
+    return math.prod(shape) if shape is not None else 0
 
 
 class AllReduce(Call):
     __slots__ = ()
-    kind = "all_reduce"
+    kind = strategy_kind = "all_reduce"
 
-    @classmethod
-    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
+    def moves(self, agreed: Signature, size: int) -> Movement:
         assert agreed.op is not None
-        return [reduce_all(agreed.op, inputs)] * len(inputs)
-
-    @classmethod
-    def shared(cls, agreed: Signature, inputs: list[Any]) -> Any:
-        return np.empty_like(inputs[0])
-
-    def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
-        assert agreed.op is not None
-        piece = slice_of(state.size, len(inputs), rank)
-        reduce_all(agreed.op, [x[piece] for x in inputs], state[piece])
-
-    def after(self, agreed: Signature, state: Any, rank: int, dst: Array | None) -> None:
-        if dst is not None:
-            copy_into(dst, state)
-
-    def run_link(
-        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
-    ) -> None:
-        assert agreed.op is not None and dst is not None
-        strategies.all_reduce(strategy_for(self.kind), link, src, dst, agreed.op)
+        return Reduction(size, agreed.dtype, agreed.op, _elements(agreed.shape))
 
 
 class Reduce(AllReduce):
     __slots__ = ()
-    kind = "reduce"
+    kind = strategy_kind = "reduce"
     rules = Rules(("op", "root", "shape", "dtype"))
     rooted = True
 
@@ -66,29 +52,16 @@ class Reduce(AllReduce):
     def result_shape(self, agreed: Signature, size: int, rank: int) -> tuple[int, ...] | None:
         return agreed.shape if rank == agreed.root else None
 
-    @classmethod
-    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
+    def moves(self, agreed: Signature, size: int) -> Movement:
         assert agreed.op is not None and agreed.root is not None
-        results: list[Any] = [None] * len(inputs)
-        results[agreed.root] = reduce_all(agreed.op, inputs)
-        return results
-
-    def after(self, agreed: Signature, state: Any, rank: int, dst: Array | None) -> None:
-        if dst is not None:
-            copy_into(dst, state)
-
-    def run_link(
-        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
-    ) -> None:
-        assert agreed.op is not None and agreed.root is not None
-        strategies.reduce(strategy_for(self.kind), link, agreed.root, src, dst, agreed.op)
+        return Reduction(size, agreed.dtype, agreed.op, _elements(agreed.shape), agreed.root)
 
 
 class Broadcast(Call):
     """The one peer that passes an array is the root; the others pass None (and maybe ``out``)."""
 
     __slots__ = ()
-    kind = "broadcast"
+    kind = strategy_kind = "broadcast"
     rules = Rules((), sourced=True, stated=("shape", "dtype"))
     reduces = False
 
@@ -105,29 +78,15 @@ class Broadcast(Call):
             return Signature(self.kind, None, None, has_data=self.x is not None, error=problem)
         return Signature(self.kind, None, None, tuple(stated.shape), stated.dtype, self.x is not None)
 
-    @classmethod
-    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
-        assert agreed.root is not None
-        return [inputs[agreed.root].copy()] * len(inputs)  # a copy: the root may reuse x at once
-
-    def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
-        assert agreed.root is not None
-        return None if self.out is not None and self.out is self.x else inputs[agreed.root]
-
-    def run_link(
-        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
-    ) -> None:
-        assert agreed.root is not None and dst is not None
-        strategies.broadcast(strategy_for(self.kind), link, agreed.root, src if src is not None else dst)
-        if src is not None:
-            copy_into(dst, src)
+    def moves(self, agreed: Signature, size: int) -> Movement:
+        return Copy(size, agreed.dtype, _elements(agreed.shape), agreed.root)
 
 
 class AllGather(Call):
     """Result (group size, *x.shape): block i is rank i's x."""
 
     __slots__ = ()
-    kind = "all_gather"
+    kind = strategy_kind = "all_gather"
     rules = Rules(("shape", "dtype"))
     reduces = False
 
@@ -138,29 +97,15 @@ class AllGather(Call):
         assert agreed.shape is not None
         return (size, *agreed.shape)
 
-    @classmethod
-    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
-        return [array_module(inputs[0]).concatenate(inputs)] * len(inputs)
-
-    def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
-        return None  # ``part`` copies the blocks straight into the result
-
-    def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
-        assert dst is not None
-        for block, x in zip(blocks(dst, len(inputs)), inputs, strict=True):
-            copy_into(block, x)
-
-    def run_link(
-        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
-    ) -> None:
-        strategies.all_gather(strategy_for(self.kind), link, src, dst)
+    def moves(self, agreed: Signature, size: int) -> Movement:
+        return Stack(size, agreed.dtype, [_elements(agreed.shape)] * size)
 
 
 class Gather(AllGather):
     """All-gather onto the root only."""
 
     __slots__ = ()
-    kind = "gather"
+    kind = strategy_kind = "gather"
     rules = Rules(("root", "shape", "dtype"))
     rooted = True
 
@@ -172,22 +117,8 @@ class Gather(AllGather):
     def result_shape(self, agreed: Signature, size: int, rank: int) -> tuple[int, ...] | None:
         return super().result_shape(agreed, size, rank) if rank == agreed.root else None
 
-    @classmethod
-    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
-        assert agreed.root is not None
-        results: list[Any] = [None] * len(inputs)
-        results[agreed.root] = array_module(inputs[0]).concatenate(inputs)
-        return results
-
-    def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
-        if dst is not None:
-            super().part(agreed, inputs, state, rank, dst)
-
-    def run_link(
-        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
-    ) -> None:
-        assert agreed.root is not None
-        strategies.gather(strategy_for(self.kind), link, agreed.root, src, dst)
+    def moves(self, agreed: Signature, size: int) -> Movement:
+        return Stack(size, agreed.dtype, [_elements(agreed.shape)] * size, agreed.root)
 
 
 class _Blocked(Call):
@@ -210,7 +141,7 @@ class ReduceScatter(_Blocked):
     """Rank i gets op over every rank of rows i*k..(i+1)*k of x (x.shape[0] = size*k)."""
 
     __slots__ = ()
-    kind = "reduce_scatter"
+    kind = strategy_kind = "reduce_scatter"
 
     def own_shape(self, size: int) -> tuple[int, ...]:
         return (self.x.shape[0] // size, *self.x.shape[1:])
@@ -219,60 +150,29 @@ class ReduceScatter(_Blocked):
         assert agreed.shape is not None
         return (agreed.shape[0] // size, *agreed.shape[1:])
 
-    @classmethod
-    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
+    def moves(self, agreed: Signature, size: int) -> Movement:
         assert agreed.op is not None
-        return blocks(reduce_all(agreed.op, inputs), len(inputs))
-
-    def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
-        return None
-
-    def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
-        assert agreed.op is not None and dst is not None
-        mine = slice_of(inputs[0].size, len(inputs), rank)  # equal blocks: size is a multiple of n
-        reduce_all(agreed.op, [x[mine] for x in inputs], dst)
-
-    def run_link(
-        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
-    ) -> None:
-        assert agreed.op is not None
-        strategies.reduce_scatter(strategy_for(self.kind), link, src, dst, agreed.op)
+        return ReducedBlocks(size, agreed.dtype, agreed.op, [_elements(agreed.shape) // size] * size)
 
 
 class AllToAll(_Blocked):
     """Block j of x goes to rank j; block i of the result came from rank i."""
 
     __slots__ = ()
-    kind = "all_to_all"
+    kind = strategy_kind = "all_to_all"
     rules = Rules(("shape", "dtype"))
     reduces = False
-    alias_safe = False  # peers read x's blocks while the result is written: out=x needs a scratch
 
-    @classmethod
-    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
-        n, xp = len(inputs), array_module(inputs[0])
-        return [xp.concatenate([blocks(x, n)[rank] for x in inputs]) for rank in range(n)]
-
-    def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
-        return None
-
-    def part(self, agreed: Signature, inputs: list[Any], state: Any, rank: int, dst: Array | None) -> None:
-        assert dst is not None
-        n = len(inputs)
-        for block, x in zip(blocks(dst, n), inputs, strict=True):
-            copy_into(block, blocks(x, n)[rank])
-
-    def run_link(
-        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
-    ) -> None:
-        strategies.all_to_all(strategy_for(self.kind), link, src, dst)
+    def moves(self, agreed: Signature, size: int) -> Movement:
+        block = _elements(agreed.shape) // size
+        return Exchange(size, agreed.dtype, [[block] * size] * size)
 
 
 class Scatter(Call):
     """The root passes (group size, *shape); rank i gets row i. The others pass None."""
 
     __slots__ = ()
-    kind = "scatter"
+    kind = strategy_kind = "scatter"
     rules = Rules(("root",), sourced=True, stated=("shape", "dtype"))
     reduces = False
     rooted = True
@@ -305,20 +205,8 @@ class Scatter(Call):
             return Signature(self.kind, None, self.root, tuple(self.out.shape), self.out.dtype, False)
         return Signature(self.kind, None, self.root, has_data=False)
 
-    @classmethod
-    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
-        assert agreed.root is not None
-        return [block.copy() for block in blocks(inputs[agreed.root], len(inputs))]
-
-    def fuse_one(self, agreed: Signature, inputs: list[Any], rank: int) -> Any:
-        assert agreed.root is not None
-        return blocks(inputs[agreed.root], len(inputs))[rank]
-
-    def run_link(
-        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
-    ) -> None:
-        assert agreed.root is not None
-        strategies.scatter(strategy_for(self.kind), link, agreed.root, src, dst)
+    def moves(self, agreed: Signature, size: int) -> Movement:
+        return Rows(size, agreed.dtype, [_elements(agreed.shape)] * size, agreed.root)
 
 
 class Barrier(Call):
@@ -326,6 +214,7 @@ class Barrier(Call):
 
     __slots__ = ()
     kind = "barrier"
+    strategy_kind = "all_reduce"  # (a barrier follows all_reduce's strategy)
     rules = Rules(())
     reduces = False
 
@@ -338,14 +227,8 @@ class Barrier(Call):
     def result_shape(self, agreed: Signature, size: int, rank: int) -> tuple[int, ...] | None:
         return None
 
-    @classmethod
-    def fuse(cls, agreed: Signature, inputs: list[Any]) -> list[Any]:
-        return [None] * len(inputs)
-
-    def run_link(
-        self, strategy_for: Strategies, link: Link, agreed: Signature, src: Array | None, dst: Array | None
-    ) -> None:
-        strategies.barrier(strategy_for(self.kind), link)
+    def moves(self, agreed: Signature, size: int) -> Movement:
+        return Nothing(size, agreed.dtype)
 
 
 class Coalesced(AllReduce):
@@ -354,6 +237,7 @@ class Coalesced(AllReduce):
 
     __slots__ = ("outs", "parts", "pieces")
     kind = "all_reduce_coalesced"
+    strategy_kind = "all_reduce"
     rules = Rules(("op", "parts", "shape", "dtype"))
 
     def __init__(
@@ -403,12 +287,10 @@ class Coalesced(AllReduce):
         return Signature(self.kind, op, self.root, tuple(self.x.shape), self.x.dtype, parts=self.parts)
 
 
-# kinds whose result is the whole array every rank that gets one gets (a node's product is it)
-WHOLE = frozenset(["all_reduce", "reduce", "broadcast", "all_reduce_coalesced"])
-
 CALLS: dict[str, type[Call]] = {
-    cls.kind: cls for cls in (AllReduce, Reduce, Broadcast, AllGather, Gather, ReduceScatter, AllToAll,
-                              Scatter, Barrier, Coalesced)
+    cls.kind: cls
+    for cls in (AllReduce, Reduce, Broadcast, AllGather, Gather, ReduceScatter, AllToAll, Scatter, Barrier,
+                Coalesced, AllGatherV, ReduceScatterV, AllToAllV)
 }  # fmt: skip
 RULES: dict[str, Rules] = {kind: cls.rules for kind, cls in CALLS.items()}
 

@@ -1,21 +1,24 @@
 """Executors: the ways one agreed collective runs, behind one interface, chosen in one place.
 
 * ``Fused``: small numpy arrays in one process. The last peer at the rendezvous computes every
-  peer's result (``Call.fuse``) and writes it where that peer gets it. One wake-up per peer.
+  peer's result (``Movement.fuse``) and writes it where that peer gets it. One wake-up per peer.
 * ``Shared``: mid-size numpy arrays in one process. Every peer reads the others' inputs directly
-  and does its share (``Call.part``: e.g. its slice of a reduction), all meet at one barrier, then
-  each finishes (``Call.after``: e.g. copies the shared result out).
+  and does its share (``Movement.part``: e.g. its slice of a reduction), all meet at one barrier,
+  then each finishes (``Movement.after``: e.g. copies the shared result out).
 * ``Linked``: anything else in one process (large arrays, CuPy): the configured strategy's
   schedule (collective.algorithms) over the in-process Link.
-* ``ShmGroup`` (collective.shm_executor): peers each in their own process, all on this host
-  (NodeJob.shm_group decides from the topology's host identities).
-* ``ThreePhase`` (collective.three_phase): peers on several nodes.
+* ``ShmExecutor`` (collective.shm_executor): peers each in their own process, all on this host.
+* ``ThreePhase`` (collective.three_phase): peers on several nodes; with a ``HostTier``
+  (collective.host_tier) when hosts run several of the group's processes.
+
+Each asks the call's movement (collective.movement) what to do, never the collective's name.
 
 Every path gives every peer the same bits. Fused, Shared, the shared-memory path and the
 Centralized and Direct schedules combine inputs in rank order ((x0 op x1) op x2 ...), so for a
 given input they agree with each other bit for bit; Tree and Ring combine in their own fixed
 order (docs/algorithms), which float rounding may tell apart. ``choose`` is the one place that
-picks the executor.
+picks the executor: every rule of eligibility is here, from facts the node gives (host identities
+of the topology), the same on every process of a group.
 """
 
 from __future__ import annotations
@@ -26,11 +29,16 @@ from typing import Any
 import numpy as np
 
 from collective.algorithms.ops import Array, array_module, copy_into
+from collective.algorithms.strategies import Strategy
 from collective.arrays import CPU, flat
 from collective.call import Call
 from collective.errors import CollectiveError
+from collective.host_tier import HostTier
+from collective.movement import Movement
+from collective.shm_executor import ShmExecutor, ShmGroup
 from collective.signature import Signature
 from collective.step import Executor, Site, Step
+from collective.three_phase import ThreePhase
 from collective.transport.inproc import Exchange, InProcessLink
 
 __all__ = ["DEFAULT_FUSE_BELOW", "DEFAULT_SHARE_BELOW", "Fused", "Linked", "Shared", "choose"]
@@ -58,7 +66,10 @@ def choose(
     calls: list[Call],
     label: str,
 ) -> Executor:
-    """How the step ``agreed`` of the group ``members`` runs, given every local peer's call."""
+    """How the step ``agreed`` of the group ``members`` runs, given every local peer's call.
+
+    Raises a CollectiveError the call's movement finds in the agreed call (the same on every peer).
+    """
     executor = _choose(site, members, local, agreed, calls, label)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s of group %s: %s", label, members, executor.path)
@@ -74,34 +85,54 @@ def _choose(
     label: str,
 ) -> Executor:
     if site.node is not None:
-        shm = site.node.shm_group(members)  # every member its own process, all on this host
-        if shm is not None:
-            return shm
-        from collective.three_phase import ThreePhase
-
-        return ThreePhase(site, members, local, label, site.node.tier(members))
+        return _across_processes(site, members, local, label)
+    movement = calls[0].movement(agreed, len(members))
     inputs = [call.source() for call in calls]
     if site.fuse_below and _numpy_within(calls, inputs, site.fuse_below):
-        return Fused(agreed, calls, type(calls[0]).fuse(agreed, inputs))
+        return Fused(agreed, calls, movement.fuse(inputs))
     exchange = Exchange(members, label)
     site.exchanges.add(exchange)
     if site.share_below and _numpy_within(calls, inputs, site.share_below):
-        return Shared(exchange, inputs, type(calls[0]).shared(agreed, inputs))
-    return Linked(exchange, site.config.local_strategy)
+        return Shared(exchange, inputs, movement, movement.shared(inputs))
+    return Linked(exchange, site.config.local_strategy(calls[0].strategy_kind), movement)
 
 
-def _target(step: Step) -> tuple[Array | None, Array | None, Array | None]:
+def _across_processes(site: Site, members: tuple[int, ...], local: tuple[int, ...], label: str) -> Executor:
+    """A group of a multi-node job: shared memory when its processes all run on this host, each
+    the one peer of its process in the group; three phases otherwise, with a host tier when it
+    spans several hosts and some host runs several of its processes."""
+    node = site.node
+    assert node is not None
+    hosts = node.hosts_of(members)  # None: not one process per peer, each with a ring segment
+    if hosts is not None:
+        here = node.host
+        if all(host == here for host in hosts):
+            return site.once(
+                ("shm", members), lambda: ShmExecutor(ShmGroup(node.ring(), members, node.me_in(members)))
+            )
+        if len(set(hosts)) > 1 and max(map(hosts.count, set(hosts))) > 1:
+            tier = site.once(("tier", members), lambda: HostTier.of(node, members, hosts))
+            return ThreePhase(site, members, local, label, tier.layout, tier)
+    layout = site.once(("layout", members), lambda: node.layout_of(members))
+    return ThreePhase(site, members, local, label, layout)
+
+
+def _target(step: Step, movement: Movement) -> tuple[Array | None, Array | None, Array | None]:
     """(the result, the flat buffer the work writes, a scratch buffer to copy back from or None).
 
-    A scratch stands in for the result when the call's schedule may not write ``out`` while it is
-    also ``x`` (all_to_all reads x's blocks while it writes the result).
+    A scratch stands in for the result when the movement's schedules may not write ``out`` while
+    it is also ``x`` (an exchange reads x's blocks while it writes the result).
     """
     call, plan = step.call, step.plan
     result = call.new_result(call.device, plan.agreed, plan.size, step.rank)
     if result is None:
         return None, None, None
     buffer = flat(result)
-    if not call.alias_safe and call.x is not None and array_module(buffer).may_share_memory(buffer, call.x):
+    if (
+        not movement.alias_safe
+        and call.x is not None
+        and array_module(buffer).may_share_memory(buffer, call.x)
+    ):
         scratch = array_module(buffer).empty_like(buffer)
         return result, scratch, scratch
     return result, buffer, None
@@ -114,7 +145,7 @@ class Fused:
     wake-ups wait for the GIL). In one process every member is local, so local index = rank.
 
     ``fused`` holds fresh arrays (never views of an input), so writing a result into ``out = x``
-    cannot change what another rank reads, even for all_to_all in place.
+    cannot change what another rank reads, even for an exchange in place.
     """
 
     path = "fused"
@@ -147,17 +178,18 @@ class Shared:
 
     path = "shared"
 
-    def __init__(self, exchange: Exchange, inputs: list[Any], state: Any) -> None:
+    def __init__(self, exchange: Exchange, inputs: list[Any], movement: Movement, state: Any) -> None:
         self.exchange = exchange
         self.inputs = inputs
+        self.movement = movement
         self.state = state
 
     def run(self, step: Step) -> Array | None:
-        call, agreed = step.call, step.plan.agreed
-        result, buffer, scratch = _target(step)
-        call.part(agreed, self.inputs, self.state, step.rank, buffer)
+        movement = self.movement
+        result, buffer, scratch = _target(step, movement)
+        movement.part(self.inputs, self.state, step.rank, buffer)
         self.exchange.barrier(step.index, step.deadline)
-        call.after(agreed, self.state, step.rank, buffer)
+        movement.after(self.state, step.rank, buffer)
         if scratch is not None:
             copy_into(flat(result), scratch)
         return result
@@ -171,14 +203,15 @@ class Linked:
 
     path = "linked"
 
-    def __init__(self, exchange: Exchange, strategy_for: Any) -> None:
+    def __init__(self, exchange: Exchange, strategy: Strategy, movement: Movement) -> None:
         self.exchange = exchange
-        self.strategy_for = strategy_for
+        self.strategy = strategy
+        self.movement = movement
 
     def run(self, step: Step) -> Array | None:
-        result, buffer, scratch = _target(step)
+        result, buffer, scratch = _target(step, self.movement)
         link = InProcessLink(self.exchange, step.index, step.deadline)
-        step.call.run_link(self.strategy_for, link, step.plan.agreed, step.call.source(), buffer)
+        self.movement.run_link(self.strategy, link, step.call.source(), buffer)
         link.flush()
         if scratch is not None:
             copy_into(flat(result), scratch)

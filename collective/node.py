@@ -4,7 +4,8 @@
 and the topology, and offers the leaders of a step what the ThreePhase executor
 (collective.three_phase) needs: the call exchange, where every node of a group checks every
 other node's call before any data moves (so a mismatch anywhere is the same error everywhere),
-and a ZeroMQ Link among the group's nodes.
+and a ZeroMQ Link among the group's nodes; and the facts about the job's processes that
+collective.executors.choose decides a group's path from (hosts, rings).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import zmq
@@ -27,7 +28,6 @@ import zmq
 from collective.call_exchange import CallExchange
 from collective.config import CollectiveConfig
 from collective.errors import CollectiveError, PeerLostError, describe_peers
-from collective.host_tier import HostTier
 from collective.layout import Layout
 from collective.protocol import (
     FINISHED_TAG,
@@ -35,7 +35,6 @@ from collective.protocol import (
     P2PMessage,
     check_fields,
 )
-from collective.shm_executor import ShmGroup
 from collective.shm_host import HostRing
 from collective.signature import Signature
 from collective.transport.inproc import clone_error
@@ -43,12 +42,10 @@ from collective.transport.network import NodeNetwork
 from collective.transport.orchestrator_client import OrchestratorClient, Topology
 from collective.transport.outbox import Outbox
 from collective.transport.shm_ring import RingSegment
-from collective.transport.wire import WireError
+from collective.transport.wire import ErrorRecord, WireError
 from collective.transport.zmq_link import ZmqLink
 
 __all__ = ["NodeJob"]
-
-T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -90,12 +87,9 @@ class NodeJob:
         self._local: frozenset[int] = frozenset()
         self._finished_peers: dict[int, float] = {}  # other nodes' peers that called finish(): when told
         self._p2p_ids = itertools.count()  # tells apart the messages this process sends in parts
-        self._layouts: dict[tuple[int, ...], Layout] = {}
         shm = os.environ.get("COLLECTIVE_SHM", "1") != "0"  # 0: never the Shm executor (e.g. to compare)
         self._ring_segment = RingSegment.create() if shm else None
         self._ring: HostRing | None = None
-        self._shm_groups: dict[tuple[int, ...], ShmGroup | None] = {}
-        self._tiers: dict[tuple[int, ...], HostTier | None] = {}
 
     # -- membership -----------------------------------------------------------------------------
 
@@ -225,7 +219,7 @@ class NodeJob:
             self._ring_segment.close()
 
     @contextmanager
-    def giving_up(self, members: tuple[int, ...], step: int) -> Iterator[None]:
+    def giving_up(self, members: tuple[int, ...], layout: Layout, step: int) -> Iterator[None]:
         """Around this node's global phase: if it fails, the other nodes hear of it at once.
 
         Without this, a leader that raised (say MemoryError) while its process lived on would leave
@@ -238,8 +232,8 @@ class NodeJob:
             # own: an abort would only race it. Anything else, or a failure once data moves, is not.
             channel = self.channel(members)
             if self._agreed.get(channel) == step or not isinstance(exc, CollectiveError):
-                nodes = list(self.layout(members).nodes)
-                self._network.abort(step, f"{type(exc).__name__}: {exc}", nodes, channel)
+                nodes = list(layout.nodes)
+                self._network.abort(step, ErrorRecord.of(exc), nodes, channel)
             raise
 
     def _lost(self, src: int, orchestrator: bool = True) -> CollectiveError | None:
@@ -265,62 +259,36 @@ class NodeJob:
         digest = hashlib.blake2b(repr(members).encode(), digest_size=7).digest()
         return 1 + int.from_bytes(digest, "big")
 
-    def shm_group(self, members: tuple[int, ...]) -> ShmGroup | None:
-        """The Shm executor of the group ``members``, or None where it does not apply.
+    # -- what choosing an executor needs to know (collective.executors.choose decides) ----------
 
-        It applies when every peer of the group is the only one of its process in the group and
-        every one of those processes runs on this host (the same host identity and user) with a ring
-        segment: a rule every process of the group evaluates the same way from the topology.
-        """
-        return self._once(self._shm_groups, members, self._shm_group)
-
-    def _shm_group(self, members: tuple[int, ...]) -> ShmGroup | None:
+    @property
+    def host(self) -> tuple[Any, Any]:
+        """This process's host: its identity and user (processes that share both share /dev/shm)."""
         assert self.topology is not None
-        me = self.topology.index
-        nodes = [self._node_of[peer] for peer in members]
-        if not self._one_process_each(nodes) or me not in nodes:
-            return None
-        if any(self._host_of(node) != self._host_of(me) for node in nodes):
-            return None
-        log.debug("group %s: through shared memory (its processes share this host)", members)
-        return ShmGroup(self._host_ring(), members, members[nodes.index(me)])
+        return self._host_of(self.topology.index)
 
-    def tier(self, members: tuple[int, ...]) -> HostTier | None:
-        """The host tier of the group ``members`` (collective.host_tier), or None where it does not
-        apply: it applies when every peer of the group is the only one of its process in the
-        group, every process has a ring segment, the group spans several hosts and some host runs
-        several of its processes. Every process of the group decides the same from the topology."""
-        return self._once(self._tiers, members, self._tier)
+    def nodes_of(self, members: tuple[int, ...]) -> list[int]:
+        """The node of each member."""
+        return [self._node_of[peer] for peer in members]
 
-    def _once(
-        self, table: dict[tuple[int, ...], T], members: tuple[int, ...], make: Callable[[tuple[int, ...]], T]
-    ) -> T:
-        """``table[members]``, made by ``make(members)`` the first time (once, under the join lock)."""
-        if members not in table:
-            with self._join_lock:
-                if members not in table:
-                    table[members] = make(members)
-        return table[members]
-
-    def _tier(self, members: tuple[int, ...]) -> HostTier | None:
+    def me_in(self, members: tuple[int, ...]) -> int:
+        """The member that runs in this process (a group of one peer per process)."""
         assert self.topology is not None
-        me = self.topology.index
-        nodes = [self._node_of[peer] for peer in members]
-        if not self._one_process_each(nodes) or me not in nodes:
+        return members[self.nodes_of(members).index(self.topology.index)]
+
+    def hosts_of(self, members: tuple[int, ...]) -> list[tuple[Any, Any]] | None:
+        """Each member's host, when every member is the only one of its process in the group, this
+        process among them, and every process has a ring segment; else None."""
+        assert self.topology is not None
+        nodes = self.nodes_of(members)
+        if not self._one_process_each(nodes) or self.topology.index not in nodes:
             return None
-        hosts = [self._host_of(node) for node in nodes]
-        if len(set(hosts)) < 2 or max(hosts.count(host) for host in set(hosts)) < 2:
-            return None
-        leader_of = {host: nodes[hosts.index(host)] for host in set(hosts)}  # its lowest rank's node
-        mine = self._host_of(me)
-        here = tuple(peer for peer, host in zip(members, hosts, strict=True) if host == mine)
-        node_of = {peer: leader_of[host] for peer, host in zip(members, hosts, strict=True)}
-        layout = Layout.of(members, node_of, leader_of[mine])
-        me_peer = members[nodes.index(me)]
-        purpose = f"host tier of {members}"  # another group with these processes here: another channel
-        group = ShmGroup(self._host_ring(), here, me_peer, purpose) if len(here) > 1 else None
-        log.debug("group %s: host tier (%d hosts; this host's peers %s)", members, len(set(hosts)), here)
-        return HostTier(group, here, members, layout)
+        return [self._host_of(node) for node in nodes]
+
+    def layout_of(self, members: tuple[int, ...]) -> Layout:
+        """Where the group's ranks live, node by node."""
+        assert self.topology is not None
+        return Layout.of(members, self._node_of, self.topology.index)
 
     def _one_process_each(self, nodes: list[int]) -> bool:
         """Whether these nodes are distinct processes that each have a ring segment."""
@@ -338,29 +306,23 @@ class NodeJob:
         info = self.topology.infos[node] if node < len(self.topology.infos) else {}
         return info.get("host"), info.get("uid")
 
-    def _host_ring(self) -> HostRing:
+    def ring(self) -> HostRing:
+        """This process's shared-memory ring (made when a group first needs it)."""
         assert self.topology is not None and self._ring_segment is not None
-        if self._ring is None:
-            infos, mine = self.topology.infos, self._host_of(self.topology.index)
-            rings = {node: info.get("ring") for node, info in enumerate(infos)}
-            here = sum(self._host_of(node) == mine for node in range(len(infos)))
-            watched = partial(self.lost_peer, orchestrator=False)
-            self._ring = HostRing(self._ring_segment, rings, self._node_of, watched, here)  # type: ignore[arg-type]
+        with self._join_lock:
+            if self._ring is None:
+                infos, mine = self.topology.infos, self.host
+                rings = {node: info.get("ring") for node, info in enumerate(infos)}
+                here = sum(self._host_of(node) == mine for node in range(len(infos)))
+                watched = partial(self.lost_peer, orchestrator=False)
+                self._ring = HostRing(self._ring_segment, rings, self._node_of, watched, here)  # type: ignore[arg-type]
         return self._ring
 
-    def layout(self, members: tuple[int, ...]) -> Layout:
-        """Where the group's ranks live (cached per group)."""
-        found = self._layouts.get(members)
-        if found is None:
-            assert self.topology is not None
-            tier = self.tier(members)  # hosts as nodes, or nodes
-            found = tier.layout if tier else Layout.of(members, self._node_of, self.topology.index)
-            self._layouts[members] = found
-        return found
-
-    def link(self, members: tuple[int, ...], step: int, agreed: Signature, deadline: float) -> ZmqLink:
+    def link(
+        self, members: tuple[int, ...], layout: Layout, step: int, agreed: Signature, deadline: float
+    ) -> ZmqLink:
         """This node's end of step ``step`` among the group's nodes (link rank = node position)."""
-        nodes = list(self.layout(members).nodes)
+        nodes = list(layout.nodes)
         return ZmqLink(
             self._network, step, check_fields(agreed), deadline, self._describe, nodes, self.channel(members)
         )
@@ -368,6 +330,7 @@ class NodeJob:
     def agree(
         self,
         members: tuple[int, ...],
+        layout: Layout,
         step: int,
         mine: Signature | CollectiveError,
         small: Any,
@@ -382,7 +345,7 @@ class NodeJob:
         assert self.topology is not None
         channel = self.channel(members)
         gone = partial(self._finished_among, step=step)
-        exchange = CallExchange(self._network, self.layout(members), members, channel, gone)
+        exchange = CallExchange(self._network, layout, members, channel, gone)
         agreed, payloads = exchange.run(step, mine, small, deadline)
         self._agreed[channel] = step
         return agreed, payloads

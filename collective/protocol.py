@@ -5,9 +5,9 @@ the bounded codec of transport.wire) and decodes from one with every field valid
 message is a WireError, which the caller turns into the error its users see. Kinds:
 
 ``call``     a node's agreed Signature for step ``seq`` (kind, op, root, shape, dtype, has_data,
-             error, parts), plus ``small``: the node's contribution as raw bytes when it holds at
-             most SMALL_BYTES (then no data messages follow: every node combines the payloads).
-``verdict``  instead of a call: the node's local step failed (error class and message).
+             error, parts, sizes, table), plus ``small``: the node's contribution as raw bytes when
+             it holds at most SMALL_BYTES (then no data messages follow: every node combines them).
+``verdict``  instead of a call: the node's local step failed (its transport.wire.ErrorRecord).
 ``p2p``      a point-to-point array from peer ``from`` to peer ``to`` with ``tag`` (payload frame).
 
 Data chunks (``data``), shared-memory acknowledgements (``ack``) and ``abort`` are the
@@ -22,11 +22,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
-from collective import errors
 from collective.algorithms.ops import ReduceOp
-from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError
+from collective.calls import CALLS
+from collective.errors import CollectiveError
 from collective.signature import Signature
-from collective.transport.wire import CHUNK_BYTES, WireError, dtype_from_name
+from collective.transport.wire import CHUNK_BYTES, ErrorRecord, WireError, dtype_from_name
 
 __all__ = [
     "MANY_PARTS",
@@ -46,14 +46,16 @@ MANY_PARTS = 256  # a call listing more arrays than this sends their digest (``d
 VERDICT_GRACE = 1.0  # a node whose step failed reports it as its deadline passes: others wait this long more
 LATE_MARGIN = VERDICT_GRACE / 2  # a node joins a step only if its call reaches every other node this early
 
-_KINDS = frozenset(
-    ["all_reduce", "reduce", "broadcast", "all_gather", "gather", "reduce_scatter", "all_to_all", "scatter",
-     "barrier", "all_reduce_coalesced"]
-)  # fmt: skip
-
 
 def _is_int(value: Any, minimum: int = 0) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _ints(value: Any, name: str) -> tuple[int, ...]:
+    """A list of integers (sizes, a table row: -1 stands for none)."""
+    if not isinstance(value, list | tuple) or not all(_is_int(v, -1) for v in value):
+        raise WireError(f"invalid {name} {value!r}")
+    return tuple(value)
 
 
 def _shape(value: Any) -> tuple[int, ...]:
@@ -89,6 +91,8 @@ def signature_fields(spec: Signature) -> dict[str, Any]:
         "has_data": spec.has_data,
         "error": spec.error,
         "parts": [[list(shape), dtype] for shape, dtype in spec.parts],
+        "sizes": list(spec.sizes),
+        "table": [[rank, list(values)] for rank, values in spec.table],
     }
 
 
@@ -101,7 +105,7 @@ def check_fields(spec: Signature) -> dict[str, Any]:
 def signature_from_fields(header: dict[str, Any]) -> Signature:
     """The Signature a ``call`` header carries; raises WireError if any field is malformed."""
     kind = header.get("kind")
-    if kind not in _KINDS:
+    if kind not in CALLS:
         raise WireError(f"unknown collective {kind!r}")
     op_name, root, shape, dtype, error = (header.get(k) for k in ("op", "root", "shape", "dtype", "error"))
     op = None
@@ -117,6 +121,11 @@ def signature_from_fields(header: dict[str, Any]) -> Signature:
     parts = header.get("parts") or []
     if not isinstance(parts, list) or not all(isinstance(p, list) and len(p) == 2 for p in parts):
         raise WireError("invalid parts field")
+    table = header.get("table") or []
+    if not isinstance(table, list) or not all(isinstance(t, list) and len(t) == 2 for t in table):
+        raise WireError("invalid table field")
+    if not all(_is_int(rank) for rank, _ in table):
+        raise WireError("invalid table field")
     return Signature(
         kind,
         op,
@@ -126,6 +135,8 @@ def signature_from_fields(header: dict[str, Any]) -> Signature:
         bool(header.get("has_data")),
         error,
         tuple((_shape(shape), str(dtype_from_name(name))) for shape, name in parts),
+        _ints(header.get("sizes") or [], "sizes"),
+        tuple((rank, _ints(values, "table")) for rank, values in table),
     )
 
 
@@ -159,29 +170,20 @@ def given_up(calls: list[tuple[int, dict[str, Any]]], now: float) -> tuple[int, 
 @dataclass(frozen=True)
 class VerdictMessage:
     seq: int
-    error_class: str
-    message: str
-    peers: tuple[int, ...] = ()  # the peers it names (a timeout's missing ones, a lost one)
+    record: ErrorRecord
 
     @classmethod
     def of(cls, seq: int, error: CollectiveError) -> VerdictMessage:
-        peers = getattr(error, "missing", None) or getattr(error, "peers", None) or ()
-        return cls(seq, type(error).__name__, str(error)[:2000], tuple(peers)[:64])
+        return cls(seq, ErrorRecord.of(error))
 
     def encode(self) -> dict[str, Any]:
-        return {"t": "verdict", "seq": self.seq, "class": self.error_class, "message": self.message,
-                "peers": list(self.peers)}  # fmt: skip
+        return {"t": "verdict", "seq": self.seq, **self.record.fields()}
 
 
 def decode_call(header: dict[str, Any]) -> CallMessage | VerdictMessage:
     """A ``call`` or ``verdict`` header as its message; WireError for anything else."""
     if header.get("t") == "verdict":
-        peers = header.get("peers") or []
-        if not isinstance(peers, list) or not all(_is_int(p) for p in peers):
-            raise WireError("invalid peers of a verdict")
-        return VerdictMessage(
-            header["seq"], str(header.get("class")), str(header.get("message")), tuple(peers)
-        )
+        return VerdictMessage(header["seq"], ErrorRecord.from_fields(header))
     if header.get("t") != "call":
         raise WireError(f"expected a call, got a {header.get('t')!r} message")
     small = header.get("small")
@@ -232,14 +234,7 @@ def verdict_error(
     step: int, verdicts: list[tuple[int, VerdictMessage]], describe: Callable[[int], str]
 ) -> CollectiveError:
     """The error of a step that failed locally on some node: its class, every node's message."""
-    cls = getattr(errors, verdicts[0][1].error_class, None)
-    if not (isinstance(cls, type) and issubclass(cls, CollectiveError)):
-        cls = CollectiveError
-    text = f"step {step} failed: " + "; ".join(
-        f"{describe(node)}: {verdict.message}" for node, verdict in verdicts
-    )
-    peers = sorted({peer for _, verdict in verdicts for peer in verdict.peers})
-    if cls is CollectiveTimeout or cls is PeerLostError:
-        return cls(text, peers)
-    error: CollectiveError = cls(text)
-    return error
+    records = [(node, verdict.record) for node, verdict in verdicts]
+    message = "; ".join(f"{describe(node)}: {record.message}" for node, record in records)
+    peers = sorted({peer for _, record in records for peer in record.peers})
+    return ErrorRecord(records[0][1].name, tuple(peers), message).error(f"step {step} failed")

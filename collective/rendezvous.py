@@ -199,7 +199,10 @@ class Rendezvous:
         agreed = signature if not call.rules.sourced else self._sourced.get(signature)
         if signature.error is None and agreed is not None:  # it agrees with itself
             label = f"{signature.kind} #{number}"
-            executor = choose(job.site, self.members, self.local, agreed, [call], label)
+            try:
+                executor = choose(job.site, self.members, self.local, agreed, [call], label)
+            except CollectiveError as exc:
+                return number, exc
             return number, Plan(number, label, agreed, [call], self.members, executor)
         outcome = self._decide(_Slot(number, {0: call}))
         if isinstance(outcome, Plan) and signature.error is None:  # a broadcast, a scatter
@@ -266,7 +269,10 @@ class Rendezvous:
             except CollectiveError as exc:
                 return exc
         label = f"{agreed.kind} #{slot.number}"
-        executor: Executor = choose(self.job.site, self.members, self.local, agreed, calls, label)
+        try:
+            executor: Executor = choose(self.job.site, self.members, self.local, agreed, calls, label)
+        except CollectiveError as exc:  # found in the agreed call (its movement): every peer's verdict
+            return exc
         self._steps += 1
         return Plan(slot.number, label, agreed, calls, self.members, executor)
 

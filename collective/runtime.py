@@ -25,13 +25,16 @@ from collective.arrays import Device, integer, real
 from collective.call import Call
 from collective.calls import (
     AllGather,
+    AllGatherV,
     AllReduce,
     AllToAll,
+    AllToAllV,
     Barrier,
     Broadcast,
     Gather,
     Reduce,
     ReduceScatter,
+    ReduceScatterV,
     Scatter,
 )
 from collective.coalesced import coalesced_all_reduce
@@ -288,6 +291,33 @@ class Runtime:
     ) -> Any:  # fmt: skip
         """The root passes (group size, ...); rank i gets row i. The other peers pass None."""
         return self.start(peer_id, Scatter(x, root=root, out=out), group, timeout, async_op)
+
+    def all_gather_v(
+        self, peer_id: int, x: Array, *, group: Group | None = None,
+        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
+    ) -> Any:  # fmt: skip
+        """Every peer's ``x`` on every peer, a list in group-rank order; x.shape[0] may differ between
+        peers (the rest of the shape and the dtype agree). ``out``: one array of every peer's rows."""
+        return self.start(peer_id, AllGatherV(x, out=out), group, timeout, async_op)
+
+    def reduce_scatter_v(
+        self, peer_id: int, x: Array, sizes: Sequence[int], op: Op = "sum", *, group: Group | None = None,
+        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
+    ) -> Any:  # fmt: skip
+        """``op`` over every peer's ``x``; rank i gets block i, its ``sizes[i]`` rows (every peer passes
+        the same ``sizes``, summing to x.shape[0])."""
+        return self.start(peer_id, ReduceScatterV(x, sizes, op, out=out), group, timeout, async_op)
+
+    def all_to_all_v(
+        self, peer_id: int, x: Array, send_sizes: Sequence[int], *, recv_sizes: Sequence[int] | None = None,
+        group: Group | None = None, timeout: float | None = None, async_op: bool = False,
+        out: Array | None = None,
+    ) -> Any:  # fmt: skip
+        """Rows of ``x``, ``send_sizes[j]`` of them for rank j in rank order, go to rank j; a list back,
+        in source rank order, of the rows each peer sent this one. ``out``: one array of them all.
+        ``recv_sizes``: the rows expected from each rank, checked (on every peer) before data moves."""
+        call = AllToAllV(x, send_sizes, out=out, recv_sizes=recv_sizes)
+        return self.start(peer_id, call, group, timeout, async_op)
 
     def barrier(
         self,

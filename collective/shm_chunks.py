@@ -6,16 +6,18 @@ the others' buffers once those say the data is there. A member posts IN(c) only 
 finished reading the others' buffers for chunk c - 1, so before it refills a buffer with chunk c
 it waits for every reader's IN(c - 1): the buffers of chunks c - 2 and c are the same. Members
 work on different chunks at once (pipelined); a step starts only once every member arrived, so
-nobody still reads the previous step's chunks. Per chunk, every collective::
+nobody still reads the previous step's chunks. The primitives the movement families
+(collective.movement) drive, per chunk::
 
-    reductions   load the others' slices of the chunk | IN | reduce my slice of every member's
-                 chunk, in rank order, into my own buffer | RED | copy every member's reduced
-                 slice out (the root only, for reduce)
-    broadcast    the root loads the chunk | IN | the others copy it out
-    all_gather   load my chunk | IN | copy every member's chunk into its block (gather: the root)
-    blocked      (reduce_scatter, all_to_all, scatter) load sub-chunk j of every block j for
-                 member j | IN | reduce / copy the sub-chunks meant for me out of every buffer
+    reduce   load the others' slices of the chunk | IN | reduce my slice of every member's chunk,
+             in rank order, into my own buffer | RED | copy every member's reduced slice out
+             (where a result is wanted)
+    copy     the root loads the chunk | IN | the others copy it out
+    stack    load my chunk | IN | copy every member's chunk into its block (where a result is wanted)
+    split    every loader loads sub-chunk j of its block j for member j | IN | reduce, or stack by
+             source, the sub-chunks meant for me out of every loader's buffer
 
+Blocks may be uneven: a member with fewer chunks than others still posts every chunk's progress.
 Each element is reduced once, by one member, in rank order, so every member gets the same bits,
 and the same bits as the small path.
 """
@@ -24,13 +26,13 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import math
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
-from collective.call import reduce_all, slice_of
-from collective.signature import Signature
+from collective.algorithms.ops import ReduceOp
+from collective.movement import reduce_all, slice_of
 from collective.transport.shm_ring import CHUNK_BYTES
 
 
@@ -47,10 +49,9 @@ class Members(Protocol):
     def wait(self, rank: int, target: int, deadline: float) -> None: ...
 
 
-__all__ = ["ABORT", "ARRIVE", "END", "REDUCING", "Chunks", "Pieces", "at"]
+__all__ = ["ABORT", "ARRIVE", "END", "Chunks", "Pieces", "at"]
 
 ARRIVE, ABORT, END = 0, 0xFFFFFFFE, 0xFFFFFFFF  # progress codes of a step (below ABORT: its chunks)
-REDUCING = frozenset(["all_reduce", "reduce", "all_reduce_coalesced"])
 
 
 def at(step: int, code: int) -> int:
@@ -80,6 +81,7 @@ class Pieces:
         self._one = arrays[0] if len(arrays) == 1 and arrays[0].ndim == 1 else None  # a flat input
         self._flat: list[np.ndarray] = []  # (made by the first segments(): a bucket of one chunk
         self._starts: list[int] = []  # is packed whole, and needs neither)
+        self.size = sum(array.size for array in arrays)
 
     def pack(self, out: np.ndarray) -> None:
         """``out`` = the whole concatenation, in one call (no view per array)."""
@@ -117,41 +119,17 @@ class Pieces:
 
 
 class Chunks:
-    """One member's large step: ``src`` and ``dst`` are flat host arrays (either may be None); a
-    reduction's ``src`` may be Pieces."""
+    """One member's large step (the movement families' ``Pipe``): sources and results are flat
+    host arrays (a result None where the member gets none); a reduction's source may be Pieces."""
 
-    def __init__(
-        self,
-        group: Members,
-        agreed: Signature,
-        src: np.ndarray | Pieces | None,
-        dst: np.ndarray | None,
-        step: int,
-        deadline: float,
-    ) -> None:
+    def __init__(self, group: Members, dtype: Any, step: int, deadline: float) -> None:
         self.group = group
-        self.agreed = agreed
-        self.pieces = src if isinstance(src, Pieces) else None
-        self.src = None if isinstance(src, Pieces) else src
-        self.dst = dst
         self.step = step
         self.deadline = deadline
         self.n, self.me = group.n, group.rank
         self.others = [rank for rank in range(self.n) if rank != self.me]
-        self.dtype = np.dtype(agreed.dtype)
+        self.dtype = np.dtype(dtype)
         self.cap = CHUNK_BYTES // self.dtype.itemsize  # elements per buffer
-        self.total = math.prod(agreed.shape) if agreed.shape is not None else 0
-
-    def run(self) -> None:
-        kind = self.agreed.kind
-        if kind in REDUCING:
-            self._reduction()
-        elif kind == "broadcast":
-            self._broadcast()
-        elif kind in ("all_gather", "gather"):
-            self._gathering()
-        else:
-            self._blocked(kind)
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -166,22 +144,19 @@ class Chunks:
         for rank in ranks:
             self.group.wait(rank, target, self.deadline)
 
-    # -- the collectives ------------------------------------------------------------------------
+    # -- the primitives -------------------------------------------------------------------------
 
-    def _reduction(self) -> None:
-        dst, n, me = self.dst, self.n, self.me
-        assert self.agreed.op is not None
-        op = self.agreed.op
-        source = self.pieces
-        if source is None:
-            assert self.src is not None
-            source = Pieces([self.src])
-        for c, lo in enumerate(range(0, self.total, self.cap)):
-            hi = min(self.total, lo + self.cap)
+    def reduce(self, src: np.ndarray | Pieces, dst: np.ndarray | None, op: ReduceOp) -> None:
+        """``dst`` (where not None) = op over every member's whole ``src``, in rank order."""
+        n, me = self.n, self.me
+        source = src if isinstance(src, Pieces) else Pieces([src])
+        total = source.size
+        for c, lo in enumerate(range(0, total, self.cap)):
+            hi = min(total, lo + self.cap)
             length = hi - lo
             mine, buffer = slice_of(hi - lo, n, me), self.buffer(me, c)
             # readers of chunk c - 2 are done: their IN(c - 1) was awaited in the last round
-            whole = me < 2 and len(source.arrays) > 1 and length == self.total  # many pieces, one chunk
+            whole = me < 2 and len(source.arrays) > 1 and length == total  # many pieces, one chunk
             if whole:  # every piece packed by one call; my slice is then reduced in place
                 source.pack(buffer[:length])  # (reduce_all's out may be its input 0 or 1)
             else:
@@ -204,11 +179,11 @@ class Chunks:
                     part = slice_of(length, n, k)
                     np.copyto(dst[lo + part.start : lo + part.stop], self.buffer(k, c)[part])
 
-    def _broadcast(self) -> None:
-        src, dst, root = self.src, self.dst, self.agreed.root
-        assert root is not None
-        for c, lo in enumerate(range(0, self.total, self.cap)):
-            hi = min(self.total, lo + self.cap)
+    def copy(self, root: int, src: np.ndarray | None, dst: np.ndarray | None) -> None:
+        """Every member's ``dst`` = the root's ``src`` (the root's own ``dst`` may be None or ``src``)."""
+        total = src.size if src is not None else (dst.size if dst is not None else 0)
+        for c, lo in enumerate(range(0, total, self.cap)):
+            hi = min(total, lo + self.cap)
             if self.me == root:
                 assert src is not None
                 if c >= 2:
@@ -223,55 +198,71 @@ class Chunks:
         if self.me == root and dst is not None and src is not None and not _same(dst, src):
             np.copyto(dst, src)  # the root's own result (unless it broadcast from out=x in place)
 
-    def _gathering(self) -> None:
-        src, dst, me, total = self.src, self.dst, self.me, self.total
-        assert src is not None
-        for c, lo in enumerate(range(0, total, self.cap)):
-            hi = min(total, lo + self.cap)
+    def stack(self, counts: Sequence[int], src: np.ndarray, dst: np.ndarray | None) -> None:
+        """``dst`` (where not None) = every member's ``src`` (``counts[k]`` elements), in rank order."""
+        me = self.me
+        starts = list(itertools.accumulate(counts, initial=0))
+        chunks = max((-(-count // self.cap) for count in counts), default=0)
+        for c in range(chunks):
+            lo = c * self.cap
             if c >= 2 and dst is None:  # a taker awaited every IN(c - 1) in the last round
                 self.wait(self.others, _in(c - 1))
-            np.copyto(self.buffer(me, c)[: hi - lo], src[lo:hi])
+            mine = max(0, min(counts[me], lo + self.cap) - lo)
+            np.copyto(self.buffer(me, c)[:mine], src[lo : lo + mine])
             self.post(_in(c))
             if dst is not None:
                 self.wait(self.others, _in(c))
                 for k in self.others:
-                    np.copyto(dst[k * total + lo : k * total + hi], self.buffer(k, c)[: hi - lo])
+                    theirs = max(0, min(counts[k], lo + self.cap) - lo)
+                    at_k = starts[k] + lo
+                    np.copyto(dst[at_k : at_k + theirs], self.buffer(k, c)[:theirs])
         if dst is not None:
-            np.copyto(dst[me * total : (me + 1) * total], src)
+            np.copyto(dst[starts[me] : starts[me + 1]], src)
 
-    def _blocked(self, kind: str) -> None:
-        """reduce_scatter, all_to_all, scatter: block j of a loader's input is meant for member j."""
-        src, dst, n, me = self.src, self.dst, self.n, self.me
-        assert dst is not None
-        root = self.agreed.root
-        block = self.total if kind == "scatter" else self.total // n
-        loader = kind != "scatter" or me == root
-        sources = self.others if kind != "scatter" else ([root] if me != root and root is not None else [])
-        per = max(1, self.cap // n)
-        for c, lo in enumerate(range(0, block, per)):
-            hi = min(block, lo + per)
-            length = hi - lo
+    def split(
+        self,
+        sizes: Sequence[Sequence[int] | None],
+        src: np.ndarray | None,
+        dst: np.ndarray,
+        op: ReduceOp | None,
+    ) -> None:
+        """Loader k (``sizes[k]`` not None) sends its block j (``sizes[k][j]`` elements, blocks in
+        rank order) to member j, which reduces what it gets with ``op`` (every loader sends the
+        same sizes then) or stacks it by source rank."""
+        n, me = self.n, self.me
+        rows = {k: row for k, row in enumerate(sizes) if row is not None}
+        loaders = sorted(rows)
+        row = sizes[me]
+        sends = list(itertools.accumulate(row, initial=0)) if row is not None else []
+        receives = list(itertools.accumulate((rows[k][me] if k in rows else 0 for k in range(n)), initial=0))
+        sources = [k for k in loaders if k != me]
+        everyone = len(loaders) == n  # every member waits for every other each round
+        per = max(1, self.cap // n)  # elements for each member in one chunk
+        biggest = max((size for k in loaders for size in rows[k]), default=0)
+        for c in range(-(-biggest // per)):
+            lo = c * per
             own: Any = None
-            if loader:
+            if row is not None:
                 assert src is not None
-                if c >= 2 and kind == "scatter":  # the others awaited every IN(c - 1) in the last round
+                if c >= 2 and not everyone:  # the others awaited every IN(c - 1) in the last round
                     self.wait(self.others, _in(c - 1))
                 buffer = self.buffer(me, c)
                 for j in self.others:
-                    np.copyto(buffer[j * length : (j + 1) * length], src[j * block + lo : j * block + hi])
-                own = src[me * block + lo : me * block + hi]
-            self.post(_in(c))  # (a receiver of scatter: done with chunk c - 1)
+                    length = max(0, min(row[j], lo + per) - lo)
+                    np.copyto(buffer[j * per : j * per + length], src[sends[j] + lo : sends[j] + lo + length])
+                length = max(0, min(row[me], lo + per) - lo)
+                own = src[sends[me] + lo : sends[me] + lo + length]
+            self.post(_in(c))  # (a member that loads nothing: done with chunk c - 1)
             self.wait(sources, _in(c))
-            mine = slice(me * length, (me + 1) * length)
-            if kind == "reduce_scatter":
-                assert self.agreed.op is not None
-                inputs = [own if k == me else self.buffer(k, c)[mine] for k in range(n)]
-                reduce_all(self.agreed.op, inputs, dst[lo:hi])
-            elif kind == "all_to_all":
-                for k in range(n):
-                    np.copyto(
-                        dst[k * block + lo : k * block + hi], own if k == me else self.buffer(k, c)[mine]
-                    )
+            pieces = [
+                own
+                if k == me
+                else self.buffer(k, c)[me * per : me * per + max(0, min(sizes[k][me], lo + per) - lo)]  # type: ignore[index]
+                for k in loaders
+            ]
+            if op is not None:
+                length = pieces[0].size
+                reduce_all(op, pieces, dst[lo : lo + length])
             else:
-                assert root is not None
-                np.copyto(dst[lo:hi], own if me == root else self.buffer(root, c)[mine])
+                for k, piece in zip(loaders, pieces, strict=True):
+                    np.copyto(dst[receives[k] + lo : receives[k] + lo + piece.size], piece)

@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 from collections import Counter
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from collective.algorithms.ops import Array
 from collective.arrays import CPU
-from collective.call import reduce_all
 from collective.calls import rules_of
 from collective.errors import (
     CollectiveError,
@@ -43,23 +41,53 @@ from collective.errors import (
     PeerLostError,
     describe_peers,
 )
-from collective.shm_chunks import ABORT, ARRIVE, END, REDUCING, Chunks, Pieces, at
-from collective.shm_host import HostRing, Moved, SignatureCodec, error_of_record, record_of
-from collective.signature import Signature, agree
+from collective.movement import Movement
+from collective.shm_chunks import ABORT, ARRIVE, END, Chunks, Pieces, at
+from collective.shm_host import HostRing, Moved, SignatureCodec
+from collective.signature import Rules, Signature, agree
+from collective.step import Step
 from collective.transport.shm_ring import INLINE_BYTES, MESSAGE_BYTES, RingSegment, Waiting
-from collective.transport.wire import WireError
+from collective.transport.wire import ErrorRecord, WireError
 
-__all__ = ["STEPS", "ShmGroup"]
+__all__ = ["STEPS", "ShmExecutor", "ShmGroup", "ShmTask"]
 
 log = logging.getLogger(__name__)
 
 STEPS: Counter[str] = Counter()  # steps this process ran through shared memory, by kind (for tests)
 
 
-class ShmGroup:
-    """The executor of one group's steps through shared memory (one per group, reused every step)."""
+class ShmTask(Protocol):
+    """What one shared-memory step moves for this process (a collective's, or the host tier's)."""
 
-    path = "shm"
+    @property
+    def signature(self) -> Signature:
+        """This process's call, as it publishes it."""
+        ...
+
+    @property
+    def source_elsewhere(self) -> bool:
+        """Whether a sourced call may have its source outside this group (a host tier's)."""
+        ...
+
+    def rules(self, kind: str) -> Rules:
+        """How the calls of ``kind`` are agreed."""
+        ...
+
+    def movement(self, agreed: Signature) -> Movement:
+        """How the agreed call's data moves among the members (raises what the call finds wrong)."""
+        ...
+
+    def source(self) -> np.ndarray | Pieces | None:
+        """This member's input in host memory (pieces read in place: never packed)."""
+        ...
+
+    def target(self, agreed: Signature, movement: Movement) -> Array | None:
+        """The buffer of this member's result (None: it gets none)."""
+        ...
+
+
+class ShmGroup:
+    """The steps of one group through shared memory (one per group, reused every step)."""
 
     def __init__(self, ring: HostRing, members: tuple[int, ...], me: int, purpose: str = "") -> None:
         self.ring = ring
@@ -92,78 +120,77 @@ class ShmGroup:
 
     # -- the step -------------------------------------------------------------------------------
 
-    def run(self, step: Any) -> Array | None:
-        """This process's part of ``step`` (a collective.step.Step)."""
-        plan = step.plan
-        s = plan.number
-        self._label = plan.label
-        self._timeout = step.timeout
+    def run(
+        self,
+        number: int,
+        label: str,
+        deadline: float,
+        timeout: float,
+        task: ShmTask | None,
+        error: CollectiveError | None = None,
+    ) -> tuple[Signature, Array | None]:
+        """Step ``number`` of the group for this process: (the agreed call, this member's result).
+
+        ``error``: this process fails the step, telling the others (``task`` None: before it
+        publishes any call; else once its call is published, so the others may still agree).
+        """
+        s = number
+        self._label = label
+        self._timeout = timeout
         self.busy = True
         try:
-            index = self.ring.channel(self, s, step.deadline, self._label)
+            index = self.ring.channel(self, s, deadline, self._label)
             self.mine = self.ring.segment.channels[index]
             self._active = s
             self.last = s
             if not self._segments:
                 self._map(s)
-            return self._step(step, s)
+            return self._step(s, deadline, task, error)
         except CollectiveError as exc:
             if self._active is not None:
                 self._give_up(s, exc)
             else:  # (no channel yet: the one the group gets next tells the others)
-                self.ended = (s, record_of(exc))
+                self.ended = (s, ErrorRecord.of(exc).line())
             raise
         finally:
             self.busy = False
 
     def abort(self, error: CollectiveError) -> None:
-        """This process failed inside the step (Step.run): the others learn of it at once."""
+        """This process failed inside the step: the others learn of it at once."""
         if self._active is not None:
             self._give_up(self._active, error)
 
-    def _step(self, step: Any, s: int) -> Array | None:
-        plan, call = step.plan, step.call
-        deadline = step.deadline
+    def _step(
+        self, s: int, deadline: float, task: ShmTask | None, error: CollectiveError | None
+    ) -> tuple[Signature, Array | None]:
         slot = s & 1
         if s >= 2 and self._met != s - 1:
             self._wait_all(at(s - 2, ABORT), deadline, False)  # all left step s-2: slot s % 2 is free
-        if call is None:  # this process fails the step before publishing (collective.host_tier)
-            raise plan.error  # recorded for the others by run(): they raise its class
-        pieces = call.unpacked()
-        source: np.ndarray | Pieces | None
-        if pieces is not None and call.x.nbytes > INLINE_BYTES:
-            src, source = None, Pieces(pieces)  # read in place by the chunks, never packed
-        else:
-            src = call.source()
-            if src is not None:
-                src = CPU.adopt(src)  # a CuPy input: through the host
-            source = src
-        message, digest = self.codec.encode(call.signature)
-        self._publish(
-            s, slot, message, digest, src if src is not None and src.nbytes <= INLINE_BYTES else None
-        )
-        if plan.error is not None and call.signature.error is None:
-            raise plan.error  # recorded for the others by run()
+        if task is None:
+            assert error is not None
+            raise error  # recorded for the others by run(): they raise its class
+        source = task.source()
+        inline = source if isinstance(source, np.ndarray) and source.nbytes <= INLINE_BYTES else None
+        message, digest = self.codec.encode(task.signature)
+        self._publish(s, slot, message, digest, inline)
+        if error is not None and task.signature.error is None:
+            raise error  # recorded for the others by run()
         self._wait_all(at(s, ARRIVE), deadline)
         self._met = s
-        agreed, inputs = self._agree(s, slot, message, digest, call)
-        agreed = call.moved(agreed)
-        result = call.new_result(call.device, agreed, self.n, self.rank)
+        agreed, movement, inputs = self._agree(s, slot, message, digest, task)
+        result = task.target(agreed, movement)
         target: Any = result if result is None or result.ndim == 1 else result.reshape(-1)  # C-contiguous
         host = target is None or type(target) is np.ndarray
         dst = target if host else np.empty(target.shape, target.dtype)
         if inputs is None:
-            Chunks(self, agreed, source, dst, s, deadline).run()
-        elif dst is not None and agreed.kind in REDUCING:  # every member reduces in rank order
-            assert agreed.op is not None
-            reduce_all(agreed.op, inputs, dst)
-        elif dst is not None:  # this member's share, straight into its result (Call.part)
-            call.part(agreed, inputs, None, self.rank, dst)
+            movement.stream(Chunks(self, movement.dtype, s, deadline), source, dst)
+        elif dst is not None:  # every member computes its own result from every inline input
+            movement.own(inputs, self.rank, dst)
         if not host:
             target.set(dst)  # a CuPy result
         self._finished(s)
         STEPS[agreed.kind] += 1
-        return result
+        return agreed, result
 
     def _map(self, s: int) -> None:
         """Map every other member's segment (a failure is this process giving up the step)."""
@@ -189,10 +216,10 @@ class ShmGroup:
         self.post((s << 32) | ARRIVE)
 
     def _agree(
-        self, s: int, slot: int, message: bytes, digest: int, call: Any
-    ) -> tuple[Signature, list[Any] | None]:
-        """The agreed call and every member's inline input for a small step (None for a large one),
-        sized for the data the call moves (``Call.moved``).
+        self, s: int, slot: int, message: bytes, digest: int, task: ShmTask
+    ) -> tuple[Signature, Movement, list[Any] | None]:
+        """The agreed call, its movement and every member's inline input for a small step (None
+        for a large one).
 
         When every member published the digest of this process's message and the call has neither
         a problem nor a source to find, that is the agreed call; otherwise every message is decoded
@@ -201,7 +228,7 @@ class ShmGroup:
         """
         channels = self._channels or self._all_channels()
         heads = self._heads[slot]
-        key: tuple[Any, ...] = (slot,)
+        key: tuple[Any, ...] = (slot, task.rules)
         for rank, head in enumerate(heads):
             value = channels[rank].progress[0]  # it gave the step up since it came (and may be on)
             gave_up = value >= at(s, ABORT) and value != at(s, END) and channels[rank].record(s)
@@ -215,42 +242,48 @@ class ShmGroup:
             key += (head[3], head[2])
         found = self._agreed.get(key)
         if found is None:
-            found = self._agreed_anew(s, slot, message, digest, channels, heads, call)
+            found = self._agreed_anew(s, slot, message, digest, channels, heads, task)
             if len(self._agreed) > 32:
                 self._agreed.clear()
             self._agreed[key] = found
         return found
 
     def _agreed_anew(
-        self, s: int, slot: int, message: bytes, digest: int, channels: list[Any], heads: list[Any], call: Any
-    ) -> tuple[Signature, list[Any] | None]:
+        self,
+        s: int,
+        slot: int,
+        message: bytes,
+        digest: int,
+        channels: list[Any],
+        heads: list[Any],
+        task: ShmTask,
+    ) -> tuple[Signature, Movement, list[Any] | None]:
         try:
             agreed = self.codec.decode(message)
             same = all(head[3] == digest for head in heads)
-            if not same or agreed.error is not None or rules_of(agreed.kind).sourced:
+            if not same or agreed.error is not None or task.rules(agreed.kind).sourced:
                 messages = [bytes(c.messages[slot][: h[1]]) for c, h in zip(channels, heads, strict=True)]
                 specs = {rank: self.codec.decode(message) for rank, message in enumerate(messages)}
-                elsewhere = call.source_elsewhere
+                elsewhere = task.source_elsewhere
                 number = "#" + self._label.rpartition("#")[2]  # the caller's (a host tier: 2 steps a call)
-                agreed = agree(specs, number, rules_of, who=self._who, source_elsewhere=elsewhere)
+                agreed = agree(specs, number, task.rules, who=self._who, source_elsewhere=elsewhere)
+            movement = task.movement(agreed)
         except WireError as exc:
             self._finish_with(s, MismatchError(f"{self._label}: a member published an unusable call: {exc}"))
         except CollectiveError as exc:
             self._finish_with(s, exc)
-        moved = call.moved(agreed)
-        if moved.kind == "barrier":
-            return agreed, [None] * self.n
-        count = math.prod(moved.shape or ()) * (self.n if moved.kind == "scatter" else 1)
-        nbytes = count * moved.dtype.itemsize
-        if nbytes > INLINE_BYTES:
-            return agreed, None
+        itemsize = np.dtype(movement.dtype).itemsize if movement.dtype is not None else 0
+        sizes = [movement.source_size(rank) for rank in range(self.n)]
+        if max((size for size in sizes if size is not None), default=0) * itemsize > INLINE_BYTES:
+            return agreed, movement, None
         inputs: list[Any] = []
-        for rank, (channel, head) in enumerate(zip(channels, heads, strict=True)):
-            if head[2] >= 0 and head[2] != nbytes:
+        for rank, (channel, head, size) in enumerate(zip(channels, heads, sizes, strict=True)):
+            nbytes = -1 if size is None else size * itemsize
+            if nbytes >= 0 and head[2] != nbytes:
                 problem = f"{self._label}: {self._who([rank])} published {head[2]} bytes, not {nbytes}"
                 self._finish_with(s, MismatchError(problem))
-            inputs.append(None if head[2] < 0 else channel.slots[slot][:nbytes].view(moved.dtype))
-        return agreed, inputs
+            inputs.append(None if nbytes < 0 else channel.slots[slot][:nbytes].view(movement.dtype))
+        return agreed, movement, inputs
 
     def _all_channels(self) -> list[Any]:
         channels = [self.mine if rank == self.rank else self._theirs[rank] for rank in range(self.n)]
@@ -408,15 +441,63 @@ class ShmGroup:
     def _give_up(self, s: int, error: CollectiveError) -> None:
         """Tell the other members this process left step ``s`` without finishing it."""
         self._active = None
-        self.ended = (s, record_of(error))
+        self.ended = (s, ErrorRecord.of(error).line())
         self.mine.write_record(s, self.ended[1])
         self.post(at(s, ABORT))
 
     def _theirs_error(self, rank: int, reason: str) -> CollectiveError:
         """The error a member recorded when it gave a step up, as its class (a lost peer by default)."""
-        return error_of_record(
-            f"{self._label}: peer {self.members[rank]} gave up", reason, self.members[rank]
-        )
+        peer = self.members[rank]
+        return ErrorRecord.from_line(reason).error(f"{self._label}: peer {peer} gave up", [peer])
 
     def _who(self, ranks: list[int]) -> str:
         return describe_peers([self.members[rank] for rank in ranks])
+
+
+class _CallTask:
+    """A collective's step of ``ShmExecutor``: the call's own signature, rules and movement."""
+
+    source_elsewhere = False
+
+    def __init__(self, step: Step, size: int) -> None:
+        self.call = step.call
+        self.step = step
+        self.size = size
+        self.signature = step.call.signature
+
+    def rules(self, kind: str) -> Rules:
+        return rules_of(kind)
+
+    def movement(self, agreed: Signature) -> Movement:
+        return self.call.movement(agreed, self.size)
+
+    def source(self) -> np.ndarray | Pieces | None:
+        call = self.call
+        pieces = call.unpacked()
+        if pieces is not None and call.x.nbytes > INLINE_BYTES:
+            return Pieces(pieces)  # read in place by the chunks, never packed
+        src = call.source()
+        return None if src is None else CPU.adopt(src)  # (a CuPy input: through the host)
+
+    def target(self, agreed: Signature, movement: Movement) -> Array | None:
+        return self.call.new_result(self.call.device, agreed, self.size, self.step.rank)
+
+
+class ShmExecutor:
+    """The executor of a group whose processes all run on this host: its steps are its ShmGroup's."""
+
+    path = "shm"
+
+    def __init__(self, group: ShmGroup) -> None:
+        self.group = group
+
+    def run(self, step: Step) -> Array | None:
+        plan = step.plan
+        task = _CallTask(step, self.group.n)
+        step.agreed, result = self.group.run(
+            plan.number, plan.label, step.deadline, step.timeout, task, plan.error
+        )
+        return result
+
+    def abort(self, error: CollectiveError) -> None:
+        self.group.abort(error)

@@ -5,7 +5,8 @@ this host when a group first needs them, and lends the segment's channels to gro
 keeps its channel while it is used; when every channel is taken, the group used least recently
 of those not inside a step whose members all left its last step gives its channel up.
 ``SignatureCodec`` is how a call travels in a slot: msgpack of collective.protocol's fields,
-decoded with bounds, both cached (a group calls the same few collectives over and over).
+decoded with bounds (transport.wire.decode_map), both cached (a group calls the same few
+collectives over and over).
 """
 
 from __future__ import annotations
@@ -15,17 +16,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 import msgpack
 
-from collective import errors
 from collective.errors import (
     CollectiveError,
     CollectiveTimeout,
-    InvalidArgumentError,
     JobClosedError,
-    MismatchError,
     PeerLostError,
     describe_peers,
 )
@@ -33,9 +31,9 @@ from collective.protocol import as_sent, digested, signature_fields, signature_f
 from collective.shm_chunks import ABORT, END, at
 from collective.signature import Signature
 from collective.transport.shm_ring import CHANNELS, MESSAGE_BYTES, RingSegment
-from collective.transport.wire import WireError
+from collective.transport.wire import decode_map
 
-__all__ = ["HostRing", "Moved", "SignatureCodec", "error_of_record", "record_of"]
+__all__ = ["HostRing", "Moved", "SignatureCodec"]
 
 log = logging.getLogger(__name__)
 
@@ -157,26 +155,6 @@ class HostRing:
         self.segment.close()
 
 
-def record_of(error: CollectiveError) -> str:
-    """What a process records in its channel when it gives a step up: the error's class, peers, text."""
-    peers = getattr(error, "missing", None) or getattr(error, "peers", None) or ()
-    return f"{type(error).__name__}|{','.join(map(str, peers))}|{error}"
-
-
-def error_of_record(context: str, reason: str, peer: int) -> CollectiveError:
-    """The error ``record_of`` recorded, as its class (a PeerLostError naming ``peer`` by default)."""
-    name, peers_text, message = [*reason.split("|", 2), "", ""][:3]
-    peers = [int(p) for p in peers_text.split(",") if p.strip().lstrip("-").isdigit()]
-    cls = getattr(errors, name, None)
-    text = f"{context}: {message}"
-    if cls is CollectiveTimeout:
-        return CollectiveTimeout(text, peers)
-    if cls in (MismatchError, InvalidArgumentError, CollectiveError):
-        verdict: CollectiveError = cls(text)  # reached elsewhere (the host tier's leader passes it on)
-        return verdict
-    return PeerLostError(text, peers or [peer])  # (its job closed: lost to the others)
-
-
 class Moved(Exception):
     """A member's process evicted a group's channel (its channels were all taken) for another
     group: the other members, which cached it, look it up again (the group gets another one)."""
@@ -210,12 +188,7 @@ class SignatureCodec:
         """The Signature of ``message``; WireError if it is not one."""
         found = self._decoded.get(message)
         if found is None:
-            try:
-                fields: Any = msgpack.unpackb(message, raw=False, max_str_len=MESSAGE_BYTES, max_map_len=32)
-            except Exception as exc:  # msgpack raises several types for malformed input
-                raise WireError(f"undecodable call: {exc}") from None
-            if not isinstance(fields, dict):
-                raise WireError("a call is not a map")
+            fields = decode_map(message, MESSAGE_BYTES, "call", strings=MESSAGE_BYTES, entries=32)
             found = signature_from_fields(fields)
             if len(self._decoded) > 64:
                 self._decoded.clear()

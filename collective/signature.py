@@ -22,7 +22,11 @@ class Signature(NamedTuple):
     """One peer's call, as compared with the others'. Cheap to build and compare.
 
     ``shape``/``dtype`` are None where the peer states none (a broadcast receiver without ``out``).
-    ``parts`` lists (shape, dtype name) per array of a coalesced call.
+    ``parts`` lists (shape, dtype name) per array of a coalesced call. ``sizes`` are per-rank
+    sizes every peer passes alike (reduce_scatter_v). ``table`` holds what each rank states for
+    itself alone (all_gather_v's rows, all_to_all_v's send sizes) as (rank, values) pairs: one
+    pair in a peer's own call, every rank's in the agreed call (``agree`` merges them; a node's
+    locally agreed call holds its own ranks').
     """
 
     kind: str
@@ -33,16 +37,26 @@ class Signature(NamedTuple):
     has_data: bool = True
     error: str | None = None
     parts: tuple[tuple[tuple[int, ...], str], ...] = ()
+    sizes: tuple[int, ...] = ()
+    table: tuple[tuple[int, tuple[int, ...]], ...] = ()
+
+    def rows(self, n: int) -> list[tuple[int, ...]]:
+        """Every rank's values of ``table`` by rank (a complete table: an agreed call's)."""
+        found: list[tuple[int, ...]] = [()] * n
+        for rank, values in self.table:
+            found[rank] = values
+        return found
 
 
 class Rules(NamedTuple):
     """How one kind of call is agreed: the fields every peer's call must share, and for calls with
     one source (broadcast, scatter) the fields shared by the peers that state them (the source, and
-    receivers that pass ``out``)."""
+    receivers that pass ``out``). ``gathered``: every rank states its own ``table`` row."""
 
     compared: tuple[str, ...]
     sourced: bool = False  # exactly one peer passes the data (broadcast, scatter)
     stated: tuple[str, ...] = ()
+    gathered: bool = False
 
 
 def _disagreement(
@@ -105,6 +119,11 @@ def agree(
         problems = [t for name in kind_rules.stated if (t := _disagreement(stating, name, _show, who))]
     if problems:
         raise MismatchError(f"{label}: peers disagree on " + "; ".join(problems))
+    if kind_rules.gathered:
+        merged = sorted(row for spec in specs.values() for row in spec.table)
+        if len({rank for rank, _ in merged}) != len(merged):
+            raise MismatchError(f"{label}: a rank's values were stated twice: {merged}")
+        return first._replace(table=tuple(merged))
     return first
 
 

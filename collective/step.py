@@ -9,9 +9,11 @@ local peers at once (PeerLostError naming this peer) instead of leaving them to 
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from collective.algorithms.ops import Array
 from collective.config import CollectiveConfig
@@ -24,6 +26,8 @@ if TYPE_CHECKING:
     from collective.node import NodeJob
 
 __all__ = ["Executor", "Plan", "Site", "Step"]
+
+T = TypeVar("T")
 
 
 class Executor(Protocol):
@@ -52,6 +56,18 @@ class Site:
     share_below: int = 0  # numpy arrays up to this many bytes: Shared
     node: NodeJob | None = None  # multi-node: this process's membership of the global job
     exchanges: weakref.WeakSet[Exchange] = field(default_factory=weakref.WeakSet)  # aborted on close
+    _kept: dict[Any, Any] = field(default_factory=dict)  # what executors keep per group (``once``)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def once(self, key: Any, make: Callable[[], T]) -> T:
+        """``make()`` the first time ``key`` is asked for (once, whichever thread asks), then the same."""
+        found = self._kept.get(key)
+        if found is None:
+            with self._lock:
+                found = self._kept.get(key)
+                if found is None:
+                    found = self._kept[key] = make()
+        return found
 
 
 class Plan:
@@ -82,7 +98,7 @@ class Plan:
 class Step:
     """Peer ``peer``'s part of ``plan``."""
 
-    __slots__ = ("call", "deadline", "index", "peer", "plan", "rank", "timeout")
+    __slots__ = ("agreed", "call", "deadline", "index", "peer", "plan", "rank", "timeout")
 
     def __init__(
         self, plan: Plan, peer: int, index: int, rank: int, call: Call, deadline: float, timeout: float
@@ -94,12 +110,14 @@ class Step:
         self.call = call
         self.deadline = deadline
         self.timeout = timeout
+        self.agreed = plan.agreed  # the call as agreed; an executor that agrees beyond this process sets it
 
     def run(self) -> Any:
         """This peer's result (its executor's work, then the call's last touch)."""
         plan = self.plan
         try:
-            return self.call.finish(plan.executor.run(self), plan.agreed, plan.size)
+            result = plan.executor.run(self)
+            return self.call.finish(result, self.agreed, plan.size)
         except CollectiveError:
             raise
         except BaseException as error:

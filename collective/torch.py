@@ -17,11 +17,12 @@ same global ranks. Every torch op maps onto our collectives (see docs/frameworks
 written into torch's tensors in place. CPU tensors are used as they are; CUDA tensors are staged
 through host memory.
 
-A blocking call runs in the caller's thread; ``async_op=True`` (and DDP's reducer) queues it on
-the group's worker thread (calls of one group complete in the order they were issued) and returns
-a ``TorchWork`` at once. Torch groups of the same ranks share that worker: they are one group of
-ours, whose calls must come in the order issued. Point-to-point receives have a worker per
-(source, tag), so a pending ``irecv`` never holds up a collective or a receive from elsewhere.
+A group's calls run in the order they were issued through its ``collective.work.Sequencer``: a
+blocking call in the caller's thread (after the queued ones), ``async_op=True`` (and DDP's
+reducer) queued for the sequencer's worker thread, returning a ``TorchWork`` at once. Torch groups
+of the same ranks share that sequencer: they are one group of ours, whose calls must come in the
+order issued. Point-to-point receives have a worker per (source, tag), so a pending ``irecv``
+never holds up a collective or a receive from elsewhere.
 Errors are ``torch.distributed.DistBackendError`` with our message, caused by our error; a lost
 peer is one within seconds on every other rank (heartbeats), whatever torch's timeout.
 """
@@ -45,7 +46,8 @@ from collective.runtime import Runtime
 from collective.torch_all_to_all import AllToAll
 from collective.torch_ops import Ops
 from collective.torch_p2p import PointToPoint, group_key
-from collective.torch_work import Receives, TorchWork, Worker, backend_error, seconds
+from collective.torch_work import Receives, TorchWork, backend_error, seconds
+from collective.work import Sequencer
 
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
@@ -77,7 +79,7 @@ class CollectiveProcessGroup(Ops, AllToAll, PointToPoint, dist.ProcessGroup):  #
         self.call_timeout = call_timeout  # a subgroup's own timeout for its collectives (None: the job's)
         self._owns = owns
         self._done = TorchWork.completed([], "blocking call")
-        self._collectives = _shared_worker(runtime, self.members, peer)
+        self._collectives = _shared_sequencer(runtime, self.members, peer)
         self._receives = Receives(f"collective-torch-{peer}-recv")
         self._closed = False
         self._name = ""
@@ -102,11 +104,12 @@ class CollectiveProcessGroup(Ops, AllToAll, PointToPoint, dist.ProcessGroup):  #
     # -- life cycle ---------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        """destroy_process_group(): the workers end; the group that registered the peer finishes it."""
+        """destroy_process_group(): the group that registered the peer finishes it. (The workers end
+        by themselves once their calls have run.)"""
         with _SHARED_LOCK:
             closing, self._closed = not self._closed, True
         if closing:
-            _release_worker(self.runtime, self.members)
+            _release_sequencer(self.runtime, self.members)
         if self._owns:
             self._owns = False
             with contextlib.suppress(RegistrationError):  # already finished, or the job is gone
@@ -116,35 +119,33 @@ class CollectiveProcessGroup(Ops, AllToAll, PointToPoint, dist.ProcessGroup):  #
         self.shutdown()
 
 
-_SHARED: weakref.WeakKeyDictionary[Runtime, dict[tuple[int, ...], list[Any]]] = weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary[Runtime, dict[tuple[int, ...], tuple[Sequencer, int]]] = (
+    weakref.WeakKeyDictionary()
+)
 _SHARED_LOCK = threading.Lock()
 
 
-def _shared_worker(runtime: Runtime, members: tuple[int, ...], peer: int) -> Worker:
-    """The collectives' worker of every torch group of ``members`` in this process. Torch groups of
-    the same ranks are one group of ours (one order of calls), so their calls must enter it in the
-    order they were issued: one worker, and a blocking call waits for the queued ones."""
+def _shared_sequencer(runtime: Runtime, members: tuple[int, ...], peer: int) -> Sequencer:
+    """The sequencer of every torch group of ``members`` in this process. Torch groups of the same
+    ranks are one group of ours (one order of calls), so their calls must enter it in the order
+    they were issued: one sequencer, and a blocking call waits for the queued ones."""
     with _SHARED_LOCK:
         table = _SHARED.setdefault(runtime, {})
-        entry = table.get(members)
-        if entry is None:
-            entry = table[members] = [Worker(f"collective-torch-{peer}"), 0]
-        entry[1] += 1
-        worker: Worker = entry[0]
-        return worker
+        sequencer, users = table.get(members) or (Sequencer(f"torch-{peer}"), 0)
+        table[members] = (sequencer, users + 1)
+        return sequencer
 
 
-def _release_worker(runtime: Runtime, members: tuple[int, ...]) -> None:
-    """One torch group of ``members`` shut down: the last one closes the worker."""
+def _release_sequencer(runtime: Runtime, members: tuple[int, ...]) -> None:
+    """One torch group of ``members`` shut down: the last one forgets the sequencer (its worker
+    ends LINGER seconds after its last call)."""
     with _SHARED_LOCK:
         table = _SHARED.get(runtime, {})
         entry = table.get(members)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
+        if entry is not None and entry[1] > 1:
+            table[members] = (entry[0], entry[1] - 1)
+        elif entry is not None:
             del table[members]
-            entry[0].close()
 
 
 def _store_host(store: Any) -> str | None:

@@ -119,9 +119,8 @@ def on_every_rank(kind: type[Call]) -> Callable[[Method], Method]:
                     raise
                 refused = kind.refused(str(exc.__cause__), self.members[0])
                 try:  # (after this rank's queued calls on the group, as the call itself would be)
-                    self._collectives.call(
-                        lambda: self.runtime.start(self.peer, refused, self.group, self.call_timeout, False)
-                    )
+                    args = (self.peer, refused, self.group, self.call_timeout, False)
+                    self._collectives.call(self.runtime.start, kind.kind, *args)
                 except CollectiveError as error:
                     raise backend_error(error) from error
                 raise AssertionError("unreachable: a refused call raises") from exc

@@ -52,7 +52,6 @@ from collective.torch_checks import invalid, on_every_rank, op_name, reduce_op, 
 from collective.torch_work import (
     Receives,
     TorchWork,
-    Worker,
     array,
     backend_error,
     fill,
@@ -60,6 +59,7 @@ from collective.torch_work import (
     seconds,
     store_back,
 )
+from collective.work import Sequencer
 
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
@@ -75,7 +75,7 @@ class Ops:
     group: Group | None
     members: tuple[int, ...]
     call_timeout: float | None
-    _collectives: Worker
+    _collectives: Sequencer
     _receives: Receives
     _done: TorchWork
 
@@ -91,13 +91,12 @@ class Ops:
             work = TorchWork(outputs, label)
             self._receives.submit(receive, lambda: work.run(body))
             return work
-        worker = self._collectives
         if getattr(opts, "asyncOp", True):
             work = TorchWork(outputs, label)
-            worker.submit(lambda: work.run(body))
+            self._collectives.enqueue(partial(work.run, body))
             return work
         try:
-            worker.call(body)
+            self._collectives.call(body, label)
         except CollectiveError as exc:
             raise backend_error(exc) from exc
         return self._done

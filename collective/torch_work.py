@@ -6,6 +6,8 @@ to torch lives here:
 * ``TorchWork``, a ``torch.distributed.Work`` whose ``wait()`` raises the collective's error and
   whose ``get_future()`` is a ``torch.futures.Future`` completed with the list of output tensors
   (what DDP's reducer and comm hooks read). A blocking call returns one already completed.
+  (A group's calls keep their order through a collective.work.Sequencer; receives through
+  ``Receives``, a queue per source and tag.)
 * ``backend_error``: our errors as ``torch.distributed.DistBackendError`` (a RuntimeError), with
   our message (prefixed with the error's class) and our error as ``__cause__``.
 * ``host`` / ``array`` / ``fill``: the contiguous CPU tensor a collective reads and writes (a copy
@@ -19,7 +21,6 @@ whether or not it is installed.
 from __future__ import annotations
 
 import importlib
-import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -35,8 +36,8 @@ dist: Any = importlib.import_module("torch.distributed")
 
 __all__ = [
     "DTYPES",
+    "Receives",
     "TorchWork",
-    "Worker",
     "array",
     "backend_error",
     "fill",
@@ -175,56 +176,6 @@ class TorchWork(dist.Work):  # type: ignore[misc]
     def __repr__(self) -> str:
         state = "pending" if not self._done.is_set() else ("failed" if self._error else "done")
         return f"<TorchWork {self._label} {state}>"
-
-
-class Worker:
-    """Runs one group's calls in the order they were issued.
-
-    Queued calls (``submit``: async ops, DDP's buckets) run on the worker's own thread, started on
-    first use and kept (waking it costs ~10 us where starting a thread costs ~100); a blocking call
-    (``call``) runs in the caller's thread once the queue has drained. A call made on the worker's
-    thread itself (by a callback of a work's future, as DDP's PowerSGD hook does) runs there at
-    once: every rank makes it at the same point of its group's order (as the work completes).
-    """
-
-    def __init__(self, name: str) -> None:
-        self._name = name
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._idle = threading.Condition()
-        self._pending = 0
-        self._thread: threading.Thread | None = None
-
-    def submit(self, job: Callable[[], None]) -> None:
-        """Queue ``job`` (which handles its own errors) behind every earlier call."""
-        if threading.current_thread() is self._thread:  # from a callback of this group's work:
-            job()  # queued, it would wait for the callback that waits for it
-            return
-        with self._idle:
-            self._pending += 1
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._drain, name=self._name, daemon=True)
-                self._thread.start()
-        self._queue.put(job)
-
-    def call(self, job: Callable[[], None]) -> None:
-        """Run ``job`` here, after the queued calls; its error is raised here."""
-        if self._pending and threading.current_thread() is not self._thread:
-            with self._idle:
-                self._idle.wait_for(lambda: not self._pending)
-        job()
-
-    def close(self) -> None:
-        """Let the thread end once the queued calls have run."""
-        if self._thread is not None:
-            self._queue.put(None)
-
-    def _drain(self) -> None:
-        while (job := self._queue.get()) is not None:
-            job()
-            with self._idle:
-                self._pending -= 1
-                if not self._pending:
-                    self._idle.notify_all()
 
 
 class Receives:

@@ -4,7 +4,8 @@
 ``Sequencer`` (one per peer and group), which runs that peer's calls on that group one after
 another in the order they were issued, blocking calls included: a blocking call made while
 asynchronous ones are queued waits its turn. A worker thread ends ``Sequencer.LINGER`` seconds
-after its queue drained, so a Work dropped unwaited leaks nothing once its collective ends.
+after its queue drained, so a Work dropped unwaited leaks nothing once its collective ends. The
+torch backend (collective.torch) keeps its groups' calls in order with a Sequencer too.
 
 Buffer rule: an array passed to an asynchronous collective (input or ``out``) must not be modified
 until ``wait()`` has returned.
@@ -84,7 +85,14 @@ class Sequencer:
     One party at a time is *active*: the caller's thread running a blocking call inline, or the
     worker thread draining the queue. When the worker has drained the queue it parks for up to
     LINGER seconds before it ends: waking a parked thread costs ~20 us here, starting one ~110 us,
-    and a training step hands the worker a bucket every few milliseconds.
+    and a training step hands the worker a bucket every few milliseconds. It parks on a bell of
+    its own, rung after the lock is released (a Condition would make it wake to a lock its waker
+    still holds, and sleep again).
+
+    A call made on the worker thread while it runs a call (a callback run as a torch work
+    completes, as DDP's PowerSGD hook makes them) runs there at once, ``submit`` and ``call``
+    alike: queued, it would wait for the call that waits for it. Every peer makes it at the same
+    point of its order (as that call completes).
     """
 
     LINGER = 0.5
@@ -92,27 +100,37 @@ class Sequencer:
     def __init__(self, name: str) -> None:
         self._name = name
         self._lock = threading.Lock()  # guards every field below (a plain lock: blocking calls take it)
-        self._cv = threading.Condition(self._lock)  # the parked worker waits on it
         self._idle = threading.Condition(self._lock)  # notified when no call runs or waits
         self._idle_waiters = 0  # (a notify costs ~1 us: only when finish() waits)
-        self._queue: deque[tuple[Callable[[], Any], Work]] = deque()
+        self._queue: deque[Callable[[], None]] = deque()  # jobs that hand their outcome on
         self._active = False  # a call is running (in its caller's thread or the worker)
-        self._parked = False  # the worker thread exists and waits for a hand-off
-        self._handoff = False  # the worker is active again: the queue has work for it
+        self._parked = False  # the worker thread exists and waits for a hand-off (which clears this)
+        self._bell = threading.Lock()  # released once per hand-off to the parked worker
+        self._bell.acquire()
         self._worker: threading.Thread | None = None
 
     def submit(self, call: Callable[[], Any], label: str) -> Work:
         """Queue ``call``; its Work completes when it has run after every earlier call."""
         work = Work(label)
-        with self._lock:
-            self._queue.append((call, work))
-            if not self._active:
-                self._active = True
-                self._hand_to_worker()
+        self.enqueue(partial(work._settle, call))
         return work
+
+    def enqueue(self, job: Callable[[], None]) -> None:
+        """Queue ``job``, which hands its outcome on itself (a torch work's ``run`` does), to run
+        after every earlier call."""
+        if threading.current_thread() is self._worker:  # made by the call the worker runs
+            job()
+            return
+        with self._lock:
+            self._queue.append(job)
+            ring = not self._active and self._hand_to_worker()
+        if ring:
+            self._bell.release()
 
     def call(self, call: Callable[..., Any], label: str, *args: Any) -> Any:
         """Run ``call(*args)`` now in this thread when nothing is queued, else after the queued ones."""
+        if threading.current_thread() is self._worker:  # made by the call the worker runs
+            return call(*args)
         with self._lock:
             inline = not self._active
             self._active = True
@@ -122,11 +140,13 @@ class Sequencer:
             return call(*args)
         finally:
             with self._lock:
-                self._active = bool(self._queue)
-                if self._active:
-                    self._hand_to_worker()
-                elif self._idle_waiters:
-                    self._idle.notify_all()
+                ring = bool(self._queue) and self._hand_to_worker()
+                if not self._queue:
+                    self._active = False
+                    if self._idle_waiters:
+                        self._idle.notify_all()
+            if ring:
+                self._bell.release()
 
     def wait_idle(self) -> None:
         """Wait until every call issued so far has ended (each is bounded by its own timeout)."""
@@ -137,27 +157,38 @@ class Sequencer:
             finally:
                 self._idle_waiters -= 1
 
-    def _hand_to_worker(self) -> None:
-        """Make the worker the active party (lock held): wake it, or start one."""
-        if self._parked and self._worker is not None and self._worker.is_alive():  # not after a fork
-            self._handoff = True
-            self._cv.notify()
-        else:  # a live worker is either parked or active, and it is not active: there is none
-            self._parked = False
-            self._worker = threading.Thread(target=self._drain, name=f"collective-{self._name}", daemon=True)
-            self._worker.start()
+    def _hand_to_worker(self) -> bool:
+        """Make the worker the active party (lock held): start one, or claim the parked one and
+        return True: the caller rings the bell once it has released the lock."""
+        self._active = True
+        parked, self._parked = self._parked, False
+        if parked and self._worker is not None and self._worker.is_alive():  # (not after a fork)
+            return True
+        self._worker = threading.Thread(target=self._drain, name=f"collective-{self._name}", daemon=True)
+        self._worker.start()
+        return False
 
     def _drain(self) -> None:
         while True:
             with self._lock:
-                while not self._queue:
-                    self._active = self._handoff = False
+                job = self._queue.popleft() if self._queue else None
+                if job is None:
+                    self._active = False
                     if self._idle_waiters:
                         self._idle.notify_all()
                     self._parked = True
-                    handed = self._cv.wait_for(lambda: self._handoff, timeout=self.LINGER)
-                    self._parked = False
-                    if not handed:
-                        return
-                call, work = self._queue.popleft()
-            work._settle(call)
+            if job is not None:
+                job()
+            elif not self._handed():
+                return
+
+    def _handed(self) -> bool:
+        """Parked: True once a hand-off rang the bell, False after LINGER seconds without one."""
+        if self._bell.acquire(timeout=self.LINGER):
+            return True
+        with self._lock:
+            if self._parked:  # nobody claimed it: the thread ends
+                self._parked = False
+                return False
+        self._bell.acquire()  # claimed just as the wait timed out: its ring is on the way
+        return True

@@ -310,6 +310,14 @@ class Spec:
         """How many executor steps (rendezvous) one call takes."""
         return 1
 
+    def fresh_out(self, shaped: Any) -> Any:
+        """A separate ``out`` for a result like ``shaped`` (holding SENTINEL)."""
+        return _fresh(shaped)
+
+    def identity(self, got: Any, out: Any) -> list[str]:
+        """What is wrong with how the result relates to the ``out`` given (empty: nothing)."""
+        return _identity(got, out)
+
     def step_bytes(self, case: Case, n: int) -> list[int]:
         """Per step, the largest input any rank passes, in bytes (what the executor's choice reads)."""
         return [math.prod(self.input_shape(case, n)) * DTYPES[case.dtype].itemsize]
@@ -566,11 +574,112 @@ class CoalescedSpec(Spec):
             }
 
 
+class _UnevenSpec(Spec):
+    """An uneven collective: the rows of each rank's block vary with the rank (some none); ``out``
+    is one array of every row a rank gets, and the result a list of views of it, by source rank."""
+
+    zero_d = False
+
+    @staticmethod
+    def spread(base: int, i: int, j: int = 0) -> int:
+        """A row count near ``base`` that varies with ``i`` and ``j`` (0 for some)."""
+        return max(0, base + (i * 7 + j * 3) % 5 - 2)
+
+    def fresh_out(self, shaped: Any) -> Any:
+        if not isinstance(shaped, list):
+            return _fresh(shaped)
+        return np.full((sum(a.shape[0] for a in shaped), *shaped[0].shape[1:]), SENTINEL, shaped[0].dtype)
+
+    def identity(self, got: Any, out: Any) -> list[str]:
+        if not isinstance(got, list):
+            return _identity(got, out)
+        start = 0
+        for piece in got:
+            rows = piece.shape[0]
+            if rows and not np.shares_memory(piece, out[start : start + rows]):
+                return [f"a piece of the result is not rows {start}..{start + rows} of the out= given"]
+            start += rows
+        return [] if start == out.shape[0] else [f"the pieces hold {start} rows, out= {out.shape[0]}"]
+
+
+class AllGatherVSpec(_UnevenSpec):
+    kind = "all_gather_v"
+
+    def inputs(self, case: Case, n: int) -> list[Any]:
+        base, rest = case.block[0], case.block[1:]
+        return [
+            values((self.spread(base, rank), *rest), case.dtype, 1000 * case.index + rank, case.view)
+            for rank in range(n)
+        ]
+
+    def expected(self, case: Case, inputs: list[Any]) -> list[Any]:
+        return [[contiguous(x) for x in inputs]] * len(inputs)
+
+    def call(self, api: Any, case: Case, seat: Seat, x: Any, out: Any) -> Any:
+        return api.all_gather_v(seat.peer, x, group=seat.group, out=out)
+
+    def step_bytes(self, case: Case, n: int) -> list[int]:
+        width = math.prod(case.block[1:]) * DTYPES[case.dtype].itemsize
+        return [max(self.spread(case.block[0], rank) for rank in range(n)) * width]
+
+
+class ReduceScatterVSpec(_UnevenSpec):
+    kind = "reduce_scatter_v"
+    reduces = True
+
+    def sizes(self, case: Case, n: int) -> list[int]:
+        return [self.spread(case.block[0], j) for j in range(n)]
+
+    def input_shape(self, case: Case, n: int) -> tuple[int, ...]:
+        return (sum(self.sizes(case, n)), *case.block[1:])
+
+    def expected(self, case: Case, inputs: list[Any]) -> list[Any]:
+        assert case.op is not None
+        total, sizes = reduced(inputs, case.op), self.sizes(case, len(inputs))
+        starts = list(itertools.accumulate(sizes, initial=0))
+        return [total[starts[j] : starts[j + 1]] for j in range(len(inputs))]
+
+    def call(self, api: Any, case: Case, seat: Seat, x: Any, out: Any) -> Any:
+        return api.reduce_scatter_v(
+            seat.peer, x, self.sizes(case, seat.size), case.op, group=seat.group, out=out
+        )
+
+
+class AllToAllVSpec(_UnevenSpec):
+    kind = "all_to_all_v"
+
+    def sends(self, case: Case, n: int, rank: int) -> list[int]:
+        return [self.spread(case.block[0], rank, j) for j in range(n)]
+
+    def inputs(self, case: Case, n: int) -> list[Any]:
+        base_rest = case.block[1:]
+        return [
+            values(
+                (sum(self.sends(case, n, rank)), *base_rest), case.dtype, 1000 * case.index + rank, case.view
+            )
+            for rank in range(n)
+        ]
+
+    def expected(self, case: Case, inputs: list[Any]) -> list[Any]:
+        n = len(inputs)
+        starts = [list(itertools.accumulate(self.sends(case, n, k), initial=0)) for k in range(n)]
+        return [[contiguous(inputs[k][starts[k][j] : starts[k][j + 1]]) for k in range(n)] for j in range(n)]
+
+    def call(self, api: Any, case: Case, seat: Seat, x: Any, out: Any) -> Any:
+        sends = self.sends(case, seat.size, seat.rank)
+        return api.all_to_all_v(seat.peer, x, sends, group=seat.group, out=out)
+
+    def step_bytes(self, case: Case, n: int) -> list[int]:
+        width = math.prod(case.block[1:]) * DTYPES[case.dtype].itemsize
+        return [max(sum(self.sends(case, n, rank)) for rank in range(n)) * width]
+
+
 SPECS: dict[str, Spec] = {
     spec.kind: spec
     for spec in (
         AllReduceSpec(), ReduceSpec(), BroadcastSpec(), AllGatherSpec(), GatherSpec(), ReduceScatterSpec(),
-        AllToAllSpec(), ScatterSpec(), BarrierSpec(), CoalescedSpec(),
+        AllToAllSpec(), ScatterSpec(), BarrierSpec(), CoalescedSpec(), AllGatherVSpec(), ReduceScatterVSpec(),
+        AllToAllVSpec(),
     )
 }  # fmt: skip
 
@@ -646,16 +755,16 @@ def run_case(api: Any, peer: int, world: int, case: Case) -> list[str]:
     out: Any = None
     if case.out == "inplace":
         x = _private(x)
-        out = x if x is not None else _fresh(shaped)
+        out = x if x is not None else case.spec.fresh_out(shaped)
     elif case.out == "new":
-        out = _fresh(shaped)
+        out = case.spec.fresh_out(shaped)
     kept = _digest(out)  # what an out that gets no result must still hold
     group = None if case.members is None else col.new_group(list(members))
     seat = Seat(peer, rank, n, None if case.root is None else members[case.root], group)
     got = case.spec.call(api, case, seat, x, out)
     problems = _compare(got, expected, "result")
     if expected is not None and out is not None:
-        problems += _identity(got, out)
+        problems += case.spec.identity(got, out)
     elif expected is not None and not problems and _aliases(got, data.inputs):
         problems.append("a new result shares memory with an input")
     elif out is not None and _digest(out) != kept:
@@ -684,10 +793,12 @@ def _fresh(like: Any) -> Any:
 
 
 def _aliases(got: Any, inputs: list[Any]) -> bool:
-    """Whether a new result may share memory with any rank's input (for a list: item i with every
-    rank's input i)."""
-    if isinstance(got, list):
+    """Whether a new result may share memory with any rank's input (for a list of lists: item i with
+    every rank's input i)."""
+    if isinstance(got, list) and any(isinstance(x, list) for x in inputs):  # (a list of lists: coalesced)
         return any(_aliases(item, [x[i] for x in inputs if x is not None]) for i, item in enumerate(got))
+    if isinstance(got, list):  # (pieces of one result: the uneven collectives)
+        return any(_aliases(item, inputs) for item in got)
     return (
         isinstance(got, np.ndarray)
         and got.size > 0

@@ -22,7 +22,8 @@ import numpy as np
 
 import collective as col
 from collective import shm_executor
-from collective.transport.shm_ring import NAME
+from collective.transport.shm_ring import RingSegment
+from collective.transport.shm_segment import NAME
 
 SIZES = [0, 1, 3, 17, 1000, 20_000, 300_001]  # elements: empty .. more than a chunk, odd
 DTYPES = ["float32", "float64", "int32", ml_dtypes.bfloat16]
@@ -301,20 +302,20 @@ def overlap(peer: int, world: int) -> int:
 def lead_fails(peer: int, world: int) -> int:
     """Peer 0 (its host's leader) fails with a plain exception in its global phase, after its
     host's shared-memory step: every process hears at once; then the job goes on."""
-    import collective.three_phase
+    from collective.movement import Reduction
 
-    kept = collective.three_phase._contribution
+    kept = Reduction.contribution
     if peer == 0:
 
         def broken(*args: Any) -> None:
             raise MemoryError("simulated")
 
-        collective.three_phase._contribution = broken  # type: ignore[assignment]
+        Reduction.contribution = broken  # type: ignore[method-assign]
     try:
         col.all_reduce(peer, np.ones(4, np.float32), timeout=30)
     except (MemoryError, col.CollectiveError) as exc:
         say(f"ERROR {type(exc).__name__} - {exc}")
-    collective.three_phase._contribution = kept  # type: ignore[assignment]
+    Reduction.contribution = kept  # type: ignore[method-assign]
     same(col.all_reduce(peer, np.ones(4, np.float32)), np.full(4, world, np.float32), "after the failure")
     say("AFTER")
     return 1
@@ -494,6 +495,17 @@ MODES = {
 }  # fmt: skip
 
 
+def ring_segment() -> str | None:
+    """The name of this process's ring segment (its segment in /dev/shm with the ring's magic)."""
+    for name in os.listdir("/dev/shm"):
+        match = NAME.fullmatch(name)
+        if match is not None and int(match.group(1)) == os.getpid():
+            with open(f"/dev/shm/{name}", "rb") as handle:
+                if handle.read(8) == RingSegment.MAGIC:
+                    return name
+    return None
+
+
 def main() -> int:
     mode, extra = sys.argv[1], sys.argv[2:]
     config = col.CollectiveConfig.from_env()
@@ -502,9 +514,7 @@ def main() -> int:
     started = time.monotonic()
     try:
         col.register(peer, "cpu", config)
-        matches = [NAME.fullmatch(name) for name in os.listdir("/dev/shm")]
-        ours = [m.group(0) for m in matches if m is not None and int(m.group(1)) == os.getpid()]
-        say(f"RING {ours[0] if ours else None}")
+        say(f"RING {ring_segment()}")
         try:
             count = MODES[mode](peer, world, *extra)
         except col.CollectiveError as exc:

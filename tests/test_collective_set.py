@@ -254,35 +254,6 @@ def _unchanged(inputs: list[np.ndarray], originals: list[bytes]) -> None:
     assert not changed, f"inputs {changed} were written"
 
 
-MATRIX = [("fused", Tree(2)), ("shared", Tree(2))] + [("linked", s) for s in STRATEGIES]
-
-
-@pytest.mark.parametrize("n", PEERS, ids=lambda n: f"{n}peers")
-@pytest.mark.parametrize(
-    ("path", "strategy"), MATRIX, ids=[f"{p}-{s}" if p == "linked" else p for p, s in MATRIX]
-)
-def test_every_collective_dtype_block_op_and_root(
-    executors_seen: list[str], path: str, strategy: Any, n: int
-) -> None:
-    """all_gather, reduce_scatter (every op), all_to_all, gather and scatter at every root, barrier.
-
-    For every dtype and block shape, with and without ``out=``; inputs are never written.
-    """
-    cases: list[Case] = []
-    inputs: list[np.ndarray] = []
-    for d, dtype in enumerate(DTYPES.values()):
-        for b, (block, view) in enumerate(BLOCKS.values()):
-            seed = 10 * (10 * d + b)
-            # all_to_all in place on the fused path: see test_all_to_all_in_place_on_the_fused_path
-            for case in cases_for(n, dtype, block, view, seed, OPS, list(range(n)), inputs, path != "fused"):
-                cases.append(case._replace(label=f"{np.dtype(dtype).name} {block} {case.label}"))
-    originals = [x.tobytes() for x in inputs]
-    with col.Runtime(**PATHS[path]) as rt:
-        run_cases(rt, n, config(n, strategy), cases)
-    _unchanged(inputs, originals)
-    assert set(executors_seen) == {EXECUTOR[path]}, "not the path under test"
-
-
 @pytest.mark.parametrize("path", ["fused", "shared"])
 def test_every_new_result_is_an_array_of_its_own(path: str) -> None:
     """No result without ``out=`` shares a byte with another peer's result or with any input (every
@@ -312,43 +283,6 @@ def test_every_new_result_is_an_array_of_its_own(path: str) -> None:
             assert not any(np.shares_memory(a, b) for b in arrays[i + 1 :]), f"{case.label}: results share"
     assert checked >= 6 * n  # all_gather, reduce_scatter, all_to_all, all_reduce, broadcast: every peer;
     # scatter: the peers without out; reduce: the root
-
-
-@pytest.mark.parametrize("n", [2, 3, 5], ids=lambda n: f"{n}peers")
-def test_all_to_all_in_place_on_the_fused_path(n: int) -> None:
-    xs = [make_input(p, (2 * n, 3), np.float32, seed=1) for p in range(n)]
-
-    def body(peer: int) -> Any:
-        rt.register(peer, "cpu", config(n))
-        mine = xs[peer].copy()
-        got = rt.all_to_all(peer, mine, out=mine)
-        rt.finish(peer)
-        return got, mine
-
-    with col.Runtime() as rt:
-        results = run_peers(n, body, rt)
-    for p, (got, mine) in enumerate(results):
-        assert got is mine
-        _same_bytes(mine, np.concatenate([xs[j][2 * p : 2 * p + 2] for j in range(n)]))
-
-
-@pytest.mark.parametrize("strategy", STRATEGIES, ids=str)
-def test_blocks_over_4_mib_take_the_strategy_on_the_default_runtime(
-    executors_seen: list[str], strategy: Any
-) -> None:
-    """The default Runtime hands arrays past the shared path's limit to the configured strategy."""
-    n = 3
-    inputs: list[np.ndarray] = []
-    cases = [
-        case
-        for case in cases_for(n, np.float32, BIG_BLOCK, False, 5, ["sum"], [n - 1], inputs)
-        if case.label not in ("all_gather out=", "reduce_scatter out=")
-    ]
-    originals = [x.tobytes() for x in inputs]
-    with col.Runtime() as rt:
-        run_cases(rt, n, config(n, strategy), cases)
-    _unchanged(inputs, originals)
-    assert "Linked" in executors_seen
 
 
 @pytest.mark.parametrize("path", list(PATHS))
@@ -770,39 +704,6 @@ COALESCED = [
     ((30_000,), np.float32),  # the float32 bucket is past the fused path's 64 KiB
     ((2, 2), np.int32),
 ]
-
-
-@pytest.mark.parametrize("op", ["sum", "mean", "max"])
-@pytest.mark.parametrize("n", [1, 3], ids=lambda n: f"{n}peers")
-@pytest.mark.parametrize("path", list(PATHS))
-def test_all_reduce_coalesced_equals_an_all_reduce_per_array(path: str, n: int, op: str) -> None:
-    xs = [
-        [make_input(p, shape, dtype, seed=i) for i, (shape, dtype) in enumerate(COALESCED)] for p in range(n)
-    ]
-    originals = [[x.copy() for x in row] for row in xs]
-
-    def body(peer: int) -> Any:
-        rt.register(peer, "cpu", config(n, Ring()))
-        together = rt.all_reduce_coalesced(peer, xs[peer], op)
-        outs = [np.full(shape, 7, dtype) for shape, dtype in COALESCED]
-        into = rt.all_reduce_coalesced(peer, xs[peer], op, out=outs)
-        one_by_one = [rt.all_reduce(peer, x, op) for x in xs[peer]]
-        rt.finish(peer)
-        return together, into, outs, one_by_one
-
-    with col.Runtime(**PATHS[path]) as rt:
-        results = run_peers(n, body, rt)
-    for together, into, outs, one_by_one in results:
-        assert isinstance(together, list) and len(together) == len(COALESCED)
-        assert all(a is b for a, b in zip(into, outs, strict=True))
-        for i, single in enumerate(one_by_one):
-            expected = reference([xs[p][i] for p in range(n)], op)
-            assert_matches(single, expected, n)
-            _same_bytes(together[i], single)  # small integers: exact on every path
-            _same_bytes(into[i], single)
-    for row, before in zip(xs, originals, strict=True):
-        for x, original in zip(row, before, strict=True):
-            _same_bytes(x, original)
 
 
 ONE_DTYPE = [(3, 4), (17,), (), (0,), (2, 0, 3), (2, 3, 5), (9_000,)]  # one dtype: one bucket

@@ -26,8 +26,14 @@ from collective.algorithms.ops import ReduceOp, combine
 from collective.errors import CollectiveTimeout, PeerLostError
 from collective.transport.inproc import COPY_BELOW, Exchange, InProcessLink
 from collective.transport.network import NodeNetwork
+from collective.transport.wire import ErrorRecord
 from collective.transport.zmq_link import ZmqLink
 from tests.recording import Network
+
+
+def _record(reason: str) -> ErrorRecord:
+    """A give-up reason as the data service carries it."""
+    return ErrorRecord("PeerLostError", (), reason)
 
 
 def inproc_links(n: int, timeout: float = 10.0) -> list[Any]:
@@ -84,7 +90,7 @@ def recording_group(n: int, timeout: float) -> LinkGroup:
 def zmq_group(n: int, timeout: float, shared: bool) -> LinkGroup:
     mesh = ZmqMesh(n, shared=shared, timeout=timeout)
     return LinkGroup(
-        mesh.links, abort=lambda peer, reason: mesh.networks[peer].abort(0, reason), close=mesh.close
+        mesh.links, abort=lambda peer, reason: mesh.networks[peer].abort(0, _record(reason)), close=mesh.close
     )
 
 
@@ -209,7 +215,7 @@ def test_a_flush_toward_a_lost_node_is_a_peer_lost_error_at_once() -> None:
 def test_a_zmq_abort_fails_the_other_nodes_waits_at_once() -> None:
     mesh = ZmqMesh(3, shared=False)
     try:
-        mesh.networks[1].abort(0, "MemoryError: simulated")
+        mesh.networks[1].abort(0, ErrorRecord("MemoryError", (), "simulated"))
         started = time.monotonic()
         for waiting in (0, 2):
             with pytest.raises(PeerLostError, match="node 1 gave up step 0: MemoryError: simulated"):
@@ -224,7 +230,7 @@ def test_an_abort_wins_over_what_the_aborting_node_sent_for_its_next_step() -> N
     the abort, not node 1's next message taken for its step-0 data."""
     mesh = ZmqMesh(2, shared=False)
     try:
-        mesh.networks[1].abort(0, "MemoryError: simulated")
+        mesh.networks[1].abort(0, ErrorRecord("MemoryError", (), "simulated"))
         mesh.networks[1].send(0, {"t": "data", "ch": 0, "seq": 1, "off": 0, "n": 0})
         time.sleep(0.2)  # both have arrived before node 0 looks
         with pytest.raises(PeerLostError, match="node 1 gave up step 0"):

@@ -13,7 +13,8 @@ log tells it (``collective.executors``: "<label> of group <members>: <path>"), n
   (COLLECTIVE_SHM=0): "three phases"; the global strategies rotate over the kinds in the jobs of
   several nodes, and each strategy runs for every kind on the cases that move over the link
   between nodes (steps past 64 KiB: smaller ones travel with the call exchange);
-* one-peer processes on emulated hosts (COLLECTIVE_HOST_ID "aabb", "aab"): "host tier".
+* one-peer processes on emulated hosts (COLLECTIVE_HOST_ID "aabb", "aab", and "abab", whose ranks
+  are not numbered host by host): "host tier".
 
 A group of one in a multi-process job runs through shared memory ("shm") wherever its process has
 a ring segment; on "aab" the peers but rank 0 are one process per host: "three phases".
@@ -226,6 +227,9 @@ PROCESS_JOBS = [
     *NO_SHM,
     ProcessJob("hosts-aabb", 4, 1, "host tier", "host tier", "shm", "aabb", rotated(1)),
     ProcessJob("hosts-aab", 3, 1, "host tier", "three phases", "shm", "aab", rotated(2)),
+    ProcessJob(
+        "hosts-abab", 4, 1, "host tier", "host tier", "shm", "abab", rotated(3)
+    ),  # ranks not host by host
 ]
 
 

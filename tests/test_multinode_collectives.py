@@ -39,14 +39,6 @@ def strategies(strategy: str) -> dict[str, str]:
     return {f"global_{kind}_strategy": strategy for kind in (*NEW_KINDS, "all_reduce")}
 
 
-@pytest.mark.parametrize("strategy", ["ring", "direct", "tree:2", "centralized"])
-@pytest.mark.parametrize(("nodes", "devices"), [(3, 2), (2, 1)], ids=["3x2", "2x1"])
-def test_every_new_collective_over_the_job_and_over_groups(
-    orchestrator: str, nodes: int, devices: int, strategy: str
-) -> None:
-    run_job(orchestrator, nodes, devices, ["world", "dtypes", "groups"], **strategies(strategy))
-
-
 def test_big_endian_arrays_reduce_across_nodes_of_several_peers(orchestrator: str) -> None:
     procs = start_nodes(orchestrator, f"order-{next(_jobs)}", 2, 2, "byte_order")
     for node, code in zip(procs, finish_all(procs, 90), strict=True):

@@ -14,6 +14,7 @@ import collective
 DOCUMENTED = {
     "register", "all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "gather",
     "scatter", "barrier", "send", "recv", "recv_any", "all_reduce_coalesced", "finish", "reset",
+    "all_gather_v", "reduce_scatter_v", "all_to_all_v",
     "default_runtime", "Runtime", "new_group", "Group", "world_size", "Work", "init",
     "peer_ids_from_env",
     "CollectiveConfig", "Centralized", "Tree", "Ring", "Direct", "ReduceOp",

@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import zmq
 
-from collective.errors import MismatchError, RegistrationError
+from collective.errors import CollectiveTimeout, MismatchError, PeerLostError, RegistrationError
 from collective.transport.network import BUDGET_FLOOR, RECEIVE_HWM, STEPS_AHEAD, NodeNetwork
 from collective.transport.orchestrator import Orchestrator
 from collective.transport.orchestrator_client import OrchestratorClient
 from collective.transport.shm import SLOT_BYTES, SLOTS
-from collective.transport.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, encode_header
+from collective.transport.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, ErrorRecord, encode_header
 from collective.transport.zmq_link import ZmqLink
 
 _jobs = itertools.count()
@@ -301,14 +301,27 @@ def test_forged_slots_and_acks_are_refused(
     assert "acknowledged slot 2 it was not lent" in caplog.text
 
 
+def test_an_abort_carries_the_senders_error_record_and_a_malformed_one_is_refused(
+    mesh: tuple[NodeNetwork, NodeNetwork], caplog: pytest.LogCaptureFixture
+) -> None:
+    a, b = mesh
+    a.send(1, {"t": "abort", "ch": 0, "seq": 0, "class": "MemoryError", "peers": "all", "message": "x"})
+    a.abort(1, ErrorRecord.of(CollectiveTimeout("waited for peer 3", [3])))
+    with pytest.raises(CollectiveTimeout, match="timed out waiting for step 0"):  # (that abort was refused)
+        b.receive(0, 0, time.monotonic() + 0.3, "step 0")
+    with pytest.raises(PeerLostError, match="node 0 gave up step 1: CollectiveTimeout: waited for peer 3"):
+        b.receive(0, 1, time.monotonic() + 5, "step 1")
+    assert "invalid peers of an error" in caplog.text
+
+
 def test_segments_of_dead_processes_are_removed(tmp_path: Any) -> None:
     from collective.transport import shm
 
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
     )
-    stale = f"/dev/shm/collective-{int(dead.stdout)}-feedbeef"
-    with open(stale, "wb") as handle:
+    stale = f"/dev/shm/collective-{int(dead.stdout)}-{'feedbeef' * 2}"  # its creator died making it
+    with open(os.open(stale, os.O_CREAT | os.O_WRONLY, 0o600), "wb") as handle:
         handle.write(b"x")
     segment = shm.SendSegment.create()
     assert segment is not None

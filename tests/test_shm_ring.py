@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from collective.transport.shm_ring import SIZE, RingSegment, Waiting, remove_stale
+from collective.transport.shm_ring import SIZE, RingSegment, Waiting
+from collective.transport.shm_segment import remove_stale
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
 

@@ -1,5 +1,6 @@
 """The Sequencer (collective.work) on its own: order, hand-offs between the caller and its worker,
-and the worker thread's life (parked between bursts of asynchronous calls, gone after LINGER)."""
+calls made from the worker's own call, and the worker thread's life (parked between bursts of
+asynchronous calls, gone after LINGER)."""
 
 from __future__ import annotations
 
@@ -67,6 +68,28 @@ def test_an_inline_call_hands_queued_work_to_the_parked_worker() -> None:
     assert sequencer.call(inline, "inline") == 9
     works[0].wait(WAIT)
     assert later == [0, 1, 2]  # the queued call ran after the inline one, on the worker
+
+
+def test_a_call_made_by_the_call_the_worker_runs_runs_there_at_once() -> None:
+    """As a callback of a torch work's future does (DDP's PowerSGD hook): queued behind the call
+    that made it, it would wait for the call that waits for it."""
+    sequencer = Sequencer("reentrant")
+    ran: list[str] = []
+    gate = threading.Event()
+
+    def callback() -> None:
+        ran.append("callback")
+        inner = sequencer.submit(lambda: ran.append("submitted by it"), "submitted by it")
+        assert inner.is_completed()
+        assert sequencer.call(lambda: 7, "called by it") == 7
+        ran.append("callback done")
+
+    first = sequencer.submit(lambda: (gate.wait(WAIT), callback()), "first")
+    later = sequencer.submit(lambda: ran.append("queued after it"), "queued after it")
+    gate.set()
+    first.wait(WAIT)
+    later.wait(WAIT)
+    assert ran == ["callback", "submitted by it", "callback done", "queued after it"]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX-only")

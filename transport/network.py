@@ -52,11 +52,12 @@ from collective.errors import (
 )
 from collective.transport.auth import watch_refusals
 from collective.transport.logs import Throttle
-from collective.transport.shm import PeerSegment, SendSegment, host_identity
+from collective.transport.shm import SendSegment, host_identity
 from collective.transport.sockets import make_socket
 from collective.transport.wire import (
     MAX_HEADER_BYTES,
     MAX_MESSAGE_BYTES,
+    ErrorRecord,
     WireError,
     declared_bytes,
     decode_header,
@@ -117,13 +118,13 @@ class NodeNetwork:
         self.index = -1
         self._segment = SendSegment.create()
         self.info = {"host": host_identity(), "shm": self._segment.path if self._segment else None}
-        self._peer_segments: dict[int, PeerSegment] = {}
+        self._peer_segments: dict[int, SendSegment] = {}
         self._dealers: dict[int, zmq.Socket[Any]] = {}
         self._addresses: dict[int, str] = {}
         self._sources: dict[bytes, int] = {}
         # (node, channel) -> its messages, in order: (header, payload, bytes)
         self._queues: dict[tuple[int, int], deque[tuple[dict[str, Any], Any, int]]] = {}
-        self._aborted: dict[Step, tuple[int, str]] = {}  # steps another node gave up: (node, why)
+        self._aborted: dict[Step, tuple[int, ErrorRecord]] = {}  # steps another node gave up: (node, why)
         self._lock = threading.Lock()
         self._sending = threading.Lock()  # a socket is not thread-safe: one multipart send at a time
         self._step: dict[int, int] = {}  # channel -> the step this node is at (earlier ones are over)
@@ -141,8 +142,7 @@ class NodeNetwork:
         """Join the mesh as node ``index`` of ``addresses`` (the data services of all nodes, by index).
 
         ``infos`` (each node's ``info``) tells which nodes share this host: their send segments are
-        mapped so their large chunks are read from shared memory.
-        """
+        mapped so their large chunks are read from shared memory."""
         self.index = index
         for other, address in enumerate(addresses):
             if other == index:
@@ -150,7 +150,7 @@ class NodeNetwork:
             info = (infos or [{}] * len(addresses))[other]
             if info.get("host") == self.info["host"] and isinstance(info.get("shm"), str) and self._segment:
                 try:
-                    self._peer_segments[other] = PeerSegment(info["shm"])
+                    self._peer_segments[other] = SendSegment.attach(info["shm"])
                 except (OSError, ValueError) as exc:
                     log.info("node %d's shared memory is not usable here (%s): using TCP", other, exc)
             dealer = make_socket(
@@ -231,11 +231,11 @@ class NodeNetwork:
         segment = self._peer_segments.get(src)
         return None if segment is None else segment.view(slot, nbytes, dtype)
 
-    def abort(self, seq: int, why: str, nodes: list[int] | None = None, channel: int = 0) -> None:
-        """Tell ``nodes`` (every other node) that this node gave up step ``seq`` of ``channel``."""
+    def abort(self, seq: int, why: ErrorRecord, nodes: list[int] | None = None, channel: int = 0) -> None:
+        """Tell ``nodes`` (every other node) that this node gave up step ``seq`` of ``channel``, and why."""
         for other in self._dealers if nodes is None else [n for n in nodes if n != self.index]:
             with contextlib.suppress(PeerLostError):  # tell every node that can still be told
-                self.send(other, {"t": "abort", "ch": channel, "seq": seq, "why": why[:1000]})
+                self.send(other, {"t": "abort", "ch": channel, "seq": seq, **why.fields()})
 
     def release(self, src: int, seq: int, slot: int, channel: int = 0) -> None:
         """Tell node ``src`` its ``slot`` has been read."""
@@ -279,10 +279,8 @@ class NodeNetwork:
                     self._drain()
 
     def pump(self, seconds: float) -> None:
-        """Wait up to ``seconds`` for messages and sort them (for a receive outside any collective).
-
-        When a collective is receiving, it sorts them itself: this only waits a little then.
-        """
+        """Wait up to ``seconds`` for messages and sort them (for a receive outside any collective;
+        when a collective is receiving, it sorts them itself: this only waits a little then)."""
         if not self._lock.acquire(timeout=seconds):
             return
         try:
@@ -357,6 +355,7 @@ class NodeNetwork:
             at = self._step.get(channel, 0)
             if seq > at + STEPS_AHEAD:
                 raise WireError(f"node {source} sent a message of step {seq} while this node is at {at}")
+            record = ErrorRecord.from_fields(header) if header["t"] == "abort" else None
         except WireError as exc:
             reason = str(exc)
             kind = " ".join(reason.split()[:2])  # "unknown sender", "undecodable header:", ...
@@ -367,9 +366,9 @@ class NodeNetwork:
             if self._deliver is not None:
                 self._deliver(source, header, frames[2] if len(frames) == 3 else None)
             return
-        if kind == "abort":  # handled here, never queued: every wait in that step fails
+        if record is not None:  # an abort, handled here, never queued: every wait in that step fails
             if seq >= at:
-                self._aborted[(channel, seq)] = (source, str(header.get("why"))[:1000])
+                self._aborted[(channel, seq)] = (source, record)
             return
         if kind == "ack":  # a slot of our send segment was read: handled here, never queued
             if self._segment is None or not self._segment.release(source, header.get("slot")):

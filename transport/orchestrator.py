@@ -43,6 +43,7 @@ from collective.errors import RegistrationError, describe_peers
 from collective.transport.auth import UNKNOWN_ADDRESS, watch_refusals
 from collective.transport.logs import Throttle
 from collective.transport.sockets import make_socket
+from collective.transport.wire import WireError, decode_map
 
 __all__ = ["HEARTBEAT_INTERVAL", "LOST_AFTER", "MAX_MESSAGE", "Orchestrator", "is_peer_list", "pack",
            "unpack"]  # fmt: skip
@@ -65,19 +66,13 @@ def pack(message: dict[str, Any]) -> bytes:
 
 def unpack(frame: bytes) -> dict[str, Any] | None:
     """A bounded msgpack map with a string ``t`` and ``job``, or None for anything else."""
-    if len(frame) > MAX_MESSAGE:
-        return None
     try:
-        message = msgpack.unpackb(
-            frame, raw=False, max_str_len=4096, max_bin_len=0, max_array_len=1 << 16, max_map_len=64
+        message = decode_map(
+            frame, MAX_MESSAGE, "message", strings=4096, binary=0, arrays=1 << 16, entries=64
         )
-    except Exception:
+    except WireError:
         return None
-    if (
-        not isinstance(message, dict)
-        or not isinstance(message.get("t"), str)
-        or not isinstance(message.get("job"), str)
-    ):
+    if not isinstance(message.get("t"), str) or not isinstance(message.get("job"), str):
         return None
     return message
 

@@ -4,7 +4,8 @@ Every process of a job creates one *ring segment* in /dev/shm and maps the segme
 processes on its host read-only; a process writes only to its own segment, so no word has two
 writers. A segment holds a header and CHANNELS channels::
 
-    header   magic, pid, start time, state, bell (futex word), sleepers, channel directory
+    header   the segment's (magic, pid, start time, size), state, bell (futex word), sleepers,
+             channel directory
     channel  progress (one int64 the owner raises), an abort ring (the owner's reasons for giving
              up a step), two slots (double-buffered: a header message plus up to INLINE_BYTES of
              data) and two chunk buffers of CHUNK_BYTES (double-buffered large data)
@@ -16,82 +17,49 @@ wakes when some reader sleeps), and checks ``watch`` (liveness, aborts) periodic
 blocked. A lost wake-up (possible: there is no store-load fence between the poster's progress
 store and its read of the sleepers word) costs at most MAX_SLEEP.
 
-Segments are named ``collective-<pid>-<16 hex>``, created 0600 with O_EXCL and O_NOFOLLOW, their
-whole size reserved up front (a full /dev/shm fails at creation, never later with SIGBUS), and
-unlinked when closed, when garbage-collected or at exit; segments of dead processes are removed
-by the next process that creates one. A segment is validated before it is mapped: our name
-pattern, a regular file of our uid, mode 0600, the exact size, our magic and the pid of its name.
-Relies on x86-64 store ordering (a reader that sees a progress value sees the data written before
-it).
+A ring segment is a transport.shm_segment Segment: named, created, validated before it is mapped,
+and removed (when closed, at exit, or by the next process once its creator is gone) as every
+segment of this library is. Relies on x86-64 store ordering (a reader that sees a progress value
+sees the data written before it).
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import mmap
 import os
-import re
-import secrets
-import stat
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from collective.transport.shm_segment import Segment
+
 __all__ = [
-    "CHANNELS", "CHUNK_BYTES", "INLINE_BYTES", "MESSAGE_BYTES", "RingSegment", "Waiting", "futex_wake",
-    "process_alive", "remove_stale",
+    "CHANNELS", "CHUNK_BYTES", "INLINE_BYTES", "MESSAGE_BYTES", "SIZE", "RingSegment", "Waiting",
+    "futex_wake",
 ]  # fmt: skip
 
-DIRECTORY = "/dev/shm"
-NAME = re.compile(r"collective-(\d{1,10})-([0-9a-f]{16})")
-MAGIC = b"COLRING1"
 CHANNELS = 8
 CHUNK_BYTES = 1 << 20
 INLINE_BYTES = 64 << 10
 MESSAGE_BYTES = 16 << 10  # a slot's header message (the caller's encoding)
 ABORTS = 8  # abort records kept per channel
 _RECORD = 512  # bytes per abort record: seq (int64), length (int64), text
-_HEADER = 4096
+_FIRST = 4096  # the channels start a page in, after the header
 _CONTROL = 64 + ABORTS * _RECORD
 _SLOT_HEAD = 64
 _SLOT = _SLOT_HEAD + MESSAGE_BYTES + INLINE_BYTES
 _CHANNEL = _CONTROL + 2 * _SLOT + 2 * CHUNK_BYTES
-SIZE = _HEADER + CHANNELS * _CHANNEL
-# header fields (byte offsets)
-_PID, _START, _SIZE, _STATE, _BELL, _SLEEPERS, _KEYS = 8, 16, 24, 32, 40, 44, 64
+SIZE = _FIRST + CHANNELS * _CHANNEL
+# header fields after the segment's own (byte offsets)
+_STATE, _BELL, _SLEEPERS, _KEYS = 32, 40, 44, 64
 
 MAX_SLEEP = 0.01  # a blocked waiter looks again at least this often
 _GAVE_AWAY = 20e-6  # a yield that took this long gave the CPU to somebody
 _PATIENCE = 2e-3  # yields go on this long while they come straight back (nobody else wants the CPU)
 WATCH_EVERY = 0.1  # and calls ``watch`` this often
-
-
-def _start_time(pid: int | str) -> int | None:
-    """The process's start time in clock ticks since boot (None: no such process, or a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            fields = handle.read().rpartition(b")")[2].split()
-    except OSError:
-        return None
-    return None if fields[0] in (b"Z", b"X") else int(fields[19])
-
-
-def process_alive(pid: int, start: int) -> bool:
-    """Whether process ``pid`` (started at ``start``, in ticks) still runs: not dead, reaped or reused."""
-    if start <= 0 or not os.path.isdir("/proc/self"):  # no start time known: the pid alone
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
-    return _start_time(pid) == start
 
 
 class _Futex:
@@ -123,45 +91,6 @@ _FUTEX = _Futex()
 
 def futex_wake(address: int) -> None:
     _FUTEX.wake(address)
-
-
-def remove_stale() -> int:
-    """Unlink ring segments of processes that are gone (dead, or their pid reused); how many."""
-    removed = 0
-    with contextlib.suppress(OSError):
-        for name in os.listdir(DIRECTORY):
-            match = NAME.fullmatch(name)
-            if match is None:
-                continue
-            path = os.path.join(DIRECTORY, name)
-            try:
-                with _open_checked(path, os.O_RDONLY, None) as handle:
-                    header = handle.read(_KEYS)
-            except (OSError, ValueError):
-                continue  # not ours, or not a ring segment (transport.shm cleans its own)
-            if len(header) < _KEYS or header[:8] != MAGIC:
-                continue
-            pid, start = (int.from_bytes(header[o : o + 8], "little") for o in (_PID, _START))
-            if pid == int(match.group(1)) and not process_alive(pid, start):
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-                    removed += 1
-    return removed
-
-
-def _open_checked(path: str, flags: int, size: int | None) -> Any:
-    """Open ``path`` without following links; ValueError unless a regular file of ours, mode 0600."""
-    descriptor = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        info = os.fstat(descriptor)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
-            raise ValueError(f"{path} is not a private regular file of this user")
-        if size is not None and info.st_size != size:
-            raise ValueError(f"{path} has {info.st_size} bytes, expected {size}")
-    except BaseException:
-        os.close(descriptor)
-        raise
-    return os.fdopen(descriptor, "rb", buffering=0)
 
 
 class Channel:
@@ -200,79 +129,29 @@ class Channel:
         heads[oldest][0] = seq
 
 
-class RingSegment:
+class RingSegment(Segment):
     """One process's ring segment: its own (``create``, writable) or another's (``attach``, read-only)."""
 
+    MAGIC = b"COLRING1"
+    SIZE = SIZE
+    KIND = "ring"
+
     def __init__(self, path: str, memory: Any, owner: bool) -> None:
-        self.path = path
-        self.name = os.path.basename(path)
-        self._memory = memory
-        self.owner = owner
+        super().__init__(path, memory, owner)
         view = memoryview(memory)
         self.words = view[:_KEYS].cast("q")
         self.bell = view[_BELL : _BELL + 4].cast("i")
         self.sleepers = view[_SLEEPERS : _SLEEPERS + 4].cast("i")
         self.keys = view[_KEYS : _KEYS + 8 * CHANNELS].cast("Q")
         self.bell_address = int(np.frombuffer(memory, np.int32, 1, _BELL).ctypes.data)
-        self.pid = self.words[_PID // 8]
-        self.start = self.words[_START // 8]
-        self.channels = [Channel(memory, _HEADER + i * _CHANNEL) for i in range(CHANNELS)]
+        self.channels = [Channel(memory, _FIRST + i * _CHANNEL) for i in range(CHANNELS)]
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _unlink, path, os.getpid()) if owner else None
-
-    @classmethod
-    def create(cls) -> RingSegment | None:
-        """This process's segment (stale ones removed first); None where /dev/shm cannot hold one."""
-        if not os.path.isdir(DIRECTORY):
-            return None
-        remove_stale()
-        path = os.path.join(DIRECTORY, f"collective-{os.getpid()}-{secrets.token_hex(8)}")
-        try:
-            descriptor = os.open(
-                path, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-            )
-        except OSError:
-            return None
-        try:
-            os.fchmod(descriptor, 0o600)
-            os.ftruncate(descriptor, SIZE)
-            os.posix_fallocate(descriptor, 0, SIZE)  # ENOSPC now rather than SIGBUS later
-            memory = mmap.mmap(descriptor, SIZE)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            return None
-        finally:
-            os.close(descriptor)
-        words = memoryview(memory)[:_KEYS].cast("q")
-        words[_PID // 8] = os.getpid()
-        words[_START // 8] = _start_time("self") or 0
-        words[_SIZE // 8] = SIZE
-        memory[:8] = MAGIC  # last: a segment with our magic is complete
-        return cls(path, memory, True)
-
-    @classmethod
-    def attach(cls, name: Any, pid: int) -> RingSegment:
-        """Process ``pid``'s segment ``name``, validated and mapped read-only; ValueError/OSError if unfit."""
-        match = NAME.fullmatch(name) if isinstance(name, str) else None
-        if match is None or int(match.group(1)) != pid:
-            raise ValueError(f"{name!r} is not the ring segment of process {pid}")
-        path = os.path.join(DIRECTORY, name)
-        with _open_checked(path, os.O_RDONLY, SIZE) as handle:
-            memory = mmap.mmap(handle.fileno(), SIZE, prot=mmap.PROT_READ)
-        if memory[:8] != MAGIC or int.from_bytes(memory[_PID : _PID + 8], "little") != pid:
-            memory.close()
-            raise ValueError(f"{path} is not a complete ring segment of process {pid}")
-        return cls(path, memory, False)
 
     # -- state --------------------------------------------------------------------------------
 
     @property
     def closed(self) -> bool:
         return bool(self.words[_STATE // 8])
-
-    def alive(self) -> bool:
-        return process_alive(self.pid, self.start)
 
     def wake(self) -> None:
         """Wake every process blocked on this segment's bell."""
@@ -307,19 +186,13 @@ class RingSegment:
         return channel
 
     def close(self) -> None:
-        """Mark the segment closed (readers see this process left) and unlink it (owner only)."""
+        """Mark the segment closed (readers see this process left) and unlink it (owner only). It
+        stays mapped: this process's channels may still be read."""
         if self.owner:
             self.words[_STATE // 8] = 1
             self.bump()
             self.wake()
-            if self._finalizer is not None:
-                self._finalizer()
-
-
-def _unlink(path: str, creator: int) -> None:
-    if os.getpid() == creator:  # a forked child must not remove its parent's segment
-        with contextlib.suppress(OSError):
-            os.unlink(path)
+            self.unlink()
 
 
 class Waiting:
