@@ -34,6 +34,7 @@ from collective.arrays import CPU, flat
 from collective.call import Call
 from collective.errors import CollectiveError
 from collective.host_tier import HostTier
+from collective.layout import Layout
 from collective.movement import Movement
 from collective.shm_executor import ShmExecutor, ShmGroup
 from collective.signature import Signature
@@ -101,20 +102,27 @@ def _across_processes(site: Site, members: tuple[int, ...], local: tuple[int, ..
     """A group of a multi-node job: shared memory when its processes all run on this host, each
     the one peer of its process in the group; three phases otherwise, with a host tier when it
     spans several hosts and some host runs several of its processes."""
+    place = site.once(members, _placed, site, members)
+    if isinstance(place, ShmExecutor):
+        return place
+    if isinstance(place, HostTier):
+        return ThreePhase(site, members, local, label, place.layout, place)
+    return ThreePhase(site, members, local, label, place)
+
+
+def _placed(site: Site, members: tuple[int, ...]) -> ShmExecutor | HostTier | Layout:
+    """Where the group ``members`` of a multi-node job runs (decided once per group, the same way
+    on every process of it): its shared-memory executor, its host tier, or the layout of its
+    nodes for three phases."""
     node = site.node
     assert node is not None
     hosts = node.hosts_of(members)  # None: not one process per peer, each with a ring segment
     if hosts is not None:
-        here = node.host
-        if all(host == here for host in hosts):
-            return site.once(
-                ("shm", members), lambda: ShmExecutor(ShmGroup(node.ring(), members, node.me_in(members)))
-            )
+        if all(host == node.host for host in hosts):
+            return ShmExecutor(ShmGroup(node.ring(), members, node.me_in(members)))
         if len(set(hosts)) > 1 and max(map(hosts.count, set(hosts))) > 1:
-            tier = site.once(("tier", members), lambda: HostTier.of(node, members, hosts))
-            return ThreePhase(site, members, local, label, tier.layout, tier)
-    layout = site.once(("layout", members), lambda: node.layout_of(members))
-    return ThreePhase(site, members, local, label, layout)
+            return HostTier.of(node, members, hosts)
+    return node.layout_of(members)
 
 
 def _target(step: Step, movement: Movement) -> tuple[Array | None, Array | None, Array | None]:

@@ -65,20 +65,20 @@ class _Inward:
         self.call = call
         self.tier = tier
         self.signature = call.signature
-        self.outer: Signature | None = None  # the host's agreed call (roots as group ranks)
-        self.moving: Movement | None = None
 
     def rules(self, kind: str) -> Rules:
         return rules_of(kind)
 
+    def outer(self, agreed: Signature) -> Signature:
+        """The host's agreed call as the group's: a source found on this host named by its group rank."""
+        if self.call.rules.sourced and self.signature.root is None and agreed.root is not None:
+            return agreed._replace(root=self.tier.ranks[agreed.root])
+        return agreed
+
     def movement(self, agreed: Signature) -> Movement:
         """The host-level movement that brings this host's inputs to its leader."""
-        tier, outer = self.tier, agreed
-        if self.call.rules.sourced and self.signature.root is None and agreed.root is not None:
-            outer = agreed._replace(root=tier.ranks[agreed.root])  # the source's rank here: its group rank
-        self.outer = outer
-        self.moving = self.call.movement(outer, len(tier.members)).inward(tuple(tier.ranks))
-        return self.moving
+        tier = self.tier
+        return self.call.movement(self.outer(agreed), len(tier.members)).inward(tuple(tier.ranks))
 
     def source(self) -> np.ndarray | Pieces | None:
         pieces = self.call.unpacked()
@@ -177,11 +177,10 @@ class HostTier:
         if self.group is None:
             return plan.agreed, [] if own is None else [own]
         inward = _Inward(call, self)
-        _, result = self.group.run(
+        agreed, result = self.group.run(
             2 * plan.number, plan.label, step.deadline, step.timeout, inward, plan.error
         )
-        assert inward.outer is not None and inward.moving is not None
-        return inward.outer, inward.moving.at_leader(result, own) if self.leader else []
+        return inward.outer(agreed), inward.movement(agreed).at_leader(result, own) if self.leader else []
 
     # -- phase 3 --------------------------------------------------------------------------------
 

@@ -114,9 +114,11 @@ def _same(a: Array, b: Array) -> bool:
     """Whether two flat arrays are the same memory (a copy between them is none)."""
     if a is b:
         return True
-    if type(a) is not np.ndarray or type(b) is not np.ndarray:
+    if type(a) is not np.ndarray or type(b) is not np.ndarray or a.size != b.size:
         return False
-    return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0] and a.size == b.size)
+    if a.base is not b.base and a.base is not b and b.base is not a:  # (cheap: views of one array)
+        return False
+    return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0])
 
 
 def _stacked(inputs: Sequence[Array]) -> Array:

@@ -224,11 +224,12 @@ class ShmGroup:
         When every member published the digest of this process's message and the call has neither
         a problem nor a source to find, that is the agreed call; otherwise every message is decoded
         and ``signature.agree`` decides, the same way on every member. Both are remembered by the
-        members' digests and input sizes: a group repeats the same few calls.
+        members' digests and input sizes and the kind of task (its movement is a function of those:
+        ``ShmTask.movement`` has no other input): a group repeats the same few calls.
         """
         channels = self._channels or self._all_channels()
         heads = self._heads[slot]
-        key: tuple[Any, ...] = (slot, task.rules)
+        key: tuple[Any, ...] = (slot, type(task))  # (a kind of task: its rules and movements)
         for rank, head in enumerate(heads):
             value = channels[rank].progress[0]  # it gave the step up since it came (and may be on)
             gave_up = value >= at(s, ABORT) and value != at(s, END) and channels[rank].record(s)
@@ -457,6 +458,7 @@ class ShmGroup:
 class _CallTask:
     """A collective's step of ``ShmExecutor``: the call's own signature, rules and movement."""
 
+    __slots__ = ("call", "signature", "size", "step")
     source_elsewhere = False
 
     def __init__(self, step: Step, size: int) -> None:

@@ -59,14 +59,14 @@ class Site:
     _kept: dict[Any, Any] = field(default_factory=dict)  # what executors keep per group (``once``)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def once(self, key: Any, make: Callable[[], T]) -> T:
-        """``make()`` the first time ``key`` is asked for (once, whichever thread asks), then the same."""
+    def once(self, key: Any, make: Callable[..., T], *args: Any) -> T:
+        """``make(*args)`` the first time ``key`` is asked for (once, whoever asks), then the same."""
         found = self._kept.get(key)
         if found is None:
             with self._lock:
                 found = self._kept.get(key)
                 if found is None:
-                    found = self._kept[key] = make()
+                    found = self._kept[key] = make(*args)
         return found
 
 

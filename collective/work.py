@@ -118,8 +118,8 @@ class Sequencer:
     def enqueue(self, job: Callable[[], None]) -> None:
         """Queue ``job``, which hands its outcome on itself (a torch work's ``run`` does), to run
         after every earlier call."""
-        if threading.current_thread() is self._worker:  # made by the call the worker runs
-            job()
+        if self._worker is not None and threading.get_ident() == self._worker.ident:  # made by the call
+            job()  # the worker runs
             return
         with self._lock:
             self._queue.append(job)
@@ -129,8 +129,8 @@ class Sequencer:
 
     def call(self, call: Callable[..., Any], label: str, *args: Any) -> Any:
         """Run ``call(*args)`` now in this thread when nothing is queued, else after the queued ones."""
-        if threading.current_thread() is self._worker:  # made by the call the worker runs
-            return call(*args)
+        if self._worker is not None and threading.get_ident() == self._worker.ident:  # made by the call
+            return call(*args)  # the worker runs
         with self._lock:
             inline = not self._active
             self._active = True
