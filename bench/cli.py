@@ -25,8 +25,20 @@ from collective.transport.wire import SMALL_BYTES
 __all__ = ["add_arguments", "main", "run"]
 
 ALL_STRATEGIES = ("centralized", "tree:2", "ring", "direct")
-DTYPES = ("float16", "float32", "float64", "bfloat16", "int8", "int16", "int32", "int64",
-          "uint8", "uint16", "uint32", "uint64")  # fmt: skip
+DTYPES = (
+    "float16",
+    "float32",
+    "float64",
+    "bfloat16",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+)
 REDUCE_OPS = ("sum", "mean", "max", "min", "prod")
 DEFAULT_OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter")
 

@@ -99,8 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args.iters)), flush=True)
         return 0
     mib = sum(int(np.prod(shape)) for shape in SHAPES) * 4 / 2**20
-    print(f"# coalesced: {args.procs} processes, {len(SHAPES)} float32 arrays ({mib:.2f} MiB), "
-          f"{args.rounds} rounds x {args.iters} calls, median us per call (rank 0)")  # fmt: skip
+    print(
+        f"# coalesced: {args.procs} processes, {len(SHAPES)} float32 arrays ({mib:.2f} MiB), "
+        f"{args.rounds} rounds x {args.iters} calls, median us per call (rank 0)"
+    )
     print(
         f"{'round':>5} {'coalesced':>10} {'one array':>10} {'separate':>10} {'x one':>7} {'x separate':>11}"
     )
@@ -113,8 +115,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         ratios_one.append(one)
         ratios_separate.append(separate)
-        print(f"{round_:>5} {figures['coalesced']:>10.1f} {figures['one array']:>10.1f} "
-              f"{figures['separate']:>10.1f} {one:>6.2f}x {separate:>6.2f}x")  # fmt: skip
+        print(
+            f"{round_:>5} {figures['coalesced']:>10.1f} {figures['one array']:>10.1f} "
+            f"{figures['separate']:>10.1f} {one:>6.2f}x {separate:>6.2f}x"
+        )
     one, separate = statistics.median(ratios_one), statistics.median(ratios_separate)
     print(f"# target coalesced <= 1.2 x one array: {'met' if one <= 1.2 else 'NOT met'} ({one:.2f})")
     print(f"# target coalesced <= 0.3 x separate: {'met' if separate <= 0.3 else 'NOT met'} ({separate:.2f})")

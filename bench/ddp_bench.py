@@ -158,11 +158,18 @@ def worker(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
     torch.set_num_threads(1)
     peer = col.init()
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{args.gloo_port}", rank=peer, world_size=2,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.gloo_port}",
+        rank=peer,
+        world_size=2,
         timeout=timedelta(seconds=120),
-    )  # fmt: skip
-    cases = {"mlp26": ("mlp26", 64, 0.0), "mlp1.3M": ("mlp1.3M", 64, 0.0),
-             "overlap": ("mlp26", args.overlap_rows, 0.0), "idle": ("mlp26", 64, args.idle_ms)}  # fmt: skip
+    )
+    cases = {
+        "mlp26": ("mlp26", 64, 0.0),
+        "mlp1.3M": ("mlp1.3M", 64, 0.0),
+        "overlap": ("mlp26", args.overlap_rows, 0.0),
+        "idle": ("mlp26", 64, args.idle_ms),
+    }
     times: dict[str, dict[str, list[float]]] = {case: {v: [] for v in VARIANTS} for case in cases}
     for _ in range(args.rounds):
         for case, (name, rows, idle_ms) in cases.items():
@@ -190,10 +197,26 @@ def run_processes(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]
     """Start 2 workers with torchrun's variables; rank 0's report."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
     port, gloo_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "collective.bench.ddp_bench", "--worker", "--gloo-port", str(gloo_port),
-            "--rounds", str(args.rounds), "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--bucket-kib", str(args.bucket_kib), "--overlap-rows", str(args.overlap_rows),
-            "--idle-ms", str(args.idle_ms)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "collective.bench.ddp_bench",
+        "--worker",
+        "--gloo-port",
+        str(gloo_port),
+        "--rounds",
+        str(args.rounds),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--bucket-kib",
+        str(args.bucket_kib),
+        "--overlap-rows",
+        str(args.overlap_rows),
+        "--idle-ms",
+        str(args.idle_ms),
+    ]
     envs = [
         dict(env, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         for r in range(2)
@@ -219,8 +242,11 @@ def report(times: dict[str, dict[str, list[float]]], args: argparse.Namespace) -
     """Median ms per step, the same over gloo DDP's and over no communication's, and the targets."""
     medians = {case: {v: statistics.median(t) for v, t in row.items()} for case, row in times.items()}
     lines = []
-    for title, base, form in (("ms per step", None, "{:13.2f}"), ("x gloo-ddp", "gloo-ddp", "{:12.2f}x"),
-                              ("x none", "none", "{:12.2f}x")):  # fmt: skip
+    for title, base, form in (
+        ("ms per step", None, "{:13.2f}"),
+        ("x gloo-ddp", "gloo-ddp", "{:12.2f}x"),
+        ("x none", "none", "{:12.2f}x"),
+    ):
         lines += ["", f"{title:<9}" + "".join(f"{v:>13}" for v in VARIANTS)]
         for case, row in medians.items():
             lines.append(
@@ -231,11 +257,19 @@ def report(times: dict[str, dict[str, list[float]]], args: argparse.Namespace) -
         ("mlp26: ddp <= 1.0x gloo DDP", m26["ddp"] / m26["gloo-ddp"], 1.0),
         ("mlp1.3M: ddp <= 1.0x gloo DDP", m13["ddp"] / m13["gloo-ddp"], 1.0),
         ("mlp26: ddp <= 0.5x naive", m26["ddp"] / m26["naive"], 0.5),
-        (f"overlap ({args.overlap_rows} rows): ddp-overlap <= 1.15x none (flat, no overlap: "
-         f"{over['flat'] / over['none']:.2f}x)", over["ddp-overlap"] / over["none"], 1.15),
-        (f"idle ({args.idle_ms:g} ms idle backward per layer): ddp-overlap <= 1.15x none (flat, no overlap: "
-         f"{idle['flat'] / idle['none']:.2f}x)", idle["ddp-overlap"] / idle["none"], 1.15),
-    ]  # fmt: skip
+        (
+            f"overlap ({args.overlap_rows} rows): ddp-overlap <= 1.15x none (flat, no overlap: "
+            f"{over['flat'] / over['none']:.2f}x)",
+            over["ddp-overlap"] / over["none"],
+            1.15,
+        ),
+        (
+            f"idle ({args.idle_ms:g} ms idle backward per layer): ddp-overlap <= 1.15x none "
+            f"(flat, no overlap: {idle['flat'] / idle['none']:.2f}x)",
+            idle["ddp-overlap"] / idle["none"],
+            1.15,
+        ),
+    ]
     lines.append("")
     for label, ratio, bound in targets:
         lines.append(f"target {label}: {ratio:.2f}x {'met' if ratio <= bound else 'NOT met'}")
@@ -265,8 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ["RANK"] == "0":
             print(json.dumps(times), flush=True)
         return 0
-    print(f"# ddp_bench: 2 processes, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.rounds} rounds "
-          f"x {args.steps} steps, median ms per step (the slower process's)", flush=True)  # fmt: skip
+    print(
+        f"# ddp_bench: 2 processes, {os.cpu_count()} CPUs, torch {torch.__version__}, {args.rounds} rounds "
+        f"x {args.steps} steps, median ms per step (the slower process's)",
+        flush=True,
+    )
     times = run_processes(args)
     for line in report(times, args):
         print(line)

@@ -24,8 +24,13 @@ import torch.distributed as dist
 from collective.bench.harness import Measurement
 from collective.bench.sweep import Buffers, Case, row_from
 
-REDUCE = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
-          "min": dist.ReduceOp.MIN, "prod": dist.ReduceOp.PRODUCT}  # fmt: skip
+REDUCE = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
 IN_PLACE = ("all_reduce", "reduce", "broadcast", "all_reduce_coalesced")  # gloo overwrites the input
 
 

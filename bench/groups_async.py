@@ -63,8 +63,12 @@ def groups(iters: int) -> tuple[float, float]:
             thread.start()
         for thread in joined:
             thread.join(60)
-        pairs = {0: col.new_group([0, 1]), 1: col.new_group([0, 1]), 2: col.new_group([2, 3]),
-                 3: col.new_group([2, 3])}  # fmt: skip
+        pairs = {
+            0: col.new_group([0, 1]),
+            1: col.new_group([0, 1]),
+            2: col.new_group([2, 3]),
+            3: col.new_group([2, 3]),
+        }
         concurrent = _per_call(lambda p: rt.all_reduce(p, x, group=pairs[p]), [0, 1, 2, 3], iters)
     with col.Runtime() as rt:
         config = col.CollectiveConfig(num_devices=2, timeout=60)
@@ -129,8 +133,11 @@ def worker(mode: str, iters: int) -> dict[str, float]:
             _compute(COMPUTE_MS)
             work.wait()
             both.append(time.perf_counter() - started)
-        result.update(alone=statistics.median(alone) * 1e6, compute=statistics.median(compute) * 1e6,
-                      both=statistics.median(both) * 1e6)  # fmt: skip
+        result.update(
+            alone=statistics.median(alone) * 1e6,
+            compute=statistics.median(compute) * 1e6,
+            both=statistics.median(both) * 1e6,
+        )
     col.finish(peer)
     return result
 
@@ -143,14 +150,25 @@ def processes(mode: str, iters: int) -> dict[str, float]:
     orchestrator = None
     if mode == "init":
         port = free_port()
-        envs = [dict(env, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-                for r in range(2)]  # fmt: skip
+        envs = [
+            dict(env, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            for r in range(2)
+        ]
     else:
         orchestrator, address = start_orchestrator()
-        envs = [dict(env, COLLECTIVE_NUM_DEVICES="1", COLLECTIVE_NUM_NODES="2",
-                     COLLECTIVE_GLOBAL_ADDRESS=address, COLLECTIVE_NODE_ADDRESS="127.0.0.1:0",
-                     COLLECTIVE_DATA_SERVICE_PORT="0", COLLECTIVE_JOB=f"bench-{os.getpid()}", PEER=str(r))
-                for r in range(2)]  # fmt: skip
+        envs = [
+            dict(
+                env,
+                COLLECTIVE_NUM_DEVICES="1",
+                COLLECTIVE_NUM_NODES="2",
+                COLLECTIVE_GLOBAL_ADDRESS=address,
+                COLLECTIVE_NODE_ADDRESS="127.0.0.1:0",
+                COLLECTIVE_DATA_SERVICE_PORT="0",
+                COLLECTIVE_JOB=f"bench-{os.getpid()}",
+                PEER=str(r),
+            )
+            for r in range(2)
+        ]
     argv = [sys.executable, "-m", "collective.bench.groups_async", "--worker", mode, "--iters", str(iters)]
     procs = [subprocess.Popen(argv, env=e, stdout=subprocess.PIPE, text=True) for e in envs]
     try:
@@ -173,20 +191,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# groups_async: {args.rounds} rounds, medians per round; {os.cpu_count()} CPUs")
     for round_ in range(args.rounds):
         concurrent, lone = groups(args.iters)
-        print(f"round {round_}: groups: 2 concurrent groups of 2 (of 4 peers) {concurrent:.1f} us per "
-              f"8 B call, a lone 2-peer job {lone:.1f} us ({concurrent / lone:.2f}x)")  # fmt: skip
+        print(
+            f"round {round_}: groups: 2 concurrent groups of 2 (of 4 peers) {concurrent:.1f} us per "
+            f"8 B call, a lone 2-peer job {lone:.1f} us ({concurrent / lone:.2f}x)"
+        )
         bare_concurrent, bare_lone = bare_groups(args.iters)
-        print(f"round {round_}: groups, the bare least (a lock and a bell per peer, no checks): 2 pairs "
-              f"at once {bare_concurrent:.1f} us, a lone pair {bare_lone:.1f} us "
-              f"({bare_concurrent / bare_lone:.2f}x)")  # fmt: skip
+        print(
+            f"round {round_}: groups, the bare least (a lock and a bell per peer, no checks): 2 pairs "
+            f"at once {bare_concurrent:.1f} us, a lone pair {bare_lone:.1f} us "
+            f"({bare_concurrent / bare_lone:.2f}x)"
+        )
         by_init, by_config = processes("init", args.iters), processes("config", args.iters)
-        print(f"round {round_}: 2 processes, 8 B: init() {by_init['8B']:.1f} us, explicit config "
-              f"{by_config['8B']:.1f} us; 64 MiB: init() {by_init['64MiB'] / 1000:.1f} ms, explicit config "
-              f"{by_config['64MiB'] / 1000:.1f} ms")  # fmt: skip
+        print(
+            f"round {round_}: 2 processes, 8 B: init() {by_init['8B']:.1f} us, explicit config "
+            f"{by_config['8B']:.1f} us; 64 MiB: init() {by_init['64MiB'] / 1000:.1f} ms, explicit config "
+            f"{by_config['64MiB'] / 1000:.1f} ms"
+        )
         longer = max(by_init["alone"], by_init["compute"])
-        print(f"round {round_}: overlap: 1 MiB all_reduce {by_init['alone'] / 1000:.2f} ms, "
-              f"{COMPUTE_MS:g} ms compute {by_init['compute'] / 1000:.2f} ms, both overlapped "
-              f"{by_init['both'] / 1000:.2f} ms ({by_init['both'] / longer:.2f}x the longer)")  # fmt: skip
+        print(
+            f"round {round_}: overlap: 1 MiB all_reduce {by_init['alone'] / 1000:.2f} ms, "
+            f"{COMPUTE_MS:g} ms compute {by_init['compute'] / 1000:.2f} ms, both overlapped "
+            f"{by_init['both'] / 1000:.2f} ms ({by_init['both'] / longer:.2f}x the longer)"
+        )
     return 0
 
 

@@ -8,7 +8,7 @@ Every process runs on this machine; ``COLLECTIVE_HOST_ID`` gives each the host a
 talk over TCP only, as on separate machines. Three systems take turns ``--repeats`` times:
 
 * ``tier``: ours, each host's processes meeting in shared memory, their leaders over ZeroMQ
-  (collective.host_tier);
+  (collective.executors.host_tier);
 * ``flat``: ours without shared memory between processes (``COLLECTIVE_SHM=0``): every process a
   node of the ZeroMQ phase, as every multi-node job ran before the host tier;
 * ``gloo``: torch.distributed's gloo with the same number of processes (it has no notion of hosts
@@ -59,10 +59,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 samples.setdefault((name, row["op"], row["size"]), []).append(row["median_us"])
                 wrong += row["wrong"]
     names = list(variants)
-    print(f"# {world} processes on hosts {hosts}; float32, sum, root 0; medians of {args.repeats} runs; "
-          "busbw in GB/s")  # fmt: skip
-    print(f"{'op':>12} {'size':>6}" + "".join(f" {n + ' us':>10} {n + ' busbw':>11}" for n in names)
-          + "  tier/flat" + ("  tier/gloo" if "gloo" in names else ""))  # fmt: skip
+    print(
+        f"# {world} processes on hosts {hosts}; float32, sum, root 0; medians of {args.repeats} runs; "
+        "busbw in GB/s"
+    )
+    print(
+        f"{'op':>12} {'size':>6}"
+        + "".join(f" {n + ' us':>10} {n + ' busbw':>11}" for n in names)
+        + "  tier/flat"
+        + ("  tier/gloo" if "gloo" in names else "")
+    )
     for op, size in cases:
         times = {n: statistics.median(samples[(n, op, size)]) for n in names if (n, op, size) in samples}
         line = f"{op:>12} {format_size(size):>6}"

@@ -57,8 +57,13 @@ def _run_workers(
 def _plan(
     cases: Sequence[Case], warmup: int, iters: int, timeout: float, backend: str = "gloo"
 ) -> dict[str, Any]:
-    return {"cases": [asdict(c) for c in cases], "warmup": warmup, "iters": iters, "timeout": timeout,
-            "backend": backend}  # fmt: skip
+    return {
+        "cases": [asdict(c) for c in cases],
+        "warmup": warmup,
+        "iters": iters,
+        "timeout": timeout,
+        "backend": backend,
+    }
 
 
 def collect_lines(processes: list[subprocess.Popen[str]], what: str, timeout: float) -> list[str]:
@@ -114,7 +119,16 @@ def run_gloo(
     """Time ``cases`` through torch.distributed, one process per peer: its gloo backend, or ours
     (``backend="collective"``)."""
     port = free_port()
-    envs = [dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                 WORLD_SIZE=str(world), OMP_NUM_THREADS="1") for rank in range(world)]  # fmt: skip
+    envs = [
+        dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            RANK=str(rank),
+            WORLD_SIZE=str(world),
+            OMP_NUM_THREADS="1",
+        )
+        for rank in range(world)
+    ]
     plan = _plan(cases, warmup, iters, timeout, backend)
     return _run_workers("collective.bench.gloo_worker", envs, plan, backend, timeout * max(1, len(cases)))

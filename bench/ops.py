@@ -172,8 +172,19 @@ class OpBench:
         return np.zeros(0, x.dtype)
 
 
-OPS = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "gather",
-       "scatter", "sendrecv", "barrier", "all_reduce_coalesced")  # fmt: skip
+OPS = (
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "sendrecv",
+    "barrier",
+    "all_reduce_coalesced",
+)
 TRIVIAL_OPS = ("all_reduce", "reduce", "broadcast")  # the trivial baseline's
 ROOTED = ("reduce", "broadcast", "gather", "scatter")
 REDUCING = ("all_reduce", "reduce", "reduce_scatter", "all_reduce_coalesced")

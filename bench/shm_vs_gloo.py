@@ -88,12 +88,26 @@ def run_system(
         elif system == "gloo":
             port = str(free_port())
             for rank in range(world):
-                environment = dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
-                                   WORLD_SIZE=str(world), GLOO_SOCKET_IFNAME="lo")  # fmt: skip
+                environment = dict(
+                    env,
+                    MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT=port,
+                    RANK=str(rank),
+                    WORLD_SIZE=str(world),
+                    GLOO_SOCKET_IFNAME="lo",
+                )
                 processes.append(_spawn(_worker(system, plan), environment))
         else:
-            mpirun = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "oob_tcp_if_include", "lo",
-                      "-n", str(world)]  # fmt: skip
+            mpirun = [
+                "mpirun",
+                "--allow-run-as-root",
+                "--oversubscribe",
+                "--mca",
+                "oob_tcp_if_include",
+                "lo",
+                "-n",
+                str(world),
+            ]
             processes.append(_spawn(mpirun + _worker(system, plan), env))
         lines = collect_lines(processes, system, timeout)
         return [json.loads(line[4:]) for line in lines if line.startswith("ROW ")]
@@ -112,8 +126,10 @@ def plan_of(args: argparse.Namespace) -> dict[int, list[tuple[str, int]]]:
         sizes = [parse_size(s) for s in (args.sizes or "8,1M,64M").split(",")]
         worlds = [int(w) for w in (args.worlds or "2").split(",")]
         return {world: [(op, size) for op in ops for size in sizes] for world in worlds}
-    return {2: [(op, size) for op in OPS for size in (8, 1 << 20, 64 << 20)],
-            4: [("all_reduce", 8), ("all_reduce", 64 << 20)]}  # fmt: skip
+    return {
+        2: [(op, size) for op in OPS for size in (8, 1 << 20, 64 << 20)],
+        4: [("all_reduce", 8), ("all_reduce", 64 << 20)],
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -165,8 +181,10 @@ def report(
         return statistics.median(r["median_us"] for r in rows) if rows else None
 
     wrong = sum(r["wrong"] for rows in samples.values() for r in rows)
-    print(f"# float32, sum, root 0; medians of {repeats} runs per system (each the median over iterations"
-          " of the slowest process's time); busbw in GB/s")  # fmt: skip
+    print(
+        f"# float32, sum, root 0; medians of {repeats} runs per system (each the median over iterations"
+        " of the slowest process's time); busbw in GB/s"
+    )
     header = f"{'procs':>5} {'op':>15} {'size':>8}" + "".join(
         f" {s + ' us':>11} {s + ' busbw':>11}" for s in systems
     )

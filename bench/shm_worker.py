@@ -183,8 +183,15 @@ def measure(system: System, op: str, size: int, budget: float, warmup: int) -> d
         series[i] = time.perf_counter() - started
     slowest = system.max(series)
     total_wrong = int(system.max(np.array([float(wrong)]))[0])
-    return {"op": op, "size": size, "world": system.world, "median_us": float(np.median(slowest)) * 1e6,
-            "min_us": float(slowest.min()) * 1e6, "iterations": iterations, "wrong": total_wrong}  # fmt: skip
+    return {
+        "op": op,
+        "size": size,
+        "world": system.world,
+        "median_us": float(np.median(slowest)) * 1e6,
+        "min_us": float(slowest.min()) * 1e6,
+        "iterations": iterations,
+        "wrong": total_wrong,
+    }
 
 
 def main() -> int:

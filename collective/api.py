@@ -13,10 +13,30 @@ from collective.groups import new_group as _new_group
 from collective.runtime import Runtime
 
 __all__ = [
-    "all_gather", "all_gather_v", "all_reduce", "all_reduce_coalesced", "all_to_all", "all_to_all_v",
-    "barrier", "broadcast", "default_runtime", "finish", "gather", "init", "new_group", "recv", "recv_any",
-    "reduce", "reduce_scatter", "reduce_scatter_v", "register", "reset", "scatter", "send", "world_size",
-]  # fmt: skip
+    "all_gather",
+    "all_gather_v",
+    "all_reduce",
+    "all_reduce_coalesced",
+    "all_to_all",
+    "all_to_all_v",
+    "barrier",
+    "broadcast",
+    "default_runtime",
+    "finish",
+    "gather",
+    "init",
+    "new_group",
+    "recv",
+    "recv_any",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_v",
+    "register",
+    "reset",
+    "scatter",
+    "send",
+    "world_size",
+]
 
 Op = ReduceOp | str
 _default = Runtime()
@@ -29,8 +49,8 @@ def default_runtime() -> Runtime:
 
 def init(device: str = "cpu") -> int:
     """Register this process's one peer from the launcher's variables (torchrun, Slurm, mpirun,
-    collective launch); returns its peer id. See collective.bootstrap."""
-    from collective.bootstrap import init as init_from_environment
+    collective launch); returns its peer id. See collective.launch.bootstrap."""
+    from collective.launch.bootstrap import init as init_from_environment
 
     return init_from_environment(_default, device)
 
@@ -65,81 +85,139 @@ def new_group(ranks: Iterable[int]) -> Group:
 
 
 def all_reduce(
-    peer_id: int, x: Array, op: Op = "sum", *, group: Group | None = None, timeout: float | None = None,
-    async_op: bool = False, out: Array | None = None,
-) -> Any:  # fmt: skip
+    peer_id: int,
+    x: Array,
+    op: Op = "sum",
+    *,
+    group: Group | None = None,
+    timeout: float | None = None,
+    async_op: bool = False,
+    out: Array | None = None,
+) -> Any:
     """``op`` over ``x`` of every peer, on every peer (see Runtime.all_reduce)."""
     return _default.all_reduce(peer_id, x, op, group=group, timeout=timeout, async_op=async_op, out=out)
 
 
 def reduce(
-    peer_id: int, x: Array, op: Op = "sum", root: int = 0, *, group: Group | None = None,
-    timeout: float | None = None, async_op: bool = False, out: Array | None = None,
-) -> Any:  # fmt: skip
+    peer_id: int,
+    x: Array,
+    op: Op = "sum",
+    root: int = 0,
+    *,
+    group: Group | None = None,
+    timeout: float | None = None,
+    async_op: bool = False,
+    out: Array | None = None,
+) -> Any:
     """``op`` over ``x`` of every peer, on ``root`` only; None elsewhere."""
     return _default.reduce(peer_id, x, op, root, group=group, timeout=timeout, async_op=async_op, out=out)
 
 
 def broadcast(
-    peer_id: int, x: Array | None, *, group: Group | None = None, timeout: float | None = None,
-    async_op: bool = False, out: Array | None = None,
-) -> Any:  # fmt: skip
+    peer_id: int,
+    x: Array | None,
+    *,
+    group: Group | None = None,
+    timeout: float | None = None,
+    async_op: bool = False,
+    out: Array | None = None,
+) -> Any:
     """The array of the one peer that passes one, on every peer."""
     return _default.broadcast(peer_id, x, group=group, timeout=timeout, async_op=async_op, out=out)
 
 
 def all_gather(
-    peer_id: int, x: Array, *, group: Group | None = None, timeout: float | None = None,
-    async_op: bool = False, out: Array | None = None,
-) -> Any:  # fmt: skip
+    peer_id: int,
+    x: Array,
+    *,
+    group: Group | None = None,
+    timeout: float | None = None,
+    async_op: bool = False,
+    out: Array | None = None,
+) -> Any:
     """Every peer's ``x``, stacked in group-rank order: shape (group size, *x.shape)."""
     return _default.all_gather(peer_id, x, group=group, timeout=timeout, async_op=async_op, out=out)
 
 
 def reduce_scatter(
-    peer_id: int, x: Array, op: Op = "sum", *, group: Group | None = None, timeout: float | None = None,
-    async_op: bool = False, out: Array | None = None,
-) -> Any:  # fmt: skip
+    peer_id: int,
+    x: Array,
+    op: Op = "sum",
+    *,
+    group: Group | None = None,
+    timeout: float | None = None,
+    async_op: bool = False,
+    out: Array | None = None,
+) -> Any:
     """x.shape[0] = size*k: rank i gets ``op`` over every peer's rows i*k..(i+1)*k-1."""
     return _default.reduce_scatter(peer_id, x, op, group=group, timeout=timeout, async_op=async_op, out=out)
 
 
 def all_to_all(
-    peer_id: int, x: Array, *, group: Group | None = None, timeout: float | None = None,
-    async_op: bool = False, out: Array | None = None,
-) -> Any:  # fmt: skip
+    peer_id: int,
+    x: Array,
+    *,
+    group: Group | None = None,
+    timeout: float | None = None,
+    async_op: bool = False,
+    out: Array | None = None,
+) -> Any:
     """x.shape[0] = size*k: block i goes to rank i; block j of the result came from rank j."""
     return _default.all_to_all(peer_id, x, group=group, timeout=timeout, async_op=async_op, out=out)
 
 
 def gather(
-    peer_id: int, x: Array, root: int = 0, *, group: Group | None = None, timeout: float | None = None,
-    async_op: bool = False, out: Array | None = None,
-) -> Any:  # fmt: skip
+    peer_id: int,
+    x: Array,
+    root: int = 0,
+    *,
+    group: Group | None = None,
+    timeout: float | None = None,
+    async_op: bool = False,
+    out: Array | None = None,
+) -> Any:
     """Every peer's ``x`` stacked on ``root``; None elsewhere."""
     return _default.gather(peer_id, x, root, group=group, timeout=timeout, async_op=async_op, out=out)
 
 
 def scatter(
-    peer_id: int, x: Array | None, root: int = 0, *, group: Group | None = None,
-    timeout: float | None = None, async_op: bool = False, out: Array | None = None,
-) -> Any:  # fmt: skip
+    peer_id: int,
+    x: Array | None,
+    root: int = 0,
+    *,
+    group: Group | None = None,
+    timeout: float | None = None,
+    async_op: bool = False,
+    out: Array | None = None,
+) -> Any:
     """The root passes (group size, ...); each peer gets its row."""
     return _default.scatter(peer_id, x, root, group=group, timeout=timeout, async_op=async_op, out=out)
 
 
 def all_gather_v(
-    peer_id: int, x: Array, *, group: Group | None = None, timeout: float | None = None,
-    async_op: bool = False, out: Array | None = None,
-) -> Any:  # fmt: skip
+    peer_id: int,
+    x: Array,
+    *,
+    group: Group | None = None,
+    timeout: float | None = None,
+    async_op: bool = False,
+    out: Array | None = None,
+) -> Any:
     """Every peer's ``x`` (rows may differ between peers), a list in group-rank order."""
     return _default.all_gather_v(peer_id, x, group=group, timeout=timeout, async_op=async_op, out=out)
 
 
 def reduce_scatter_v(
-    peer_id: int, x: Array, sizes: Sequence[int], op: Op = "sum", *, group: Group | None = None,
-    timeout: float | None = None, async_op: bool = False, out: Array | None = None,
-) -> Any:  # fmt: skip
+    peer_id: int,
+    x: Array,
+    sizes: Sequence[int],
+    op: Op = "sum",
+    *,
+    group: Group | None = None,
+    timeout: float | None = None,
+    async_op: bool = False,
+    out: Array | None = None,
+) -> Any:
     """``op`` over every peer's ``x``; rank i gets its ``sizes[i]`` rows of the result."""
     return _default.reduce_scatter_v(
         peer_id, x, sizes, op, group=group, timeout=timeout, async_op=async_op, out=out
@@ -159,9 +237,15 @@ def all_to_all_v(
 ) -> Any:
     """``send_sizes[j]`` rows of ``x`` to rank j; a list back of the rows each peer sent this one."""
     return _default.all_to_all_v(
-        peer_id, x, send_sizes, recv_sizes=recv_sizes, group=group, timeout=timeout, async_op=async_op,
+        peer_id,
+        x,
+        send_sizes,
+        recv_sizes=recv_sizes,
+        group=group,
+        timeout=timeout,
+        async_op=async_op,
         out=out,
-    )  # fmt: skip
+    )
 
 
 def barrier(
@@ -191,9 +275,15 @@ def recv_any(
 
 
 def all_reduce_coalesced(
-    peer_id: int, xs: Sequence[Array], op: Op = "sum", *, group: Group | None = None,
-    timeout: float | None = None, async_op: bool = False, out: Sequence[Array] | None = None,
-) -> Any:  # fmt: skip
+    peer_id: int,
+    xs: Sequence[Array],
+    op: Op = "sum",
+    *,
+    group: Group | None = None,
+    timeout: float | None = None,
+    async_op: bool = False,
+    out: Sequence[Array] | None = None,
+) -> Any:
     """One all_reduce over many arrays; a list of results in the same order."""
     return _default.all_reduce_coalesced(
         peer_id, xs, op, group=group, timeout=timeout, async_op=async_op, out=out

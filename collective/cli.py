@@ -56,8 +56,10 @@ def _demo(args: argparse.Namespace) -> int:
             )
             return 1
         total = args.peers * (args.peers + 1) // 2
-        print(f"{strategy:>12}: peer 0 sent {np.arange(4) * 1.0}, every peer got {results[0]} "
-              f"(= {total} x peer 0's array)")  # fmt: skip
+        print(
+            f"{strategy:>12}: peer 0 sent {np.arange(4) * 1.0}, every peer got {results[0]} "
+            f"(= {total} x peer 0's array)"
+        )
     return 0
 
 

@@ -12,8 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from collective.arrays import integer
-from collective.errors import InvalidArgumentError
-from collective.signature import describe_peers
+from collective.errors import InvalidArgumentError, describe_peers
 
 __all__ = ["Group", "as_group", "new_group"]
 

@@ -13,11 +13,11 @@ import time
 import weakref
 from typing import TYPE_CHECKING
 
+from collective.calls.signature import describe_peers
 from collective.config import CollectiveConfig
 from collective.errors import CollectiveTimeout, JobClosedError, PeerLostError, RegistrationError
-from collective.rendezvous import Rendezvous
-from collective.signature import describe_peers
-from collective.step import Site
+from collective.executors.rendezvous import Rendezvous
+from collective.executors.step import Site
 from collective.transport.inproc import Doorbell, Exchange, claim_armed, clone_error, ring_claimed
 
 if TYPE_CHECKING:

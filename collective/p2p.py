@@ -28,7 +28,7 @@ from collective.errors import (
     MismatchError,
     PeerLostError,
 )
-from collective.protocol import PART_BYTES, P2PMessage
+from collective.node.protocol import PART_BYTES, P2PMessage
 from collective.tensors import native, writable
 from collective.transport.wire import WireError
 

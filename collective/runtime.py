@@ -6,7 +6,7 @@ started; ``reset()``/``close()`` fail every waiting peer and drop it. The module
 
 Every collective takes the same road: the API method builds a call object (collective.calls), the
 peer's sequencer for the group keeps its calls in order (collective.work), the group's rendezvous
-agrees on the call and hands out a Step (collective.rendezvous), whose executor runs it
+agrees on the call and hands out a Step (collective.executors.rendezvous), whose executor runs it
 (collective.executors).
 """
 
@@ -22,7 +22,6 @@ from typing import Any
 from collective import p2p
 from collective.algorithms.ops import Array, ReduceOp
 from collective.arrays import Device, integer, real
-from collective.call import Call
 from collective.calls import (
     AllGather,
     AllGatherV,
@@ -37,7 +36,8 @@ from collective.calls import (
     ReduceScatterV,
     Scatter,
 )
-from collective.coalesced import coalesced_all_reduce
+from collective.calls.base import Call
+from collective.calls.coalesced import coalesced_all_reduce
 from collective.config import CollectiveConfig
 from collective.errors import (
     CollectiveError,
@@ -47,10 +47,10 @@ from collective.errors import (
     RegistrationError,
 )
 from collective.executors import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW
+from collective.executors.rendezvous import Rendezvous
 from collective.groups import Group, as_group
 from collective.job import LocalJob
 from collective.p2p import Mailbox
-from collective.rendezvous import Rendezvous
 from collective.work import Sequencer
 
 __all__ = ["Runtime"]
@@ -228,9 +228,16 @@ class Runtime:
     # -- collectives --------------------------------------------------------------------------
 
     def all_reduce(
-        self, peer_id: int, x: Array, op: Op = "sum", *, group: Group | None = None,
-        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        peer_id: int,
+        x: Array,
+        op: Op = "sum",
+        *,
+        group: Group | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+        out: Array | None = None,
+    ) -> Any:
         """Combine ``x`` of every peer with ``op``; every peer gets the same bits.
 
         Returns a new array of ``x``'s shape and dtype, or ``out`` (which may be ``x``) filled.
@@ -240,16 +247,30 @@ class Runtime:
         return self.start(peer_id, AllReduce(x, op, out=out), group, timeout, async_op)
 
     def reduce(
-        self, peer_id: int, x: Array, op: Op = "sum", root: int = 0, *, group: Group | None = None,
-        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        peer_id: int,
+        x: Array,
+        op: Op = "sum",
+        root: int = 0,
+        *,
+        group: Group | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+        out: Array | None = None,
+    ) -> Any:
         """Combine ``x`` of every peer with ``op`` onto ``root``: the result there, None elsewhere."""
         return self.start(peer_id, Reduce(x, op, root, out), group, timeout, async_op)
 
     def broadcast(
-        self, peer_id: int, x: Array | None, *, group: Group | None = None,
-        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        peer_id: int,
+        x: Array | None,
+        *,
+        group: Group | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+        out: Array | None = None,
+    ) -> Any:
         """Copy the array of the one peer that passes one (the root) to every peer.
 
         Other peers pass None (and optionally ``out`` to receive into). No array or several is a
@@ -258,61 +279,115 @@ class Runtime:
         return self.start(peer_id, Broadcast(x, out=out), group, timeout, async_op)
 
     def all_gather(
-        self, peer_id: int, x: Array, *, group: Group | None = None,
-        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        peer_id: int,
+        x: Array,
+        *,
+        group: Group | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+        out: Array | None = None,
+    ) -> Any:
         """Every peer's ``x`` on every peer: shape (group size, *x.shape), in group-rank order."""
         return self.start(peer_id, AllGather(x, out=out), group, timeout, async_op)
 
     def reduce_scatter(
-        self, peer_id: int, x: Array, op: Op = "sum", *, group: Group | None = None,
-        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        peer_id: int,
+        x: Array,
+        op: Op = "sum",
+        *,
+        group: Group | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+        out: Array | None = None,
+    ) -> Any:
         """``op`` over every peer's ``x`` (x.shape[0] = size*k); rank i gets rows i*k..(i+1)*k-1."""
         return self.start(peer_id, ReduceScatter(x, op, out=out), group, timeout, async_op)
 
     def all_to_all(
-        self, peer_id: int, x: Array, *, group: Group | None = None,
-        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        peer_id: int,
+        x: Array,
+        *,
+        group: Group | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+        out: Array | None = None,
+    ) -> Any:
         """x.shape[0] = size*k: block i of x goes to rank i; block j of the result came from rank j."""
         return self.start(peer_id, AllToAll(x, out=out), group, timeout, async_op)
 
     def gather(
-        self, peer_id: int, x: Array, root: int = 0, *, group: Group | None = None,
-        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        peer_id: int,
+        x: Array,
+        root: int = 0,
+        *,
+        group: Group | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+        out: Array | None = None,
+    ) -> Any:
         """Every peer's ``x`` stacked (group size, *x.shape) on ``root``; None elsewhere."""
         return self.start(peer_id, Gather(x, root=root, out=out), group, timeout, async_op)
 
     def scatter(
-        self, peer_id: int, x: Array | None, root: int = 0, *, group: Group | None = None,
-        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        peer_id: int,
+        x: Array | None,
+        root: int = 0,
+        *,
+        group: Group | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+        out: Array | None = None,
+    ) -> Any:
         """The root passes (group size, ...); rank i gets row i. The other peers pass None."""
         return self.start(peer_id, Scatter(x, root=root, out=out), group, timeout, async_op)
 
     def all_gather_v(
-        self, peer_id: int, x: Array, *, group: Group | None = None,
-        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        peer_id: int,
+        x: Array,
+        *,
+        group: Group | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+        out: Array | None = None,
+    ) -> Any:
         """Every peer's ``x`` on every peer, a list in group-rank order; x.shape[0] may differ between
         peers (the rest of the shape and the dtype agree). ``out``: one array of every peer's rows."""
         return self.start(peer_id, AllGatherV(x, out=out), group, timeout, async_op)
 
     def reduce_scatter_v(
-        self, peer_id: int, x: Array, sizes: Sequence[int], op: Op = "sum", *, group: Group | None = None,
-        timeout: float | None = None, async_op: bool = False, out: Array | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        peer_id: int,
+        x: Array,
+        sizes: Sequence[int],
+        op: Op = "sum",
+        *,
+        group: Group | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+        out: Array | None = None,
+    ) -> Any:
         """``op`` over every peer's ``x``; rank i gets block i, its ``sizes[i]`` rows (every peer passes
         the same ``sizes``, summing to x.shape[0])."""
         return self.start(peer_id, ReduceScatterV(x, sizes, op, out=out), group, timeout, async_op)
 
     def all_to_all_v(
-        self, peer_id: int, x: Array, send_sizes: Sequence[int], *, recv_sizes: Sequence[int] | None = None,
-        group: Group | None = None, timeout: float | None = None, async_op: bool = False,
+        self,
+        peer_id: int,
+        x: Array,
+        send_sizes: Sequence[int],
+        *,
+        recv_sizes: Sequence[int] | None = None,
+        group: Group | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
         out: Array | None = None,
-    ) -> Any:  # fmt: skip
+    ) -> Any:
         """Rows of ``x``, ``send_sizes[j]`` of them for rank j in rank order, go to rank j; a list back,
         in source rank order, of the rows each peer sent this one. ``out``: one array of them all.
         ``recv_sizes``: the rows expected from each rank, checked (on every peer) before data moves."""
@@ -331,9 +406,16 @@ class Runtime:
         return self.start(peer_id, Barrier(), group, timeout, async_op)
 
     def all_reduce_coalesced(
-        self, peer_id: int, xs: Sequence[Array], op: Op = "sum", *, group: Group | None = None,
-        timeout: float | None = None, async_op: bool = False, out: Sequence[Array] | None = None,
-    ) -> Any:  # fmt: skip
+        self,
+        peer_id: int,
+        xs: Sequence[Array],
+        op: Op = "sum",
+        *,
+        group: Group | None = None,
+        timeout: float | None = None,
+        async_op: bool = False,
+        out: Sequence[Array] | None = None,
+    ) -> Any:
         """One all_reduce over many arrays (one agreement, one schedule per dtype): a list back."""
         member, (rendezvous, sequencer), seconds, problem = self._road(peer_id, group, timeout)
 

@@ -113,8 +113,16 @@ def peer_input(
 
 def reference(inputs: list[np.ndarray], op: str) -> np.ndarray:
     """op over the inputs in the inputs' dtype (integers wrap as numpy does; mean floors for ints)."""
-    ufunc = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply,
-             "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op]  # fmt: skip
+    ufunc = {
+        "sum": np.add,
+        "mean": np.add,
+        "max": np.maximum,
+        "min": np.minimum,
+        "prod": np.multiply,
+        "band": np.bitwise_and,
+        "bor": np.bitwise_or,
+        "bxor": np.bitwise_xor,
+    }[op]
     result = inputs[0].copy()
     for other in inputs[1:]:
         ufunc(result, other, out=result)

@@ -134,8 +134,12 @@ def training() -> None:
             np.testing.assert_allclose(np.asarray(averages[1]["w"]), np.full(3, 1.0))
 
 
-CHECKS = {"pytrees": pytrees, "every_collective": every_collective, "out_refused": out_refused,
-          "training": training}  # fmt: skip
+CHECKS = {
+    "pytrees": pytrees,
+    "every_collective": every_collective,
+    "out_refused": out_refused,
+    "training": training,
+}
 
 if __name__ == "__main__":
     CHECKS[sys.argv[1]]()

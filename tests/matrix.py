@@ -35,9 +35,22 @@ import numpy as np
 import collective as col
 
 __all__ = [
-    "DTYPES", "PROFILES", "SPECS", "Case", "Failures", "PathCounter", "Seat", "Spec", "build_cases",
-    "by_group", "cases_of_peer", "group_shapes", "local_paths", "routes", "run_table",
-]  # fmt: skip
+    "DTYPES",
+    "PROFILES",
+    "SPECS",
+    "Case",
+    "Failures",
+    "PathCounter",
+    "Seat",
+    "Spec",
+    "build_cases",
+    "by_group",
+    "cases_of_peer",
+    "group_shapes",
+    "local_paths",
+    "routes",
+    "run_table",
+]
 
 DTYPES: dict[str, np.dtype[Any]] = {
     name: np.dtype(ml_dtypes.bfloat16 if name == "bfloat16" else name)
@@ -48,9 +61,15 @@ INT_OPS = (*FLOAT_OPS, "band", "bor", "bxor")
 OUT_MODES = ("none", "new", "inplace")  # no out=; a separate out array; out=x (in place)
 SENTINEL = 7  # what a fresh ``out`` holds before the call (outside -3..3; kept where no result lands)
 UFUNCS: dict[str, Any] = {
-    "sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply,
-    "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor,
-}  # fmt: skip
+    "sum": np.add,
+    "mean": np.add,
+    "max": np.maximum,
+    "min": np.minimum,
+    "prod": np.multiply,
+    "band": np.bitwise_and,
+    "bor": np.bitwise_or,
+    "bxor": np.bitwise_xor,
+}
 # per-peer block sizes in bytes, around the executors' limits: fused/inline up to 64 KiB, shared
 # memory chunks of 1 MiB, the shared path up to 4 MiB
 FUSE_LIMIT = 64 << 10
@@ -677,11 +696,21 @@ class AllToAllVSpec(_UnevenSpec):
 SPECS: dict[str, Spec] = {
     spec.kind: spec
     for spec in (
-        AllReduceSpec(), ReduceSpec(), BroadcastSpec(), AllGatherSpec(), GatherSpec(), ReduceScatterSpec(),
-        AllToAllSpec(), ScatterSpec(), BarrierSpec(), CoalescedSpec(), AllGatherVSpec(), ReduceScatterVSpec(),
+        AllReduceSpec(),
+        ReduceSpec(),
+        BroadcastSpec(),
+        AllGatherSpec(),
+        GatherSpec(),
+        ReduceScatterSpec(),
+        AllToAllSpec(),
+        ScatterSpec(),
+        BarrierSpec(),
+        CoalescedSpec(),
+        AllGatherVSpec(),
+        ReduceScatterVSpec(),
         AllToAllVSpec(),
     )
-}  # fmt: skip
+}
 
 
 # -- one case's data, built once per process ------------------------------------------------------

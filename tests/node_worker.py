@@ -40,8 +40,16 @@ def data(peer: int, length: int, salt: int = 0) -> np.ndarray:
 
 
 def reference(arrays: list[np.ndarray], op: str) -> np.ndarray:
-    ufunc = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply,
-             "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}[op]  # fmt: skip
+    ufunc = {
+        "sum": np.add,
+        "mean": np.add,
+        "max": np.maximum,
+        "min": np.minimum,
+        "prod": np.multiply,
+        "band": np.bitwise_and,
+        "bor": np.bitwise_or,
+        "bxor": np.bitwise_xor,
+    }[op]
     total = arrays[0].copy()
     for other in arrays[1:]:
         ufunc(total, other, out=total)

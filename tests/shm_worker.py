@@ -21,14 +21,22 @@ import ml_dtypes
 import numpy as np
 
 import collective as col
-from collective import shm_executor
+from collective.shm import group as shm_executor
 from collective.transport.shm_ring import RingSegment
 from collective.transport.shm_segment import NAME
 
 SIZES = [0, 1, 3, 17, 1000, 20_000, 300_001]  # elements: empty .. more than a chunk, odd
 DTYPES = ["float32", "float64", "int32", ml_dtypes.bfloat16]
-UFUNCS = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum, "prod": np.multiply,
-          "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}  # fmt: skip
+UFUNCS = {
+    "sum": np.add,
+    "mean": np.add,
+    "max": np.maximum,
+    "min": np.minimum,
+    "prod": np.multiply,
+    "band": np.bitwise_and,
+    "bor": np.bitwise_or,
+    "bxor": np.bitwise_xor,
+}
 
 
 def say(line: str) -> None:
@@ -214,21 +222,21 @@ def loop(peer: int, world: int, size: str = "2") -> int:
 def crash(peer: int, world: int) -> int:
     """Peer 0 fails inside a large step with a plain exception while its process lives on; then
     every process runs the same collective again (the job stays usable)."""
-    import collective.shm_chunks
+    import collective.shm.chunks
 
-    kept = collective.shm_chunks.reduce_all
+    kept = collective.shm.chunks.reduce_all
     if peer == 0:
 
         def broken(*args: Any) -> None:
             raise MemoryError("simulated")
 
-        collective.shm_chunks.reduce_all = broken  # type: ignore[assignment]
+        collective.shm.chunks.reduce_all = broken  # type: ignore[assignment]
     x = np.ones(1 << 20, np.float32)
     try:
         col.all_reduce(peer, x)
     except (MemoryError, col.CollectiveError) as exc:
         say(f"ERROR {type(exc).__name__} - {exc}")
-    collective.shm_chunks.reduce_all = kept  # type: ignore[assignment]
+    collective.shm.chunks.reduce_all = kept  # type: ignore[assignment]
     same(col.all_reduce(peer, x), np.full(1 << 20, world, np.float32), "after the failure")
     say("AFTER")
     return 1
@@ -302,7 +310,7 @@ def overlap(peer: int, world: int) -> int:
 def lead_fails(peer: int, world: int) -> int:
     """Peer 0 (its host's leader) fails with a plain exception in its global phase, after its
     host's shared-memory step: every process hears at once; then the job goes on."""
-    from collective.movement import Reduction
+    from collective.calls.movement import Reduction
 
     kept = Reduction.contribution
     if peer == 0:
@@ -381,8 +389,10 @@ def no_channel(peer: int, world: int, elements: str = "16") -> int:
     n, group = int(elements), col.new_group([0, 2, 4])
     count = 0
     if peer == 0:
-        works = [col.all_reduce(0, np.full(n, 100.0 + k), group=col.new_group(list(m)), async_op=True)
-                 for k, m in enumerate(BUSY)]  # fmt: skip
+        works = [
+            col.all_reduce(0, np.full(n, 100.0 + k), group=col.new_group(list(m)), async_op=True)
+            for k, m in enumerate(BUSY)
+        ]
         time.sleep(0.2)
         try:
             col.all_reduce(0, np.full(n, 1000.0), group=group, timeout=0.5)
@@ -487,12 +497,25 @@ def unmapped(peer: int, world: int) -> int:
 
 MODES = {
     "byte_order": byte_order,
-    "leaves": leaves, "leaves_after": leaves_after,
-    "every": every, "many": many, "overlap": overlap, "lead_fails": lead_fails, "groups": groups,
-    "evicted": evicted, "concurrent": concurrent, "mismatch": mismatch, "loop": loop, "crash": crash,
-    "late": late, "crowded": crowded, "no_channel": no_channel, "absent": absent,
-    "gave_up": gave_up, "unmapped": unmapped,
-}  # fmt: skip
+    "leaves": leaves,
+    "leaves_after": leaves_after,
+    "every": every,
+    "many": many,
+    "overlap": overlap,
+    "lead_fails": lead_fails,
+    "groups": groups,
+    "evicted": evicted,
+    "concurrent": concurrent,
+    "mismatch": mismatch,
+    "loop": loop,
+    "crash": crash,
+    "late": late,
+    "crowded": crowded,
+    "no_channel": no_channel,
+    "absent": absent,
+    "gave_up": gave_up,
+    "unmapped": unmapped,
+}
 
 
 def ring_segment() -> str | None:

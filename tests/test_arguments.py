@@ -19,8 +19,9 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _job(rt: col.Runtime, n: int, strategy: str | None = None, timeout: float = 20.0) -> None:
-    strategies = {} if strategy is None else {"local_all_reduce_strategy": strategy,
-                                              "local_reduce_strategy": strategy}  # fmt: skip
+    strategies = (
+        {} if strategy is None else {"local_all_reduce_strategy": strategy, "local_reduce_strategy": strategy}
+    )
     config = col.CollectiveConfig(num_devices=n, timeout=timeout, **strategies)
     run_peers(n, lambda p: rt.register(p, "cpu", config), rt)
 
@@ -99,8 +100,10 @@ def test_a_bad_out_in_a_coalesced_list_fails_every_peer_before_data_moves(
 ) -> None:
     """With two dtypes the bad out is the second bucket's: still refused before the first moves."""
     _job(runtime, 3, timeout=5)
-    lists = [[np.full(3, p + 0.75, np.float32), np.full(2, p, np.float64 if dtypes == 2 else np.float32)]
-             for p in range(3)]  # fmt: skip
+    lists = [
+        [np.full(3, p + 0.75, np.float32), np.full(2, p, np.float64 if dtypes == 2 else np.float32)]
+        for p in range(3)
+    ]
     written = [np.full(3, -1.0, np.float32) for _ in range(3)]  # the first array's out: never written
 
     def body(p: int) -> Any:
@@ -163,7 +166,7 @@ TAG_RANGE = r"tag must be an integer from 0 to 2\*\*63 - 1"
         (lambda rt: rt.send(0, np.ones(2), dst=1, timeout="x"), "timeout must be a finite number"),
     ],
     ids=["send-tag-2**63", "recv-tag-2**64", "send-timeout-negative", "send-timeout-text"],
-)  # fmt: skip
+)
 def test_tags_and_send_timeouts_are_checked(runtime: col.Runtime, call: Any, expected: str) -> None:
     _job(runtime, 2)
     with pytest.raises(col.InvalidArgumentError, match=expected):
@@ -202,8 +205,13 @@ def test_centralized_and_direct_combine_in_peer_order_whatever_the_root(strategy
         copies = [x.copy() for x in inputs]
         run_peers(3, lambda p: rt.all_reduce(p, copies[p], out=copies[p]), rt)  # in place
         root_copy = inputs[root].copy()
-        run_peers(3, lambda p: rt.reduce(p, root_copy if p == root else inputs[p], root=root,
-                                         out=root_copy if p == root else None), rt)  # fmt: skip
+        run_peers(
+            3,
+            lambda p: rt.reduce(
+                p, root_copy if p == root else inputs[p], root=root, out=root_copy if p == root else None
+            ),
+            rt,
+        )
     np.testing.assert_array_equal(results[root][0], expected)
     np.testing.assert_array_equal(root_copy, expected)
     for p, (_, everywhere) in enumerate(results):
@@ -245,8 +253,9 @@ def test_numpy_subclasses_read_as_arrays_and_a_masked_array_is_refused(
     maps = [np.memmap(tmp_path / f"out{p}", np.float64, "w+", shape=(3,)) for p in range(2)]
 
     def body(p: int) -> Any:
-        mixed = runtime.all_reduce_coalesced(p, [np.full(2, p + 1.0), np.memmap(
-            tmp_path / f"in{p}", np.float64, "w+", shape=(4,))])  # fmt: skip
+        mixed = runtime.all_reduce_coalesced(
+            p, [np.full(2, p + 1.0), np.memmap(tmp_path / f"in{p}", np.float64, "w+", shape=(4,))]
+        )
         matrices = runtime.all_reduce_coalesced(p, [np.matrix(np.full((2, 3), p + 1.0))] * 2)
         written = runtime.all_reduce(p, np.full(3, p + 1.0), out=maps[p])
         with pytest.raises(col.InvalidArgumentError, match="masked array's mask would be ignored"):

@@ -40,9 +40,33 @@ def test_tiny_sweep_prints_nccl_tables_and_a_summary(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     out_json = tmp_path / "rows.json"
-    argv = ["bench", "--peers", "3", "-b", "8", "-e", "128K", "-f", "128", "-w", "1", "-n", "3",
-            "--root", "all", "--compare", "trivial", "--json", str(out_json),
-            "--op", "all_reduce", "--op", "reduce", "--op", "broadcast"]  # fmt: skip
+    argv = [
+        "bench",
+        "--peers",
+        "3",
+        "-b",
+        "8",
+        "-e",
+        "128K",
+        "-f",
+        "128",
+        "-w",
+        "1",
+        "-n",
+        "3",
+        "--root",
+        "all",
+        "--compare",
+        "trivial",
+        "--json",
+        str(out_json),
+        "--op",
+        "all_reduce",
+        "--op",
+        "reduce",
+        "--op",
+        "broadcast",
+    ]
     status, out, _ = run_cli(argv, capsys)
     assert status == 0, out
     for op in ("all_reduce", "reduce", "broadcast"):
@@ -82,8 +106,10 @@ def test_a_wrong_result_is_counted_and_fails_the_run(
         return result
 
     monkeypatch.setattr(Runtime, "all_reduce", corrupt)
-    status, out, err = run_cli(["bench", "--op", "all_reduce", "--strategy", "ring", "-b", "64", "-e", "64",
-                                "-w", "0", "-n", "4"], capsys)  # fmt: skip
+    status, out, err = run_cli(
+        ["bench", "--op", "all_reduce", "--strategy", "ring", "-b", "64", "-e", "64", "-w", "0", "-n", "4"],
+        capsys,
+    )
     assert status == 1
     row = next(line for line in out.splitlines() if line.strip().startswith("64 "))
     assert row.split()[-1] == "4"  # one wrong element per timed iteration
@@ -139,8 +165,12 @@ def test_default_sweep_plan_covers_8_bytes_to_16_mebibytes() -> None:
 
 
 def test_demo_and_version_from_a_real_process() -> None:
-    demo = subprocess.run([sys.executable, "-m", "collective", "demo", "--peers", "3"],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    demo = subprocess.run(
+        [sys.executable, "-m", "collective", "demo", "--peers", "3"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert demo.returncode == 0, demo.stderr
     assert demo.stdout.count("every peer got [ 0.  6. 12. 18.]") == 4  # centralized, tree, ring, direct
     assert "direct: peer 0 sent" in demo.stdout
@@ -163,9 +193,35 @@ def test_trivial_baseline_matches_numpy() -> None:
 
 def test_a_tiny_sweep_across_two_nodes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     out_json = tmp_path / "nodes.json"
-    argv = ["bench", "--nodes", "2", "--peers", "2", "-b", "8", "-e", "1M", "-f", "131072", "-w", "1",
-            "-n", "3", "--strategy", "ring", "--strategy", "tree:2", "--json", str(out_json),
-            "--op", "all_reduce", "--op", "reduce", "--op", "broadcast"]  # fmt: skip
+    argv = [
+        "bench",
+        "--nodes",
+        "2",
+        "--peers",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "1M",
+        "-f",
+        "131072",
+        "-w",
+        "1",
+        "-n",
+        "3",
+        "--strategy",
+        "ring",
+        "--strategy",
+        "tree:2",
+        "--json",
+        str(out_json),
+        "--op",
+        "all_reduce",
+        "--op",
+        "reduce",
+        "--op",
+        "broadcast",
+    ]
     status, out, _ = run_cli(argv, capsys)
     assert status == 0, out
     assert "# collective bench: 2 nodes x 2 local peers" in out
@@ -209,8 +265,27 @@ def test_gloo_comparison_when_torch_is_installed(capsys: pytest.CaptureFixture[s
     pytest.importorskip(
         "torch"
     )  # an optional extra (several hundred MB); the message without it is tested above
-    argv = ["bench", "--op", "all_reduce", "--strategy", "ring", "--nodes", "2", "--peers", "1",
-            "-b", "8", "-e", "8", "-w", "1", "-n", "3", "--compare", "gloo"]  # fmt: skip
+    argv = [
+        "bench",
+        "--op",
+        "all_reduce",
+        "--strategy",
+        "ring",
+        "--nodes",
+        "2",
+        "--peers",
+        "1",
+        "-b",
+        "8",
+        "-e",
+        "8",
+        "-w",
+        "1",
+        "-n",
+        "3",
+        "--compare",
+        "gloo",
+    ]
     status, out, _ = run_cli(argv, capsys)
     assert status == 0, out
     assert "# all_reduce  torch.distributed gloo  peers=2" in out and "speedup vs gloo" in out
@@ -277,9 +352,31 @@ def test_every_op_is_measured_and_checked(
     from collective.bench.ops import OPS
 
     out_json = tmp_path / "ops.json"
-    argv = ["bench", "--op", "all", "--nodes", str(nodes), "--peers", str(4 // nodes), "-b", "64",
-            "-e", "512K", "-f", "8192", "-w", "1", "-n", "2", "--strategy", "ring", "--root", "all",
-            "--json", str(out_json)]  # fmt: skip
+    argv = [
+        "bench",
+        "--op",
+        "all",
+        "--nodes",
+        str(nodes),
+        "--peers",
+        str(4 // nodes),
+        "-b",
+        "64",
+        "-e",
+        "512K",
+        "-f",
+        "8192",
+        "-w",
+        "1",
+        "-n",
+        "2",
+        "--strategy",
+        "ring",
+        "--root",
+        "all",
+        "--json",
+        str(out_json),
+    ]
     status, out, _ = run_cli(argv, capsys)
     assert status == 0, out
     rows = json.loads(out_json.read_text())["rows"]
@@ -303,8 +400,23 @@ def test_sigterm_while_the_results_are_written_is_exit_143(
         time.sleep(1)  # (the handler raises here)
 
     monkeypatch.setattr(bench_cli, "write_json", write_json)
-    argv = ["bench", "--op", "all_reduce", "--peers", "2", "-b", "8", "-e", "8", "-w", "1", "-n", "2",
-            "--json", str(tmp_path / "rows.json")]  # fmt: skip
+    argv = [
+        "bench",
+        "--op",
+        "all_reduce",
+        "--peers",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "8",
+        "-w",
+        "1",
+        "-n",
+        "2",
+        "--json",
+        str(tmp_path / "rows.json"),
+    ]
     status, _, err = run_cli(argv, capsys)
     assert status == 143 and "stopped by signal 15" in err, err
 
@@ -316,8 +428,25 @@ def test_every_op_of_one_peer_is_every_op_but_sendrecv(
     from collective.bench.ops import OPS
 
     out_json = tmp_path / "one.json"
-    argv = ["bench", "--op", "all", "--peers", "1", "-b", "64", "-e", "64", "-w", "1", "-n", "2",
-            "--strategy", "ring", "--json", str(out_json)]  # fmt: skip
+    argv = [
+        "bench",
+        "--op",
+        "all",
+        "--peers",
+        "1",
+        "-b",
+        "64",
+        "-e",
+        "64",
+        "-w",
+        "1",
+        "-n",
+        "2",
+        "--strategy",
+        "ring",
+        "--json",
+        str(out_json),
+    ]
     status, out, _ = run_cli(argv, capsys)
     assert status == 0, out
     assert {row["op"] for row in json.loads(out_json.read_text())["rows"]} == set(OPS) - {"sendrecv"}
@@ -326,8 +455,29 @@ def test_every_op_of_one_peer_is_every_op_but_sendrecv(
 def test_every_op_against_gloo(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     pytest.importorskip("torch")
     out_json = tmp_path / "gloo.json"
-    argv = ["bench", "--op", "all", "--nodes", "2", "--peers", "1", "-b", "1K", "-e", "1K", "-w", "1",
-            "-n", "2", "--strategy", "ring", "--compare", "gloo", "--json", str(out_json)]  # fmt: skip
+    argv = [
+        "bench",
+        "--op",
+        "all",
+        "--nodes",
+        "2",
+        "--peers",
+        "1",
+        "-b",
+        "1K",
+        "-e",
+        "1K",
+        "-w",
+        "1",
+        "-n",
+        "2",
+        "--strategy",
+        "ring",
+        "--compare",
+        "gloo",
+        "--json",
+        str(out_json),
+    ]
     status, out, _ = run_cli(argv, capsys)
     assert status == 0, out
     rows = json.loads(out_json.read_text())["rows"]
@@ -341,8 +491,20 @@ def test_shm_vs_gloo_runs_ours_over_processes_and_checks_every_result(
 ) -> None:
     from collective.bench import shm_vs_gloo
 
-    argv = ["--worlds", "2", "--ops", "all_reduce,all_gather,reduce_scatter,broadcast", "--sizes", "8,200K",
-            "--systems", "ours", "--repeats", "1", "--budget", "0.02"]  # fmt: skip
+    argv = [
+        "--worlds",
+        "2",
+        "--ops",
+        "all_reduce,all_gather,reduce_scatter,broadcast",
+        "--sizes",
+        "8,200K",
+        "--systems",
+        "ours",
+        "--repeats",
+        "1",
+        "--budget",
+        "0.02",
+    ]
     assert shm_vs_gloo.main(argv) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if not line.startswith("#")][1:]
@@ -399,8 +561,27 @@ def test_ops_that_split_into_blocks_report_the_bytes_they_move(
 ) -> None:
     """4 peers, float32: 24 B cannot give each peer two elements, 100 B is 25 elements (24 move)."""
     out_json = tmp_path / "rows.json"
-    argv = ["bench", "--op", "all_gather", "--op", "all_reduce", "--strategy", "ring", "-b", "25",
-            "-e", "200", "-f", "4", "-w", "0", "-n", "1", "--json", str(out_json)]  # fmt: skip
+    argv = [
+        "bench",
+        "--op",
+        "all_gather",
+        "--op",
+        "all_reduce",
+        "--strategy",
+        "ring",
+        "-b",
+        "25",
+        "-e",
+        "200",
+        "-f",
+        "4",
+        "-w",
+        "0",
+        "-n",
+        "1",
+        "--json",
+        str(out_json),
+    ]
     status, out, _ = run_cli(argv, capsys)
     assert status == 0, out
     rows = json.loads(out_json.read_text())["rows"]
@@ -413,8 +594,26 @@ def test_ops_that_split_into_blocks_report_the_bytes_they_move(
 
 
 def test_a_plot_of_empty_rows_only_is_no_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    status, out, _ = run_cli(["bench", "--op", "all_reduce", "--strategy", "ring", "-b", "0", "-e", "0", "-w",
-                              "0", "-n", "1", "--plot", str(tmp_path / "p.png")], capsys)  # fmt: skip
+    status, out, _ = run_cli(
+        [
+            "bench",
+            "--op",
+            "all_reduce",
+            "--strategy",
+            "ring",
+            "-b",
+            "0",
+            "-e",
+            "0",
+            "-w",
+            "0",
+            "-n",
+            "1",
+            "--plot",
+            str(tmp_path / "p.png"),
+        ],
+        capsys,
+    )
     assert status == 0 and "plot written" in out
 
 
@@ -447,8 +646,18 @@ def test_vs_reference_times_the_baseline_ours_and_the_bare_least_in_the_referenc
     reference = Path(__file__).resolve().parents[2] / "shared" / "reference-bench"
     if not (reference / "_common.py").is_file():
         pytest.skip("../shared/reference-bench is not beside the repository")
-    argv = ["--reference-dir", str(reference), "--peers", "2", "--sizes", "8", "--repeats", "1",
-            "--budget", "0.01"]  # fmt: skip
+    argv = [
+        "--reference-dir",
+        str(reference),
+        "--peers",
+        "2",
+        "--sizes",
+        "8",
+        "--repeats",
+        "1",
+        "--budget",
+        "0.01",
+    ]
     assert vs_reference.main(argv) == 0
     out = capsys.readouterr().out
     lines = [line.split() for line in out.splitlines()]
@@ -478,8 +687,28 @@ def test_a_bench_of_nodes_stopped_by_a_signal_stops_its_processes_and_their_shar
     """SIGTERM killed the bench at once: its orchestrator and nodes ran on (parent 1), still
     benchmarking; Ctrl-C left the nodes' shared-memory segments (they got SIGTERM, which skips
     their clean-up)."""
-    argv = [sys.executable, "-m", "collective", "bench", "--nodes", "2", "--peers", "1", "--op", "all_reduce",
-            "-b", "64M", "-e", "64M", "-w", "1", "-n", "100000", "--timeout", "60"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "collective",
+        "bench",
+        "--nodes",
+        "2",
+        "--peers",
+        "1",
+        "--op",
+        "all_reduce",
+        "-b",
+        "64M",
+        "-e",
+        "64M",
+        "-w",
+        "1",
+        "-n",
+        "100000",
+        "--timeout",
+        "60",
+    ]
     bench = subprocess.Popen(  # (Ctrl-C reaches it even where this test's own SIGINT is ignored)
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible
     )

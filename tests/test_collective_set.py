@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 import collective as col
-import collective.rendezvous
+import collective.executors.rendezvous
 from collective import Centralized, Direct, Ring, Tree
 from collective.config import KINDS
 from tests.conftest import assert_matches, peer_input, reference, run_peers
@@ -81,14 +81,14 @@ def make_input(peer: int, shape: tuple[int, ...], dtype: Any, seed: int, view: b
 def executors_seen(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """The class name of every executor chosen while the test runs (to check the path taken)."""
     seen: list[str] = []
-    real = collective.rendezvous.choose
+    real = collective.executors.rendezvous.choose
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         executor = real(*args, **kwargs)
         seen.append(type(executor).__name__)
         return executor
 
-    monkeypatch.setattr(collective.rendezvous, "choose", spy)
+    monkeypatch.setattr(collective.executors.rendezvous, "choose", spy)
     return seen
 
 
@@ -678,10 +678,21 @@ def test_recv_from_a_peer_that_finished_is_a_peer_lost_error(runtime: col.Runtim
         (lambda rt: rt.recv(1, src=0, timeout=-1), "timeout must be a finite number of seconds > 0"),
     ],
     ids=[
-        "dst-world", "dst-negative", "dst-bool", "dst-str", "dst-self", "tag-negative", "tag-float",
-        "tag-bool", "x-list", "src-world", "src-self", "recv-tag", "recv-timeout",
+        "dst-world",
+        "dst-negative",
+        "dst-bool",
+        "dst-str",
+        "dst-self",
+        "tag-negative",
+        "tag-float",
+        "tag-bool",
+        "x-list",
+        "src-world",
+        "src-self",
+        "recv-tag",
+        "recv-timeout",
     ],
-)  # fmt: skip
+)
 def test_bad_peers_tags_and_arrays_in_send_and_recv(runtime: col.Runtime, call: Any, expected: str) -> None:
     _registered(runtime, 2)
     started = time.monotonic()
@@ -732,7 +743,7 @@ def test_a_one_dtype_coalesced_list_gives_views_of_one_bucket_in_every_shape(pat
 
 
 def test_the_layouts_of_coalesced_lists_are_remembered_within_a_bound(rt: col.Runtime) -> None:
-    from collective import coalesced
+    from collective.calls import coalesced
 
     _registered(rt, 1)
     for length in range(1, coalesced._MAX_LAYOUTS * 2):  # more distinct lists than it remembers

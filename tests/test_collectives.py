@@ -75,8 +75,21 @@ def test_every_op_and_root(link_runtime: col.Runtime, strategy: Any, n: int) -> 
             )
 
 
-DTYPES = ["float16", "float32", "float64", "int8", "int16", "int32", "int64",
-          "uint8", "uint16", "uint32", "uint64", "complex64", "bfloat16"]  # fmt: skip
+DTYPES = [
+    "float16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+    "complex64",
+    "bfloat16",
+]
 SHAPES = {
     "0-d": (),
     "empty": (0,),
@@ -263,9 +276,12 @@ def test_module_level_api_and_a_second_job_with_another_peer_count() -> None:
 
 def test_string_strategies_and_enum_ops(link_runtime: col.Runtime) -> None:
     cfg = col.CollectiveConfig(
-        num_devices=3, local_all_reduce_strategy="ring", local_reduce_strategy="tree:3",
-        local_broadcast_strategy="centralized", timeout=20,
-    )  # fmt: skip
+        num_devices=3,
+        local_all_reduce_strategy="ring",
+        local_reduce_strategy="tree:3",
+        local_broadcast_strategy="centralized",
+        timeout=20,
+    )
     assert (cfg.local_all_reduce_strategy, cfg.local_reduce_strategy) == (Ring(), Tree(3))
 
     def body(peer: int) -> tuple[Any, ...]:

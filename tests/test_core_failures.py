@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import collective as col
-import collective.movement
+import collective.calls.movement
 from tests.conftest import outcomes_of_peers, run_peers
 
 
@@ -84,7 +84,7 @@ def test_an_exception_in_one_peer_fails_the_others_at_once_and_frees_everyone(
     the others it is peer 1, inside its share of the work. Afterwards nobody is left "inside a
     collective": every peer can finish.
     """
-    real_reduce_all = collective.movement.reduce_all
+    real_reduce_all = collective.calls.movement.reduce_all
     real_combine = collective.transport.inproc.combine  # type: ignore[attr-defined]
     failed: list[str] = []
 
@@ -95,7 +95,7 @@ def test_an_exception_in_one_peer_fails_the_others_at_once_and_frees_everyone(
             raise MemoryError("simulated")
         return real(*args)
 
-    monkeypatch.setattr(collective.movement, "reduce_all", lambda *a: failing(*a, real=real_reduce_all))
+    monkeypatch.setattr(collective.calls.movement, "reduce_all", lambda *a: failing(*a, real=real_reduce_all))
     monkeypatch.setattr(collective.transport.inproc, "combine", lambda *a: failing(*a, real=real_combine))
     with col.Runtime(**PATHS[path]) as rt:
         started = time.monotonic()

@@ -23,9 +23,12 @@ pytestmark = pytest.mark.skipif(DEVICES == 0, reason="no CUDA device")
 def test_cupy_collectives(strategy: str, fuse_below: int) -> None:
     n = 3
     config = col.CollectiveConfig(
-        num_devices=n, local_all_reduce_strategy=strategy, local_reduce_strategy=strategy,
-        local_broadcast_strategy=strategy, timeout=30,
-    )  # fmt: skip
+        num_devices=n,
+        local_all_reduce_strategy=strategy,
+        local_reduce_strategy=strategy,
+        local_broadcast_strategy=strategy,
+        timeout=30,
+    )
     devices = [f"cuda:{p % DEVICES}" for p in range(n)]
     inputs = [np.arange(1001, dtype=np.float32) * (p + 1) for p in range(n)]
 

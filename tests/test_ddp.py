@@ -300,8 +300,10 @@ def test_torch_mixed_dtypes_bfloat16_included() -> None:
             model.bias.data = model.bias.data.to(torch.bfloat16)
             model.weight.data = model.weight.data.to(torch.float64)
             sync = GradientSync(peer, dict(model.named_parameters()), runtime=rt)
-            grads = {"weight": torch.full((3, 4), float(peer), dtype=torch.float64),
-                     "bias": torch.full((3,), float(peer), dtype=torch.bfloat16)}  # fmt: skip
+            grads = {
+                "weight": torch.full((3, 4), float(peer), dtype=torch.float64),
+                "bias": torch.full((3,), float(peer), dtype=torch.bfloat16),
+            }
             for name in ("bias", "weight"):
                 sync.ready(name, grads[name])
             result = sync.wait()

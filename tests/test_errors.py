@@ -20,9 +20,12 @@ TIMEOUT = 0.5
 
 def cfg(n: int, timeout: float = 10.0, strategy: Any = "tree:2") -> col.CollectiveConfig:
     return col.CollectiveConfig(
-        num_devices=n, timeout=timeout, local_all_reduce_strategy=strategy,
-        local_reduce_strategy=strategy, local_broadcast_strategy=strategy,
-    )  # fmt: skip
+        num_devices=n,
+        timeout=timeout,
+        local_all_reduce_strategy=strategy,
+        local_reduce_strategy=strategy,
+        local_broadcast_strategy=strategy,
+    )
 
 
 def then_usable(rt: col.Runtime, peer: int, n: int) -> np.ndarray:
@@ -410,8 +413,13 @@ def test_a_failure_inside_one_peer_fails_the_collective_for_all(monkeypatch: pyt
 
 
 def test_config_from_the_environment() -> None:
-    env = {"COLLECTIVE_NUM_DEVICES": "3", "COLLECTIVE_LOCAL_ALL_REDUCE_STRATEGY": "direct",
-           "COLLECTIVE_TIMEOUT": "2.5", "COLLECTIVE_JOB": "j", "UNRELATED": "x"}  # fmt: skip
+    env = {
+        "COLLECTIVE_NUM_DEVICES": "3",
+        "COLLECTIVE_LOCAL_ALL_REDUCE_STRATEGY": "direct",
+        "COLLECTIVE_TIMEOUT": "2.5",
+        "COLLECTIVE_JOB": "j",
+        "UNRELATED": "x",
+    }
     config = col.CollectiveConfig.from_env(env, timeout=4)
     assert (config.num_devices, config.local_all_reduce_strategy, config.timeout, config.job) == (
         3,

@@ -26,8 +26,19 @@ CLEAN = {k: v for k, v in CLEAN.items() if k not in ("RANK", "WORLD_SIZE", "MAST
 
 def launch(nodes: int, script: str, *args: str) -> str:
     """``collective launch --nodes N docs/examples/SCRIPT --tiny ARGS``: its output (exit 0 asserted)."""
-    argv = [sys.executable, "-m", "collective", "launch", "--nodes", str(nodes), "--timeout", "60",
-            str(EXAMPLES / script), "--tiny", *args]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "collective",
+        "launch",
+        "--nodes",
+        str(nodes),
+        "--timeout",
+        "60",
+        str(EXAMPLES / script),
+        "--tiny",
+        *args,
+    ]
     proc = Proc(argv, CLEAN)
     assert proc.wait(120) == 0, proc.output()
     return proc.output()
@@ -38,8 +49,14 @@ def test_ddp_variants_match_one_process_and_time_each_variant() -> None:
     for peer in range(2):
         assert f"[node {peer}] ddp_variants: peer {peer}: OK" in output, output
     rows = dict(re.findall(r"\[node 0\]   (\S.*?\S) +\d+\.\d+ +\d+\.\d+x +\d+ +(\d\.\de[-+]\d+)", output))
-    expected = ["no communication", "naive per-parameter", "flattened", "overlapped per-parameter",
-                "bucketed (collective.ddp)", "accumulation x4 (no_sync)"]  # fmt: skip
+    expected = [
+        "no communication",
+        "naive per-parameter",
+        "flattened",
+        "overlapped per-parameter",
+        "bucketed (collective.ddp)",
+        "accumulation x4 (no_sync)",
+    ]
     assert list(rows) == expected, output
     assert float(rows["no communication"]) > 1e-4, output  # the check sees a missing sync
 
@@ -48,11 +65,15 @@ def test_ddp_variants_match_one_process_and_time_each_variant() -> None:
     ("nodes", "args", "layout", "roles"),
     [
         (3, [], "2-tier (2 workers + aggregator-optimiser)", ["worker", "worker", "server"]),
-        (4, ["--workers", "2"], "3-tier (2 workers + aggregator + optimiser)",
-         ["worker", "worker", "aggregator", "optimiser"]),
+        (
+            4,
+            ["--workers", "2"],
+            "3-tier (2 workers + aggregator + optimiser)",
+            ["worker", "worker", "aggregator", "optimiser"],
+        ),
     ],
     ids=["2-tier", "3-tier"],
-)  # fmt: skip
+)
 def test_parameter_server_layouts_match_one_process(
     nodes: int, args: list[str], layout: str, roles: list[str]
 ) -> None:
@@ -73,8 +94,17 @@ def test_tensor_parallel_two_groups_match_the_unsharded_layers() -> None:
 
 def test_tensor_parallel_under_torchrun() -> None:
     """The real torchrun: its agent serves a store on the master port (init() meets through it)."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-            str(free_port()), str(EXAMPLES / "tensor_parallel.py"), "--tiny"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(EXAMPLES / "tensor_parallel.py"),
+        "--tiny",
+    ]
     proc = Proc(argv, {**CLEAN, "COLLECTIVE_TIMEOUT": "60"})
     assert proc.wait(120) == 0, proc.output()
     for peer in range(2):

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 import collective as col
-from collective.bootstrap import init
 from collective.launch import free_port
-from collective.launchers import first_host, launched_from
+from collective.launch.bootstrap import init
+from collective.launch.launchers import first_host, launched_from
 from tests.processes import Proc, finish_all
 
 pytestmark = pytest.mark.timeout(120)
@@ -27,19 +27,35 @@ CLEAN = {k: v for k, v in CLEAN.items() if k not in ("RANK", "WORLD_SIZE", "MAST
 
 
 def torchrun(rank: int, world: int, port: int) -> dict[str, str]:
-    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}  # fmt: skip
+    return {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+    }
 
 
 def slurm(rank: int, world: int, port: int) -> dict[str, str]:
-    return {"SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world), "SLURM_LOCALID": str(rank),
-            "SLURM_JOB_NODELIST": "localhost", "SLURM_JOB_ID": "77", "MASTER_PORT": str(port)}  # fmt: skip
+    return {
+        "SLURM_PROCID": str(rank),
+        "SLURM_NTASKS": str(world),
+        "SLURM_LOCALID": str(rank),
+        "SLURM_JOB_NODELIST": "localhost",
+        "SLURM_JOB_ID": "77",
+        "MASTER_PORT": str(port),
+    }
 
 
 def open_mpi(rank: int, world: int, port: int) -> dict[str, str]:
-    return {"OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(world),
-            "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "MASTER_ADDR": "localhost",
-            "MASTER_PORT": str(port)}  # fmt: skip
+    return {
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_SIZE": str(world),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": str(port),
+    }
 
 
 @pytest.mark.parametrize("variables", [torchrun, slurm, open_mpi], ids=lambda f: f.__name__)
@@ -173,8 +189,11 @@ def test_launch_runs_modules_and_other_programs() -> None:
 def test_launch_refuses_bad_arguments(argv: list[str], expected: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "collective", "launch", "--nodes", "2", *argv],
-        capture_output=True, text=True, timeout=60, env=CLEAN,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=CLEAN,
+    )
     assert result.returncode == 2 and expected in result.stderr, result.stderr
 
 
@@ -306,8 +325,9 @@ def test_what_each_launcher_says() -> None:
         ("127.0.0.1", 1234),
         "abc.0",
     )
-    run = launched_from({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[07-09]",
-                         "SLURM_JOB_ID": "5"})  # fmt: skip
+    run = launched_from(
+        {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_JOB_NODELIST": "gpu[07-09]", "SLURM_JOB_ID": "5"}
+    )
     assert (run.master, run.job) == (("gpu07", 29500), "slurm-5.0")
     named = {"COLLECTIVE_GLOBAL_ADDRESS": "10.0.0.1:7", "PMIX_NAMESPACE": "p@1"}
     run = launched_from({**open_mpi(1, 2, 99), **named})
@@ -374,7 +394,7 @@ def test_init_under_torchruns_agent_store() -> None:
 
 def test_init_with_a_store_as_torch_hands_its_backends() -> None:
     torch_distributed = pytest.importorskip("torch.distributed")
-    from collective.bootstrap import init_with_store
+    from collective.launch.bootstrap import init_with_store
 
     store = torch_distributed.TCPStore("127.0.0.1", free_port(), 1, is_master=True)
     with col.Runtime() as rt:

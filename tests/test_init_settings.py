@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 
 import collective as col
-from collective import bootstrap
-from collective.bootstrap import init
-from collective.launch import free_port
-from collective.launchers import first_host, launched_from
+from collective.launch import bootstrap, free_port
+from collective.launch.bootstrap import init
+from collective.launch.launchers import first_host, launched_from
 from tests.test_init import CLEAN, slurm, torchrun
 
 pytestmark = pytest.mark.timeout(60)
@@ -85,7 +84,7 @@ def test_init_logs_where_its_rank_and_meeting_point_came_from(caplog: pytest.Log
     with col.Runtime() as rt, caplog.at_level(logging.DEBUG, logger="collective"):
         assert init(rt, environ=env) == 0
         rt.finish(0)
-    said = [record.getMessage() for record in caplog.records if record.name == "collective.bootstrap"]
+    said = [record.getMessage() for record in caplog.records if record.name == "collective.launch.bootstrap"]
     assert said == [
         f"init(): rank 0 of 1 from torchrun's variables, job 'init-127.0.0.1:{port}', orchestrator "
         f"hosted by rank 0 at 127.0.0.1:{port}"
@@ -132,24 +131,48 @@ def test_a_collected_runtime_is_forgotten() -> None:
 
 @pytest.mark.parametrize(
     ("nodelist", "first"),
-    [("node[1-3]-ib", "node1-ib"), ("gpu[01-02]-ib,cpu1", "gpu01-ib"), ("rack[1-2]-node[3,5]", "rack1-node3"),
-     ("n[07-09,11]", "n07"), (" c[5-6]", "c5"), ("a,b[1-2]", "a"), ("gpu-[001-004]", "gpu-001")],
-)  # fmt: skip
+    [
+        ("node[1-3]-ib", "node1-ib"),
+        ("gpu[01-02]-ib,cpu1", "gpu01-ib"),
+        ("rack[1-2]-node[3,5]", "rack1-node3"),
+        ("n[07-09,11]", "n07"),
+        (" c[5-6]", "c5"),
+        ("a,b[1-2]", "a"),
+        ("gpu-[001-004]", "gpu-001"),
+    ],
+)
 def test_the_first_host_of_a_slurm_node_list(nodelist: str, first: str) -> None:
     assert first_host(nodelist) == first
 
 
 def test_mpirun_inside_a_slurm_job_is_read_from_its_own_variables() -> None:
     """An sbatch script's mpirun: every process inherits SLURM_PROCID=0; Open MPI's rank counts."""
-    env = {**CLEAN, **slurm(0, 1, 1234), "OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
-           "MASTER_ADDR": "127.0.0.1"}  # fmt: skip
+    env = {
+        **CLEAN,
+        **slurm(0, 1, 1234),
+        "OMPI_COMM_WORLD_RANK": "3",
+        "OMPI_COMM_WORLD_SIZE": "4",
+        "MASTER_ADDR": "127.0.0.1",
+    }
     launched = launched_from(env)
     assert (launched.source, launched.rank, launched.world) == ("Open MPI", 3, 4)
 
 
 def test_launch_takes_a_separator_before_the_program() -> None:
-    argv = [sys.executable, "-m", "collective", "launch", "--nodes", "1", "--timeout", "30", "--", "sh", "-c",
-            "echo rank=$RANK"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "collective",
+        "launch",
+        "--nodes",
+        "1",
+        "--timeout",
+        "30",
+        "--",
+        "sh",
+        "-c",
+        "echo rank=$RANK",
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=CLEAN)
     assert done.returncode == 0, done.stderr
     assert "rank=0" in done.stdout
@@ -161,8 +184,20 @@ def test_launch_passes_on_output_that_is_no_utf8() -> None:
     program = "import sys; sys.stdout.buffer.write(b'caf\\xe9\\n'); sys.stdout.flush(); " + (
         "[print(i) for i in range(100000)]"
     )
-    argv = [sys.executable, "-m", "collective", "launch", "--nodes", "2", "--timeout", "30", "--",
-            sys.executable, "-c", program]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "collective",
+        "launch",
+        "--nodes",
+        "2",
+        "--timeout",
+        "30",
+        "--",
+        sys.executable,
+        "-c",
+        program,
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=CLEAN)
     assert done.returncode == 0 and "UnicodeDecodeError" not in done.stderr, done.stderr[-2000:]
     for node in (0, 1):
@@ -180,8 +215,10 @@ def test_launch_killed_outright_leaves_no_orchestrator_behind(tmp_path: Path) ->
     )
     launch = subprocess.Popen(
         [sys.executable, "-m", "collective", "launch", "--nodes", "2", "--timeout", "30", str(script)],
-        env=CLEAN, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+        env=CLEAN,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     children: list[int] = []
     try:
         deadline = time.monotonic() + 30
@@ -224,8 +261,23 @@ def _running(pid: int) -> bool:
 def test_launch_gives_everything_after_m_module_to_the_module(tmp_path: Path) -> None:
     """``-m mod --nodes 3`` started 3 nodes and gave the module no arguments (launch took them)."""
     (tmp_path / "echo_args.py").write_text("import os, sys\nprint(os.environ['WORLD_SIZE'], sys.argv[1:])\n")
-    argv = [sys.executable, "-m", "collective", "launch", "--nodes", "1", "--timeout", "30",
-            "-m", "echo_args", "--nodes", "3", "--job", "x", "--help"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "collective",
+        "launch",
+        "--nodes",
+        "1",
+        "--timeout",
+        "30",
+        "-m",
+        "echo_args",
+        "--nodes",
+        "3",
+        "--job",
+        "x",
+        "--help",
+    ]
     env = {**CLEAN, "PYTHONPATH": str(tmp_path)}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
@@ -238,11 +290,14 @@ def test_launch_gives_everything_after_m_module_to_the_module(tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     ("args", "message"),
-    [(["--job", ""], "argument --job: job must be a name of 1 to 200 characters"),
-     (["--job", "j" * 201], "argument --job: job must be a name of 1 to 200 characters"),
-     (["--job", " "], "without surrounding spaces"),
-     (["-m"], "argument -m: expected a module name"), (["-m", "--x"], "argument -m: expected a module name")],
-)  # fmt: skip
+    [
+        (["--job", ""], "argument --job: job must be a name of 1 to 200 characters"),
+        (["--job", "j" * 201], "argument --job: job must be a name of 1 to 200 characters"),
+        (["--job", " "], "without surrounding spaces"),
+        (["-m"], "argument -m: expected a module name"),
+        (["-m", "--x"], "argument -m: expected a module name"),
+    ],
+)
 def test_launch_refuses_a_bad_job_name_or_module_before_starting(args: list[str], message: str) -> None:
     argv = [sys.executable, "-m", "collective", "launch", "--nodes", "1", *args]
     if args[0] != "-m":
@@ -273,8 +328,13 @@ def test_a_named_orchestrator_without_master_addr_gives_the_address_reaching_it(
         return "10.1.2.3"
 
     monkeypatch.setattr(bootstrap, "reaching", reaching)
-    env = {**CLEAN, "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
-           "COLLECTIVE_GLOBAL_ADDRESS": "192.0.2.10:29500", "COLLECTIVE_JOB": "j"}  # fmt: skip
+    env = {
+        **CLEAN,
+        "OMPI_COMM_WORLD_RANK": "1",
+        "OMPI_COMM_WORLD_SIZE": "2",
+        "COLLECTIVE_GLOBAL_ADDRESS": "192.0.2.10:29500",
+        "COLLECTIVE_JOB": "j",
+    }
     config = bootstrap._config(launched_from(env), env)  # rank 1 with a named orchestrator: starts nothing
     assert asked == [("192.0.2.10", "COLLECTIVE_GLOBAL_ADDRESS")]
     assert (config.node_address, config.global_address) == ("10.1.2.3:0", "192.0.2.10:29500")
@@ -290,8 +350,19 @@ def test_a_named_orchestrator_without_master_addr_gives_the_address_reaching_it(
 @pytest.mark.parametrize(("signal_number", "status"), [(9, 137), (15, 143)])
 def test_launch_reports_a_node_killed_by_a_signal_as_a_shell_does(signal_number: int, status: int) -> None:
     kill = f"import os; os.kill(os.getpid(), {signal_number})"
-    argv = [sys.executable, "-m", "collective", "launch", "--nodes", "1", "--timeout", "30", sys.executable,
-            "-c", kill]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "collective",
+        "launch",
+        "--nodes",
+        "1",
+        "--timeout",
+        "30",
+        sys.executable,
+        "-c",
+        kill,
+    ]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=CLEAN)
     assert done.returncode == status, done.stderr
     assert f"node 0 was killed by signal {signal_number}" in done.stderr
@@ -300,8 +371,19 @@ def test_launch_reports_a_node_killed_by_a_signal_as_a_shell_does(signal_number:
 def test_launch_whose_output_reader_left_stops_its_nodes_as_a_pipeline_does() -> None:
     """``collective launch ... | head -1``: the pump wrote into a closed pipe (BrokenPipeError),
     the nodes blocked on their full pipes, and launch waited for them forever."""
-    argv = [sys.executable, "-m", "collective", "launch", "--nodes", "2", "--timeout", "30", sys.executable,
-            "-c", "import time\nfor i in range(10**6): print(i, flush=True)\ntime.sleep(60)"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "collective",
+        "launch",
+        "--nodes",
+        "2",
+        "--timeout",
+        "30",
+        sys.executable,
+        "-c",
+        "import time\nfor i in range(10**6): print(i, flush=True)\ntime.sleep(60)",
+    ]
     launched = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CLEAN)
     try:
         assert launched.stdout is not None and launched.stdout.readline().startswith("[node ")
@@ -315,8 +397,19 @@ def test_launch_whose_output_reader_left_stops_its_nodes_as_a_pipeline_does() ->
 
 def test_launch_whose_reader_leaves_after_its_nodes_ended_says_so() -> None:
     """The nodes' last output was still on its way when the reader left: launch exited 0."""
-    argv = [sys.executable, "-m", "collective", "launch", "--nodes", "2", "--timeout", "30", sys.executable,
-            "-c", "print('x' * 200_000)"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "collective",
+        "launch",
+        "--nodes",
+        "2",
+        "--timeout",
+        "30",
+        sys.executable,
+        "-c",
+        "print('x' * 200_000)",
+    ]
     launched = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=CLEAN)
     try:
         time.sleep(1.5)  # the nodes end meanwhile; launch's pump waits on the full pipe
@@ -330,15 +423,22 @@ def test_launch_whose_reader_leaves_after_its_nodes_ended_says_so() -> None:
 
 @pytest.mark.parametrize(
     ("argv", "message"),
-    [(["--port", "70000"], "argument --port: must be a port in 0..65535"),
-     (["--port", "-1"], "argument --port: must be a port in 0..65535"),
-     (["--lost-after", "-5"], "argument --lost-after: must be a finite number of seconds > 0"),
-     (["--lost-after", "0"], "argument --lost-after: must be a finite number of seconds > 0"),
-     (["--host", "999.1.1.1"], "collective orchestrator: the orchestrator cannot listen on 999.1.1.1")],
-)  # fmt: skip
+    [
+        (["--port", "70000"], "argument --port: must be a port in 0..65535"),
+        (["--port", "-1"], "argument --port: must be a port in 0..65535"),
+        (["--lost-after", "-5"], "argument --lost-after: must be a finite number of seconds > 0"),
+        (["--lost-after", "0"], "argument --lost-after: must be a finite number of seconds > 0"),
+        (["--host", "999.1.1.1"], "collective orchestrator: the orchestrator cannot listen on 999.1.1.1"),
+    ],
+)
 def test_the_orchestrator_daemon_refuses_bad_arguments(argv: list[str], message: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "collective", "orchestrator", *argv], capture_output=True,
-                          text=True, timeout=30, env=CLEAN)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "collective", "orchestrator", *argv],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=CLEAN,
+    )
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 

@@ -215,11 +215,17 @@ def every(strategy: str) -> tuple[tuple[str, str], ...]:
 
 NO_SHM = [
     ProcessJob(
-        f"noshm-3-{s}", 3, 1, "three phases", "three phases", "three phases",
-        env=(("shm", "0"), *every(s)), profile="past64k",
+        f"noshm-3-{s}",
+        3,
+        1,
+        "three phases",
+        "three phases",
+        "three phases",
+        env=(("shm", "0"), *every(s)),
+        profile="past64k",
     )
     for s in GLOBAL_NAMES
-]  # fmt: skip
+]
 PROCESS_JOBS = [
     ProcessJob("shm-3", 3, 1, "shm", "shm", "shm"),
     ProcessJob("nodes-3x2", 3, 2, "three phases", "three phases", "shm", env=rotated(0)),

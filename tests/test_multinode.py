@@ -170,9 +170,13 @@ def test_a_data_service_port_in_use_is_named() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         config = col.CollectiveConfig(
-            num_devices=1, num_nodes=2, global_address="127.0.0.1:9", node_address=f"127.0.0.1:{port}",
-            data_service_port=port, timeout=1,
-        )  # fmt: skip
+            num_devices=1,
+            num_nodes=2,
+            global_address="127.0.0.1:9",
+            node_address=f"127.0.0.1:{port}",
+            data_service_port=port,
+            timeout=1,
+        )
         with (
             col.Runtime() as rt,
             pytest.raises(
@@ -185,8 +189,10 @@ def test_a_data_service_port_in_use_is_named() -> None:
 def test_launch_runs_a_script_on_every_node() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "collective", "launch", "--nodes", "2", "--devices", "2", WORKER, "matrix"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert (
         "[node 0] OK 240" in result.stdout and "[node 1] OK 240" in result.stdout

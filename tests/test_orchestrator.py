@@ -110,16 +110,26 @@ def _register(client: OrchestratorClient, num_nodes: int, port: int, peers: list
 @pytest.mark.parametrize(
     ("other", "expected", "missing"),
     [
-        (None, "1 of 2 nodes registered: node at 127.0.0.1:7001 (peer 0); missing: 1 node (peer 1 if every "
-         "node has 1 peer)", (1,)),
-        ((3, [1]), "refused: node at 127.0.0.1:7002 says num_nodes=3 but node at 127.0.0.1:7001 said 2",
-         (1,)),
+        (
+            None,
+            "1 of 2 nodes registered: node at 127.0.0.1:7001 (peer 0); missing: 1 node (peer 1 if every "
+            "node has 1 peer)",
+            (1,),
+        ),
+        (
+            (3, [1]),
+            "refused: node at 127.0.0.1:7002 says num_nodes=3 but node at 127.0.0.1:7001 said 2",
+            (1,),
+        ),
         ((2, [0, 1]), "refused: node at 127.0.0.1:7002 and node at 127.0.0.1:7001 both claim peer 0", (1,)),
-        ("silent", "gone: node at 127.0.0.1:7002 (peer 1) registered, then stopped sending heartbeats (1s)",
-         (1, 2)),
+        (
+            "silent",
+            "gone: node at 127.0.0.1:7002 (peer 1) registered, then stopped sending heartbeats (1s)",
+            (1, 2),
+        ),
     ],
     ids=["never-came", "num-nodes", "peer-ids", "went-silent"],
-)  # fmt: skip
+)
 def test_a_registration_timeout_says_who_is_missing_and_who_was_refused(
     orchestrator: Orchestrator, context: zmq.Context[Any], other: Any, expected: str, missing: tuple[int, ...]
 ) -> None:

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import collective as col
+from collective.node.protocol import PART_BYTES, P2PMessage
 from collective.p2p import Mailbox
-from collective.protocol import PART_BYTES, P2PMessage
 from collective.transport.wire import WireError
 
 pytestmark = pytest.mark.timeout(30)
@@ -20,10 +20,12 @@ def _parts(data: np.ndarray, ident: int = 7) -> list[tuple[P2PMessage, bytes]]:
     raw = data.reshape(-1).view(np.uint8)
     count = -(-raw.nbytes // PART_BYTES)
     return [
-        (P2PMessage(0, 1, 5, data.shape, str(data.dtype), ident, k, count),
-         raw[k * PART_BYTES : (k + 1) * PART_BYTES].tobytes())
+        (
+            P2PMessage(0, 1, 5, data.shape, str(data.dtype), ident, k, count),
+            raw[k * PART_BYTES : (k + 1) * PART_BYTES].tobytes(),
+        )
         for k in range(count)
-    ]  # fmt: skip
+    ]
 
 
 def _take(box: Mailbox, seconds: float = 0.2) -> np.ndarray:

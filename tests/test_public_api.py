@@ -12,15 +12,48 @@ import pytest
 import collective
 
 DOCUMENTED = {
-    "register", "all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "gather",
-    "scatter", "barrier", "send", "recv", "recv_any", "all_reduce_coalesced", "finish", "reset",
-    "all_gather_v", "reduce_scatter_v", "all_to_all_v",
-    "default_runtime", "Runtime", "new_group", "Group", "world_size", "Work", "init",
+    "register",
+    "all_reduce",
+    "reduce",
+    "broadcast",
+    "all_gather",
+    "reduce_scatter",
+    "all_to_all",
+    "gather",
+    "scatter",
+    "barrier",
+    "send",
+    "recv",
+    "recv_any",
+    "all_reduce_coalesced",
+    "finish",
+    "reset",
+    "all_gather_v",
+    "reduce_scatter_v",
+    "all_to_all_v",
+    "default_runtime",
+    "Runtime",
+    "new_group",
+    "Group",
+    "world_size",
+    "Work",
+    "init",
     "peer_ids_from_env",
-    "CollectiveConfig", "Centralized", "Tree", "Ring", "Direct", "ReduceOp",
-    "CollectiveError", "ConfigError", "InvalidArgumentError", "RegistrationError", "MismatchError",
-    "PeerLostError", "JobClosedError", "CollectiveTimeout",
-}  # fmt: skip
+    "CollectiveConfig",
+    "Centralized",
+    "Tree",
+    "Ring",
+    "Direct",
+    "ReduceOp",
+    "CollectiveError",
+    "ConfigError",
+    "InvalidArgumentError",
+    "RegistrationError",
+    "MismatchError",
+    "PeerLostError",
+    "JobClosedError",
+    "CollectiveTimeout",
+}
 
 
 def test_all_is_exactly_the_documented_api() -> None:
@@ -57,16 +90,23 @@ def test_error_hierarchy_keeps_builtin_bases() -> None:
     assert issubclass(collective.ConfigError, ValueError)
     assert issubclass(collective.InvalidArgumentError, ValueError)
     assert issubclass(collective.CollectiveTimeout, TimeoutError)
-    for name in ("ConfigError", "InvalidArgumentError", "RegistrationError", "MismatchError",
-                 "PeerLostError", "JobClosedError", "CollectiveTimeout"):  # fmt: skip
+    for name in (
+        "ConfigError",
+        "InvalidArgumentError",
+        "RegistrationError",
+        "MismatchError",
+        "PeerLostError",
+        "JobClosedError",
+        "CollectiveTimeout",
+    ):
         assert issubclass(getattr(collective, name), collective.CollectiveError)
 
 
 def test_init_is_the_function_whatever_is_imported() -> None:
-    """``col.init`` stays the function when the module behind it (collective.bootstrap) is imported."""
+    """``col.init`` stays the function when the module behind it (collective.launch.bootstrap) is imported."""
     code = (
-        "import collective as col, collective.bootstrap\n"
-        "from collective.bootstrap import init_with_store\n"
+        "import collective as col, collective.launch.bootstrap\n"
+        "from collective.launch.bootstrap import init_with_store\n"
         "assert callable(col.init) and col.init is col.api.init, col.init\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -82,9 +82,20 @@ def test_every_port_of_a_token_job_is_curve_and_a_stranger_injects_nothing(tmp_p
         stranger.setsockopt(zmq.LINGER, 0)
         stranger.setsockopt(zmq.ROUTING_ID, b"node-0")
         stranger.connect(f"tcp://{data_service}")
-        forged = {"t": "call", "job": job, "seq": 0, "src": 0, "kind": "all_reduce", "op": "sum",
-                  "root": None, "shape": [5], "dtype": "float64", "has_data": True, "error": None,
-                  "small": (b"\x00" * 7 + b"\x40") * 5}  # fmt: skip
+        forged = {
+            "t": "call",
+            "job": job,
+            "seq": 0,
+            "src": 0,
+            "kind": "all_reduce",
+            "op": "sum",
+            "root": None,
+            "shape": [5],
+            "dtype": "float64",
+            "has_data": True,
+            "error": None,
+            "small": (b"\x00" * 7 + b"\x40") * 5,
+        }
         for _ in range(3):
             stranger.send(encode_header(forged))
         time.sleep(0.3)

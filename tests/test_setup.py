@@ -46,9 +46,13 @@ def test_the_documented_node_script_fails_clearly_without_its_peer_ids(tmp_path:
     path.write_text(scripts[0])
     env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
     env.update(
-        COLLECTIVE_NUM_DEVICES="1", COLLECTIVE_NUM_NODES="2", COLLECTIVE_GLOBAL_ADDRESS="127.0.0.1:9",
-        COLLECTIVE_NODE_ADDRESS="127.0.0.1:0", COLLECTIVE_DATA_SERVICE_PORT="0", COLLECTIVE_TIMEOUT="1",
-    )  # fmt: skip
+        COLLECTIVE_NUM_DEVICES="1",
+        COLLECTIVE_NUM_NODES="2",
+        COLLECTIVE_GLOBAL_ADDRESS="127.0.0.1:9",
+        COLLECTIVE_NODE_ADDRESS="127.0.0.1:0",
+        COLLECTIVE_DATA_SERVICE_PORT="0",
+        COLLECTIVE_TIMEOUT="1",
+    )
     result = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=60)
     assert result.returncode != 0
     assert "ConfigError: COLLECTIVE_PEER_IDS is not set" in result.stderr, result.stderr
@@ -56,9 +60,11 @@ def test_the_documented_node_script_fails_clearly_without_its_peer_ids(tmp_path:
 
 def _multi_node(node_address: str, data_service_port: int) -> col.CollectiveConfig:
     return col.CollectiveConfig(
-        num_nodes=2, global_address="127.0.0.1:29500", node_address=node_address,
+        num_nodes=2,
+        global_address="127.0.0.1:29500",
+        node_address=node_address,
         data_service_port=data_service_port,
-    )  # fmt: skip
+    )
 
 
 def test_a_node_address_port_other_than_the_data_service_port_is_refused() -> None:

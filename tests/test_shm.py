@@ -45,9 +45,12 @@ def made() -> Iterator[Callable[..., str]]:
     real.close()
 
     def make(
-        path: str | None = None, size: int = SIZE, mode: int = 0o600, pid: int | None = None,
+        path: str | None = None,
+        size: int = SIZE,
+        mode: int = 0o600,
+        pid: int | None = None,
         start: int | None = None,
-    ) -> str:  # fmt: skip
+    ) -> str:
         path = path or _name(pid)
         header = bytearray(header_of_ours)
         if pid is not None or start is not None:
@@ -84,9 +87,19 @@ def test_our_own_segments_are_accepted_and_a_copy_with_our_header_too(made: Any)
 
 @pytest.mark.parametrize(
     "case",
-    ["outside /dev/shm", "dot-dot", "not our name", "symlink", "mode 644", "wrong size", "fifo",
-     "another kind", "pid not its name's", "pid reused"],
-)  # fmt: skip
+    [
+        "outside /dev/shm",
+        "dot-dot",
+        "not our name",
+        "symlink",
+        "mode 644",
+        "wrong size",
+        "fifo",
+        "another kind",
+        "pid not its name's",
+        "pid reused",
+    ],
+)
 def test_a_peer_cannot_name_any_file_as_its_segment(case: str, made: Any, tmp_path: Path) -> None:
     name = _name()
     if case == "outside /dev/shm":

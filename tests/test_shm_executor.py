@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from collective.shm_chunks import Pieces
+from collective.shm.chunks import Pieces
 from tests.processes import Proc, expect_peer_lost, finish_all, node_env
 
 pytestmark = pytest.mark.timeout(120)

@@ -16,8 +16,19 @@ from tests.conftest import run_peers
 torch = pytest.importorskip("torch")
 
 PEERS = 3
-TORCH_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8,
-                torch.int16, torch.int32, torch.int64, torch.complex64, torch.complex128]  # fmt: skip
+TORCH_DTYPES = [
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.complex64,
+    torch.complex128,
+]
 
 
 def tensor_of(peer: int, shape: tuple[int, ...], dtype: Any) -> Any:

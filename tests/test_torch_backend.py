@@ -21,7 +21,7 @@ dist = pytest.importorskip("torch.distributed")
 import collective.torch as backend  # noqa: E402  (after the skip: it imports torch)
 from collective.errors import MismatchError, PeerLostError  # noqa: E402
 from collective.launch import free_port  # noqa: E402
-from collective.torch_work import TorchWork, array, backend_error, fill, host  # noqa: E402
+from collective.torch.work import TorchWork, array, backend_error, fill, host  # noqa: E402
 from tests.processes import Proc, finish_all  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -40,9 +40,17 @@ CLEAN = {k: v for k, v in CLEAN.items() if k not in LAUNCHER_VARIABLES}
 
 
 def torchrun(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
-    return {**CLEAN, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "COLLECTIVE_TIMEOUT": "60",
-            "OMP_NUM_THREADS": "1", **extra}  # fmt: skip
+    return {
+        **CLEAN,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world),
+        "LOCAL_RANK": str(rank),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "COLLECTIVE_TIMEOUT": "60",
+        "OMP_NUM_THREADS": "1",
+        **extra,
+    }
 
 
 def run_job(world: int, *argv: str, timeout: float = 150, **extra: str) -> list[Proc]:
@@ -128,10 +136,21 @@ def test_importing_the_module_registers_the_backend() -> None:
 
 @pytest.mark.parametrize(
     "dtype",
-    [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
-     torch.int32, torch.int64, torch.bool, torch.complex64],
+    [
+        torch.float32,
+        torch.float64,
+        torch.float16,
+        torch.bfloat16,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.bool,
+        torch.complex64,
+    ],
     ids=str,
-)  # fmt: skip
+)
 def test_array_views_a_tensors_memory(dtype: Any) -> None:
     tensor = (torch.arange(12) % 3).to(dtype).reshape(3, 4)
     view = array(tensor)
@@ -227,8 +246,24 @@ def test_wait_returns_once_the_future_is_complete_and_a_callback_may_wait() -> N
 def test_bench_backend_torch_times_ours_beside_gloo(capsys: pytest.CaptureFixture[str]) -> None:
     from collective.bench import cli as bench_cli
 
-    argv = ["--backend", "torch", "--op", "all_reduce", "--nodes", "2", "-b", "8", "-e", "64", "-f", "8",
-            "-w", "1", "-n", "3"]  # fmt: skip
+    argv = [
+        "--backend",
+        "torch",
+        "--op",
+        "all_reduce",
+        "--nodes",
+        "2",
+        "-b",
+        "8",
+        "-e",
+        "64",
+        "-f",
+        "8",
+        "-w",
+        "1",
+        "-n",
+        "3",
+    ]
     parser = bench_cli.argparse.ArgumentParser()
     bench_cli.add_arguments(parser)
     status = bench_cli.run(parser.parse_args(argv), parser, argv, sys.stdout)
@@ -254,10 +289,14 @@ def test_coalesced_wrappers_go_on_after_an_argument_error_and_stop_at_a_timeout(
     others issue theirs). A timeout or a lost peer ends the list at once: it waited one timeout
     per remaining tensor."""
     from collective.errors import CollectiveTimeout, InvalidArgumentError
-    from collective.torch_ops import _each
+    from collective.torch.ops import _each
 
-    for cause, issued in ((InvalidArgumentError("bad"), 3), (MismatchError("differ"), 3),
-                          (CollectiveTimeout("late", [2]), 1), (PeerLostError("gone", [2]), 1)):  # fmt: skip
+    for cause, issued in (
+        (InvalidArgumentError("bad"), 3),
+        (MismatchError("differ"), 3),
+        (CollectiveTimeout("late", [2]), 1),
+        (PeerLostError("gone", [2]), 1),
+    ):
         calls: list[int] = []
 
         def call(index: int, cause: Exception = cause, calls: list[int] = calls) -> Any:

@@ -9,6 +9,7 @@ import msgpack
 import numpy as np
 import pytest
 
+from collective.calls.signature import Signature
 from collective.errors import (
     CollectiveError,
     CollectiveTimeout,
@@ -17,9 +18,8 @@ from collective.errors import (
     MismatchError,
     PeerLostError,
 )
-from collective.protocol import VerdictMessage, decode_call, verdict_error
-from collective.shm_host import SignatureCodec
-from collective.signature import Signature
+from collective.node.protocol import VerdictMessage, decode_call, verdict_error
+from collective.shm.ring import SignatureCodec
 from collective.transport.orchestrator import MAX_MESSAGE, unpack
 from collective.transport.shm_ring import MESSAGE_BYTES
 from collective.transport.wire import (
@@ -34,7 +34,7 @@ from collective.transport.wire import (
 
 
 class LocalProblem(InvalidArgumentError):
-    """A subclass of ours, as collective.torch_checks has one."""
+    """A subclass of ours, as collective.torch.checks has one."""
 
 
 def pack(value: Any) -> bytes:

@@ -37,8 +37,17 @@ from collective.bench.ddp_step import train
 
 warnings.filterwarnings("ignore", category=FutureWarning)  # torch's deprecation notes on *_tensor ops
 R = dist.ReduceOp
-DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
-          torch.int64, torch.complex64]  # fmt: skip
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int8,
+    torch.uint8,
+    torch.int32,
+    torch.int64,
+    torch.complex64,
+]
 
 
 def value(rank: int, shape: tuple[int, ...], dtype: Any, salt: int = 0) -> Any:
@@ -52,9 +61,15 @@ def combine(tensors: list[Any], op: Any) -> Any:
     if op == R.AVG:
         total = torch.stack([t.to(torch.complex128) for t in tensors]).sum(0) / len(tensors)
         return (total if tensors[0].dtype.is_complex else total.real).to(tensors[0].dtype)
-    combine_two = {R.SUM: torch.add, R.PRODUCT: torch.mul, R.MIN: torch.minimum, R.MAX: torch.maximum,
-                   R.BAND: torch.bitwise_and, R.BOR: torch.bitwise_or,
-                   R.BXOR: torch.bitwise_xor}[op]  # fmt: skip
+    combine_two = {
+        R.SUM: torch.add,
+        R.PRODUCT: torch.mul,
+        R.MIN: torch.minimum,
+        R.MAX: torch.maximum,
+        R.BAND: torch.bitwise_and,
+        R.BOR: torch.bitwise_or,
+        R.BXOR: torch.bitwise_xor,
+    }[op]
     result = tensors[0].clone()
     for t in tensors[1:]:
         result = combine_two(result, t)
@@ -169,8 +184,7 @@ def check_ops(group: Any, ranks: list[int]) -> None:
     if n > 1:
         nxt, prev = ranks[(me + 1) % n], ranks[(me - 1) % n]
         incoming = torch.empty(6)
-        works = [dist.isend(value(rank, (6,), torch.float32), nxt, **kw),
-                 dist.irecv(incoming, prev, **kw)]  # fmt: skip
+        works = [dist.isend(value(rank, (6,), torch.float32), nxt, **kw), dist.irecv(incoming, prev, **kw)]
         for work in works:
             work.wait()
         same(incoming, value(prev, (6,), torch.float32), "isend/irecv ring")
@@ -422,12 +436,16 @@ def mends() -> None:
         dist.all_reduce(ok)
         same(ok, torch.full((2,), float(world)), f"the group after culprit {culprit}'s bad argument")
     # all_to_all_single: split sizes that do not add up, or that the ranks disagree on
-    expect_error(lambda: dist.all_to_all_single(torch.zeros(world), torch.zeros(world + 1),
-                                                [1] * world, [1] * world), "input_split_sizes")  # fmt: skip
+    expect_error(
+        lambda: dist.all_to_all_single(torch.zeros(world), torch.zeros(world + 1), [1] * world, [1] * world),
+        "input_split_sizes",
+    )
     sends = [1] * world
     receives = [1] * world if rank != 1 else [2] + [1] * (world - 2) + [0]
-    expect_error(lambda: dist.all_to_all_single(torch.zeros(world), torch.zeros(world), receives, sends),
-                 "split sizes of the ranks do not match")  # fmt: skip
+    expect_error(
+        lambda: dist.all_to_all_single(torch.zeros(world), torch.zeros(world), receives, sends),
+        "split sizes of the ranks do not match",
+    )
     # the in-place forms FSDP and ZeRO use
     whole = torch.arange(world * 3, dtype=torch.float32)
     whole[rank * 3 : (rank + 1) * 3] += 100 * (rank + 1)
@@ -513,8 +531,10 @@ def mends() -> None:
     dist.reduce_scatter(out, uneven)
     same(out, world * torch.arange(rank + 1.0) + sum(range(world)), "uneven reduce_scatter")
     sizes = [2, 1, 1] if rank == 1 else [1, 2, 1]  # rank 1 disagrees: an error on every rank
-    expect_error(lambda: dist.reduce_scatter(torch.zeros(sizes[rank]), [torch.ones(k) for k in sizes]),
-                 "input lists differ in sizes")  # fmt: skip
+    expect_error(
+        lambda: dist.reduce_scatter(torch.zeros(sizes[rank]), [torch.ones(k) for k in sizes]),
+        "input lists differ in sizes",
+    )
     # collectives issued from a callback of a work's future (DDP's PowerSGD hook does): they hung
     nested = torch.ones(4) * (rank + 1)
 

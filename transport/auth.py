@@ -28,8 +28,13 @@ from zmq.utils.monitor import recv_monitor_message
 from collective.transport.logs import Throttle
 
 __all__ = [
-    "HANDSHAKE_FAILED", "UNKNOWN_ADDRESS", "RefusalWatch", "handshake_failure", "secure", "watch_refusals",
-]  # fmt: skip
+    "HANDSHAKE_FAILED",
+    "UNKNOWN_ADDRESS",
+    "RefusalWatch",
+    "handshake_failure",
+    "secure",
+    "watch_refusals",
+]
 
 UNKNOWN_ADDRESS = "an unknown address"  # a peer whose address could not be read
 

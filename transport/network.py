@@ -100,9 +100,14 @@ class NodeNetwork:
         self.lost = lost
         self._token = token
         self._router = make_socket(
-            context, zmq.ROUTER, token=token, server=True, max_message=MAX_MESSAGE_BYTES,
-            receive_hwm=RECEIVE_HWM, send_hwm=1,
-        )  # fmt: skip
+            context,
+            zmq.ROUTER,
+            token=token,
+            server=True,
+            max_message=MAX_MESSAGE_BYTES,
+            receive_hwm=RECEIVE_HWM,
+            send_hwm=1,
+        )
         try:
             if port == 0:
                 self.port = self._router.bind_to_random_port(f"tcp://{host}")
@@ -154,9 +159,15 @@ class NodeNetwork:
                 except (OSError, ValueError) as exc:
                     log.info("node %d's shared memory is not usable here (%s): using TCP", other, exc)
             dealer = make_socket(
-                self._context, zmq.DEALER, token=self._token, server=False, max_message=MAX_HEADER_BYTES,
-                receive_hwm=1, send_hwm=0, routing_id=_identity(index),
-            )  # fmt: skip
+                self._context,
+                zmq.DEALER,
+                token=self._token,
+                server=False,
+                max_message=MAX_HEADER_BYTES,
+                receive_hwm=1,
+                send_hwm=0,
+                routing_id=_identity(index),
+            )
             dealer.connect(f"tcp://{address}")
             self._dealers[other] = dealer
             self._addresses[other] = address
@@ -242,9 +253,14 @@ class NodeNetwork:
         self.send(src, {"t": "ack", "ch": channel, "seq": seq, "slot": slot})
 
     def receive(
-        self, src: int, seq: int, deadline: float, waiting_for: str, channel: int = 0,
+        self,
+        src: int,
+        seq: int,
+        deadline: float,
+        waiting_for: str,
+        channel: int = 0,
         gone: Callable[[], CollectiveError | None] | None = None,
-    ) -> Received:  # fmt: skip
+    ) -> Received:
         """The next message of step ``seq`` of ``channel`` from node ``src`` (older leftovers dropped).
 
         ``gone`` is polled like ``lost``: an error once ``src`` will send nothing more for this step.

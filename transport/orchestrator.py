@@ -45,8 +45,15 @@ from collective.transport.logs import Throttle
 from collective.transport.sockets import make_socket
 from collective.transport.wire import WireError, decode_map
 
-__all__ = ["HEARTBEAT_INTERVAL", "LOST_AFTER", "MAX_MESSAGE", "Orchestrator", "is_peer_list", "pack",
-           "unpack"]  # fmt: skip
+__all__ = [
+    "HEARTBEAT_INTERVAL",
+    "LOST_AFTER",
+    "MAX_MESSAGE",
+    "Orchestrator",
+    "is_peer_list",
+    "pack",
+    "unpack",
+]
 
 log = logging.getLogger(__name__)
 
@@ -135,16 +142,25 @@ class Orchestrator:
     embedded one serves its own job only."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, lost_after: float = LOST_AFTER,
-        token: str | None = None, until_done: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        lost_after: float = LOST_AFTER,
+        token: str | None = None,
+        until_done: bool = False,
+    ) -> None:
         self._until_done = until_done
         self._formed_any = False
         self._context = zmq.Context()
         self._socket = make_socket(
-            self._context, zmq.ROUTER, token=token, server=True, max_message=MAX_MESSAGE,
-            receive_hwm=RECEIVE_HWM, send_hwm=SEND_HWM,
-        )  # fmt: skip
+            self._context,
+            zmq.ROUTER,
+            token=token,
+            server=True,
+            max_message=MAX_MESSAGE,
+            receive_hwm=RECEIVE_HWM,
+            send_hwm=SEND_HWM,
+        )
         try:
             self.port = self._socket.bind_to_random_port(f"tcp://{host}") if port == 0 else port
             if port:

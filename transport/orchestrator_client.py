@@ -135,10 +135,16 @@ class OrchestratorClient:
         self._lost_after = lost_after
         # A routing id of its own: a reconnection (a network blip) keeps this node's identity.
         self._socket = make_socket(
-            context, zmq.DEALER, token=token, server=False, max_message=MAX_MESSAGE,
-            receive_hwm=CLIENT_HWM, send_hwm=CLIENT_HWM, linger=0.5,
+            context,
+            zmq.DEALER,
+            token=token,
+            server=False,
+            max_message=MAX_MESSAGE,
+            receive_hwm=CLIENT_HWM,
+            send_hwm=CLIENT_HWM,
+            linger=0.5,
             routing_id=b"node:" + uuid.uuid4().bytes,
-        )  # fmt: skip
+        )
         self._monitor: zmq.Socket[Any] | None = self._socket.get_monitor_socket(HANDSHAKE_FAILED)
         self._socket.connect(f"tcp://{address}")
         self._stop = threading.Event()

@@ -37,9 +37,15 @@ import numpy as np
 from collective.transport.shm_segment import Segment
 
 __all__ = [
-    "CHANNELS", "CHUNK_BYTES", "INLINE_BYTES", "MESSAGE_BYTES", "SIZE", "RingSegment", "Waiting",
+    "CHANNELS",
+    "CHUNK_BYTES",
+    "INLINE_BYTES",
+    "MESSAGE_BYTES",
+    "SIZE",
+    "RingSegment",
+    "Waiting",
     "futex_wake",
-]  # fmt: skip
+]
 
 CHANNELS = 8
 CHUNK_BYTES = 1 << 20

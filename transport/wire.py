@@ -5,12 +5,12 @@ with at least ``t`` (type), ``job`` (job name), ``seq`` (collective step) and ``
 index). Types:
 
 ``data``  a chunk of the array of step ``seq``: ``off`` and ``n`` (first element and element count)
-          plus the fields the caller asks every chunk to repeat (collective.protocol.check_fields),
+          plus the fields the caller asks every chunk to repeat (collective.node.protocol.check_fields),
           so every transfer re-checks that both sides run the same step. One payload frame of
           ``n`` elements, or ``shm``: the slot of the sender's shared-memory segment holding it.
 ``ack``   a shared-memory slot has been read (transport.network); ``abort``: the sender gave up
           step ``seq``, and why (an ErrorRecord's fields). The messages about collectives
-          (``call``, ``verdict``, ``p2p``) are collective.protocol's.
+          (``call``, ``verdict``, ``p2p``) are collective.node.protocol's.
 
 Nothing is unpickled: headers are msgpack with bounded sizes, payloads are raw bytes whose length
 must equal what the header declares, and declared sizes are checked against the receiver's own
@@ -59,8 +59,19 @@ SMALL_BYTES = 64 << 10  # arrays up to this size travel inside the call header (
 MAX_HEADER_BYTES = SMALL_BYTES + (16 << 10)
 MAX_MESSAGE_BYTES = CHUNK_BYTES + MAX_HEADER_BYTES  # socket-level limit (ZMQ_MAXMSGSIZE)
 
-_NATIVE_NAMES = ["float16", "float32", "float64", "complex64", "complex128",
-                 "int16", "int32", "int64", "uint16", "uint32", "uint64"]  # fmt: skip
+_NATIVE_NAMES = [
+    "float16",
+    "float32",
+    "float64",
+    "complex64",
+    "complex128",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+]
 _DTYPE_NAMES = frozenset(
     ["bfloat16", "int8", "uint8", *_NATIVE_NAMES]
     # and both byte orders spelled out ('>f4'; str() of a non-native dtype): numpy computes in them
@@ -152,9 +163,15 @@ def encode_header(header: dict[str, Any]) -> bytes:
 
 
 def decode_map(
-    frame: bytes | memoryview, most: int, what: str, *, strings: int = -1, binary: int = -1,
-    arrays: int = -1, entries: int = -1,
-) -> dict[str, Any]:  # fmt: skip
+    frame: bytes | memoryview,
+    most: int,
+    what: str,
+    *,
+    strings: int = -1,
+    binary: int = -1,
+    arrays: int = -1,
+    entries: int = -1,
+) -> dict[str, Any]:
     """``frame`` (at most ``most`` bytes) as a msgpack map; WireError for anything else (``what``
     names it). The limits bound string and binary lengths, array lengths and map entries (-1: the
     frame's length, msgpack's own default), so nothing is allocated past them."""
@@ -162,9 +179,13 @@ def decode_map(
         raise WireError(f"{what} of {len(frame)} bytes exceeds {most}")
     try:
         value = msgpack.unpackb(
-            frame, raw=False, max_str_len=strings, max_bin_len=binary, max_array_len=arrays,
+            frame,
+            raw=False,
+            max_str_len=strings,
+            max_bin_len=binary,
+            max_array_len=arrays,
             max_map_len=entries,
-        )  # fmt: skip
+        )
     except Exception as exc:  # msgpack raises several types for malformed input
         raise WireError(f"undecodable {what}: {exc}") from None
     if not isinstance(value, dict):
@@ -175,10 +196,14 @@ def decode_map(
 def decode_header(frame: bytes | memoryview) -> dict[str, Any]:
     """Parse a header frame; raises WireError for anything but a bounded msgpack map with job/seq/src/t."""
     header = decode_map(
-        frame, MAX_HEADER_BYTES, "header", strings=4096, binary=SMALL_BYTES,
+        frame,
+        MAX_HEADER_BYTES,
+        "header",
+        strings=4096,
+        binary=SMALL_BYTES,
         arrays=MAX_HEADER_BYTES,  # bounded by the header's size (a coalesced call's list)
         entries=32,
-    )  # fmt: skip
+    )
     expected = {"t": str, "job": str, "seq": int, "src": int}
     for key, kind in expected.items():
         if not isinstance(header.get(key), kind) or isinstance(header.get(key), bool):

@@ -158,8 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     tiers = {args.workers + 1: 2, args.workers + 2: 3}.get(world)
     if tiers is None or args.workers < 1:
         if peer == 0:
-            print(f"parameter_server: {world} peers cannot hold {args.workers} workers: world must be "
-                  f"workers + 1 (2-tier) or workers + 2 (3-tier)", file=sys.stderr)  # fmt: skip
+            print(
+                f"parameter_server: {world} peers cannot hold {args.workers} workers: world must be "
+                f"workers + 1 (2-tier) or workers + 2 (3-tier)",
+                file=sys.stderr,
+            )
         col.finish(peer)
         return 2
     roles = ["worker"] * args.workers + (["server"] if tiers == 2 else ["aggregator", "optimiser"])
@@ -171,10 +174,15 @@ def main(argv: list[str] | None = None) -> int:
     ok = error <= TOLERANCE
     if peer == world - 1:
         layout = "workers + aggregator-optimiser" if tiers == 2 else "workers + aggregator + optimiser"
-        print(f"parameter_server: {tiers}-tier ({args.workers} {layout}), {args.steps} steps of "
-              f"{final.numel():,} parameters in {seconds * 1e3:.0f} ms")  # fmt: skip
-    print(f"parameter_server: peer {peer} ({roles[peer]}): {'OK' if ok else 'FAILED'} vs the single-process "
-          f"reference (max rel err {error:.1e}, tolerance {TOLERANCE:g})", flush=True)  # fmt: skip
+        print(
+            f"parameter_server: {tiers}-tier ({args.workers} {layout}), {args.steps} steps of "
+            f"{final.numel():,} parameters in {seconds * 1e3:.0f} ms"
+        )
+    print(
+        f"parameter_server: peer {peer} ({roles[peer]}): {'OK' if ok else 'FAILED'} vs the single-process "
+        f"reference (max rel err {error:.1e}, tolerance {TOLERANCE:g})",
+        flush=True,
+    )
     col.finish(peer)
     return 0 if ok else 1
 

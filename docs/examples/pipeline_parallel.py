@@ -191,17 +191,23 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     params, most_alive = train(peer, stages, args)
     expected = reference(stages, args)
-    errors = {name: (difference(p.grad, expected[name].grad), difference(p.detach(), expected[name].detach()))
-              for name, p in params.items()}  # fmt: skip
+    errors = {
+        name: (difference(p.grad, expected[name].grad), difference(p.detach(), expected[name].detach()))
+        for name, p in params.items()
+    }
     error = max(max(pair) for pair in errors.values())
     ok = error <= TOLERANCE and most_alive <= stages - peer
     if peer == 0:
-        print(f"pipeline_parallel: {stages} stages, 1F1B over {args.micro} micro-batches of {args.rows} "
-              f"rows, {args.steps} steps; E tied between stages 0 and {stages - 1}")  # fmt: skip
+        print(
+            f"pipeline_parallel: {stages} stages, 1F1B over {args.micro} micro-batches of {args.rows} "
+            f"rows, {args.steps} steps; E tied between stages 0 and {stages - 1}"
+        )
     verdict = "OK" if ok else "FAILED"
-    print(f"pipeline_parallel: stage {peer}: {verdict}: gradients and weights vs unpipelined, max rel err "
-          f"{error:.1e}; at most {most_alive} micro-batches in flight (1F1B bound {stages - peer})",
-          flush=True)  # fmt: skip
+    print(
+        f"pipeline_parallel: stage {peer}: {verdict}: gradients and weights vs unpipelined, max rel err "
+        f"{error:.1e}; at most {most_alive} micro-batches in flight (1F1B bound {stages - peer})",
+        flush=True,
+    )
     col.finish(peer)
     return 0 if ok else 1
 

@@ -199,11 +199,15 @@ def main(argv: list[str] | None = None) -> int:
 
     failed = [name for name, error, _ in results if error > TOLERANCE]
     if peer == 0:
-        print(f"tensor_parallel: {world} peers in groups of {tp}, Linear({args.inputs}, {args.hidden}) and "
-              f"Linear({args.hidden}, {args.inputs}), {args.rows} rows per group")  # fmt: skip
+        print(
+            f"tensor_parallel: {world} peers in groups of {tp}, Linear({args.inputs}, {args.hidden}) and "
+            f"Linear({args.hidden}, {args.inputs}), {args.rows} rows per group"
+        )
         for name, error, used in results:
-            print(f"  {name:<36} collectives: forward {used['forward']}, backward {used['backward']};"
-                  f" max rel err vs unsharded {error:.1e}")  # fmt: skip
+            print(
+                f"  {name:<36} collectives: forward {used['forward']}, backward {used['backward']};"
+                f" max rel err vs unsharded {error:.1e}"
+            )
     verdict = "FAILED: " + ", ".join(failed) if failed else "OK"
     print(f"tensor_parallel: peer {peer} (rank {rank} of group {group.members}): {verdict}", flush=True)
     col.finish(peer)

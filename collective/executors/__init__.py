@@ -1,0 +1,110 @@
+"""Executors: the ways one agreed collective runs, behind one interface, chosen in one place.
+
+* ``Fused``: small numpy arrays in one process. The last peer at the rendezvous computes every
+  peer's result (``Movement.fuse``) and writes it where that peer gets it. One wake-up per peer.
+* ``Shared``: mid-size numpy arrays in one process. Every peer reads the others' inputs directly
+  and does its share (``Movement.part``: e.g. its slice of a reduction), all meet at one barrier,
+  then each finishes (``Movement.after``: e.g. copies the shared result out).
+* ``Linked``: anything else in one process (large arrays, CuPy): the configured strategy's
+  schedule (collective.algorithms) over the in-process Link.
+* ``ShmExecutor`` (collective.shm.group): peers each in their own process, all on this host.
+* ``ThreePhase`` (collective.executors.three_phase): peers on several nodes; with a ``HostTier``
+  (collective.executors.host_tier) when hosts run several of the group's processes.
+
+Each asks the call's movement (collective.calls.movement) what to do, never the collective's name.
+
+Every path gives every peer the same bits. Fused, Shared, the shared-memory path and the
+Centralized and Direct schedules combine inputs in rank order ((x0 op x1) op x2 ...), so for a
+given input they agree with each other bit for bit; Tree and Ring combine in their own fixed
+order (docs/algorithms), which float rounding may tell apart. ``choose`` is the one place that
+picks the executor: every rule of eligibility is here, from facts the node gives (host identities
+of the topology), the same on every process of a group.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from collective.calls.base import Call
+from collective.calls.layout import Layout
+from collective.calls.signature import Signature
+from collective.executors.host_tier import HostTier
+from collective.executors.local import Fused, Linked, Shared, numpy_within
+from collective.executors.shm import ShmExecutor
+from collective.executors.step import Executor, Site
+from collective.executors.three_phase import ThreePhase
+from collective.shm.group import ShmGroup
+from collective.transport.inproc import Exchange
+
+__all__ = ["DEFAULT_FUSE_BELOW", "DEFAULT_SHARE_BELOW", "Fused", "Linked", "Shared", "choose"]
+
+log = logging.getLogger("collective.executors")  # DEBUG: the path every step takes
+
+DEFAULT_FUSE_BELOW = 64 * 1024
+DEFAULT_SHARE_BELOW = 4 << 20
+
+
+def choose(
+    site: Site,
+    members: tuple[int, ...],
+    local: tuple[int, ...],
+    agreed: Signature,
+    calls: list[Call],
+    label: str,
+) -> Executor:
+    """How the step ``agreed`` of the group ``members`` runs, given every local peer's call.
+
+    Raises a CollectiveError the call's movement finds in the agreed call (the same on every peer).
+    """
+    executor = _choose(site, members, local, agreed, calls, label)
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("%s of group %s: %s", label, members, executor.path)
+    return executor
+
+
+def _choose(
+    site: Site,
+    members: tuple[int, ...],
+    local: tuple[int, ...],
+    agreed: Signature,
+    calls: list[Call],
+    label: str,
+) -> Executor:
+    if site.node is not None:
+        return _across_processes(site, members, local, label)
+    movement = calls[0].movement(agreed, len(members))
+    inputs = [call.source() for call in calls]
+    if site.fuse_below and numpy_within(calls, inputs, site.fuse_below):
+        return Fused(agreed, calls, movement.fuse(inputs))
+    exchange = Exchange(members, label)
+    site.exchanges.add(exchange)
+    if site.share_below and numpy_within(calls, inputs, site.share_below):
+        return Shared(exchange, inputs, movement, movement.shared(inputs))
+    return Linked(exchange, site.config.local_strategy(calls[0].strategy_kind), movement)
+
+
+def _across_processes(site: Site, members: tuple[int, ...], local: tuple[int, ...], label: str) -> Executor:
+    """A group of a multi-node job: shared memory when its processes all run on this host, each
+    the one peer of its process in the group; three phases otherwise, with a host tier when it
+    spans several hosts and some host runs several of its processes."""
+    place = site.once(members, _placed, site, members)
+    if isinstance(place, ShmExecutor):
+        return place
+    if isinstance(place, HostTier):
+        return ThreePhase(site, members, local, label, place.layout, place)
+    return ThreePhase(site, members, local, label, place)
+
+
+def _placed(site: Site, members: tuple[int, ...]) -> ShmExecutor | HostTier | Layout:
+    """Where the group ``members`` of a multi-node job runs (decided once per group, the same way
+    on every process of it): its shared-memory executor, its host tier, or the layout of its
+    nodes for three phases."""
+    node = site.node
+    assert node is not None
+    hosts = node.hosts_of(members)  # None: not one process per peer, each with a ring segment
+    if hosts is not None:
+        if all(host == node.host for host in hosts):
+            return ShmExecutor(ShmGroup(node.ring(), members, node.me_in(members)))
+        if len(set(hosts)) > 1 and max(map(hosts.count, set(hosts))) > 1:
+            return HostTier.of(node, members, hosts)
+    return node.layout_of(members)

@@ -1,0 +1,397 @@
+"""Every torch.distributed op of the "collective" backend, mapped onto our collectives.
+
+The methods carry torch's ProcessGroup names and arguments (``allreduce(tensors, opts)``, ...);
+``collective.torch.CollectiveProcessGroup`` mixes them into its ProcessGroup. Each builds a
+``body`` that calls the runtime with this process's peer and group on numpy views of torch's
+tensors (results land in the output tensors' memory) and hands it to ``launch``: run now for a
+blocking call, which returns the group's one completed work (torch only waits on it), or queued
+for ``async_op`` (and DDP), which returns a new ``TorchWork``.
+
+=============================  =====================================================
+torch                           ours
+=============================  =====================================================
+allreduce (SUM AVG PRODUCT      all_reduce (sum mean prod min max band bor bxor;
+MIN MAX BAND BOR BXOR           PREMUL_SUM: the input times the factor, then sum;
+PREMUL_SUM)                     bool: BOR/SUM/MAX as max, BAND/PRODUCT/MIN as min,
+                                BXOR as bxor of its bytes)
+allreduce_coalesced             all_reduce_coalesced
+broadcast, reduce               broadcast (the root passes the tensor), reduce
+allgather, all_gather_single    all_gather (stacked, into the outputs)
+reduce_scatter(_single)         reduce_scatter (a list of different sizes: padded)
+all_to_all_single, alltoall     all_to_all; uneven splits: padded to the largest block
+                                (collective.torch.all_to_all)
+gather, scatter, barrier        gather, scatter, barrier
+send, recv                      send (eager), recv (collective.torch.p2p)
+=============================  =====================================================
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
+
+import numpy as np
+
+from collective.calls import (
+    AllGather,
+    AllReduce,
+    Barrier,
+    Broadcast,
+    Coalesced,
+    Gather,
+    Reduce,
+    ReduceScatter,
+    Scatter,
+)
+from collective.errors import CollectiveError, InvalidArgumentError, MismatchError
+from collective.groups import Group
+from collective.runtime import Runtime
+from collective.torch.checks import invalid, on_every_rank, op_name, reduce_op, single, writable_tensor
+from collective.torch.work import (
+    Receives,
+    TorchWork,
+    array,
+    backend_error,
+    fill,
+    host,
+    seconds,
+    store_back,
+)
+from collective.work import Sequencer
+
+torch: Any = importlib.import_module("torch")
+dist: Any = importlib.import_module("torch.distributed")
+
+__all__ = ["Ops"]
+
+
+class Ops:
+    """torch's ProcessGroup ops over ``runtime`` as ``peer`` in ``group`` (None: the whole job)."""
+
+    runtime: Runtime
+    peer: int
+    group: Group | None
+    members: tuple[int, ...]
+    call_timeout: float | None
+    _collectives: Sequencer
+    _receives: Receives
+    _done: TorchWork
+
+    # -- the one road -----------------------------------------------------------------------
+
+    def launch(
+        self,
+        label: str,
+        body: Callable[[], None],
+        outputs: Sequence[Any],
+        opts: Any,
+        receive: tuple[int, int] | None = None,
+    ) -> TorchWork:
+        """Run ``body`` now (a blocking call) or queued (``opts.asyncOp``); a TorchWork either way.
+        A receive (from (source, tag)) is queued with that pair's, any other call on the group's."""
+        if receive is not None:
+            work = TorchWork(outputs, label)
+            self._receives.submit(receive, lambda: work.run(body))
+            return work
+        if getattr(opts, "asyncOp", True):
+            work = TorchWork(outputs, label)
+            self._collectives.enqueue(partial(work.run, body))
+            return work
+        try:
+            self._collectives.call(body, label)
+        except CollectiveError as exc:
+            raise backend_error(exc) from exc
+        return self._done
+
+    def peer_of(self, group_rank: int) -> int:
+        """The peer id (global rank) of ``group_rank``."""
+        if not 0 <= group_rank < len(self.members):
+            raise invalid(f"rank {group_rank} is not a rank of this group (0..{len(self.members) - 1})")
+        return self.members[group_rank]
+
+    def _kw(self, opts: Any) -> dict[str, Any]:
+        return {"group": self.group, "timeout": seconds(getattr(opts, "timeout", None)) or self.call_timeout}
+
+    def _reduction(
+        self, tensor: Any, opts: Any, what: str, run: Callable[[Any, Any, str], None]
+    ) -> TorchWork:
+        """all_reduce / reduce of one tensor: ``run(source, buffer, op)`` writes the result in buffer."""
+        op, factor = reduce_op(opts.reduceOp, tensor.dtype)
+        writable_tensor(tensor, what)
+
+        def body() -> None:
+            buffer = host(tensor)
+            values = array(buffer)
+            run(values if factor is None else _scaled(values, factor), values, op)
+            store_back(buffer, tensor)
+
+        return self.launch(what, body, [tensor], opts)
+
+    # -- reductions ---------------------------------------------------------------------------
+
+    @on_every_rank(AllReduce)
+    def allreduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        group, timeout = self.group, seconds(opts.timeout) or self.call_timeout
+
+        def run(source: Any, out: Any, op: str) -> None:
+            self.runtime.all_reduce(self.peer, source, op, group=group, timeout=timeout, out=out)
+
+        return self._reduction(single(tensors, "all_reduce"), opts, "all_reduce", run)
+
+    @on_every_rank(Reduce)
+    def reduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.ReduceOptions()
+        root, kw = self.peer_of(opts.rootRank), self._kw(opts)
+
+        def run(source: Any, out: Any, op: str) -> None:
+            self.runtime.reduce(self.peer, source, op, root, out=out, **kw)
+
+        return self._reduction(single(tensors, "reduce"), opts, "reduce", run)
+
+    @on_every_rank(Coalesced)
+    def allreduce_coalesced(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.AllreduceCoalescedOptions()
+        tensors = list(tensors)
+        ops = {reduce_op(opts.reduceOp, t.dtype) for t in tensors} or {("sum", None)}
+        if len(ops) > 1:  # bool takes SUM as max, PRODUCT as min: one list, one op (gloo: one dtype)
+            raise invalid(
+                f"all_reduce_coalesced: the list mixes bool tensors with others, which ReduceOp."
+                f"{op_name(opts.reduceOp)} reduces differently: pass the bool tensors in a call of their own"
+            )
+        op, factor = ops.pop()
+        kw = self._kw(opts)
+
+        def body() -> None:
+            buffers = [host(t) for t in tensors]
+            views = [array(b) for b in buffers]
+            sources = views if factor is None else [_scaled(v, factor) for v in views]
+            self.runtime.all_reduce_coalesced(self.peer, sources, op, out=views, **kw)
+            for buffer, tensor in zip(buffers, tensors, strict=True):
+                store_back(buffer, tensor)
+
+        return self.launch("all_reduce_coalesced", body, tensors, opts)
+
+    @on_every_rank(ReduceScatter)
+    def reduce_scatter(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        output = single(outputs, "reduce_scatter")
+        parts, me = list(single(inputs, "reduce_scatter")), self.members.index(self.peer)
+        if len(parts) != len(self.members) or parts[me].shape != output.shape:
+            raise invalid(
+                f"reduce_scatter takes {len(self.members)} input tensors, this rank's ({me}) of the "
+                f"output's shape {tuple(output.shape)}, got {[tuple(p.shape) for p in parts]}"
+            )
+        op, factor = reduce_op(opts.reduceOp, output.dtype)
+        kw = self._kw(opts)
+        sizes = [p.numel() for p in parts]
+
+        def body() -> None:
+            if all(part.shape == output.shape for part in parts):
+                stacked = np.stack([array(host(p)) for p in parts])
+            else:  # uneven (as gloo takes it): the ranks' sizes checked, then blocks padded to the largest
+                stacked = self._padded(parts, sizes, kw)
+            source = stacked if factor is None else _scaled(stacked, factor)
+            result = self.runtime.reduce_scatter(self.peer, source, op, **kw)
+            fill(output, result.reshape(-1)[: output.numel()].reshape(output.shape))
+
+        return self.launch("reduce_scatter", body, [output], opts)
+
+    def _padded(self, parts: list[Any], sizes: list[int], kw: dict[str, Any]) -> Any:
+        """``parts`` flattened into the rows of one array, padded to the largest, once one small
+        all_reduce found every rank's sizes the same (else an error on every rank)."""
+        table = np.array(sizes, np.int64)
+        extremes = self.runtime.all_reduce(self.peer, np.concatenate([table, -table]), "max", **kw)
+        if not np.array_equal(extremes[: len(sizes)], -extremes[len(sizes) :]):
+            raise InvalidArgumentError(
+                f"reduce_scatter: the ranks' input lists differ in sizes (here {sizes}): every rank "
+                f"passes tensors of the same sizes, rank i's of its output's size"
+            )
+        stacked = np.zeros((len(parts), max(sizes)), dtype=array(host(parts[0])).dtype)
+        for row, part in zip(stacked, parts, strict=True):
+            row[: part.numel()] = array(host(part)).reshape(-1)
+        return stacked
+
+    @on_every_rank(ReduceScatter)
+    def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        size = len(self.members)
+        if input.numel() != size * output.numel():
+            raise invalid(
+                f"reduce_scatter_tensor: the input has {input.numel()} elements, the output "
+                f"{output.numel()}: the input holds {size} x the output's"
+            )
+        op, factor = reduce_op(opts.reduceOp, output.dtype)
+        kw = self._kw(opts)
+
+        def body() -> None:
+            source = array(host(input)).reshape(size, -1)
+            source = source if factor is None else _scaled(source, factor)
+            buffer = host(output)
+            if np.may_share_memory(source, array(buffer)):  # in place: the output is a block of the input
+                source = source.copy()
+            self.runtime.reduce_scatter(self.peer, source, op, out=array(buffer).reshape(1, -1), **kw)
+            store_back(buffer, output)
+
+        return self.launch("reduce_scatter_tensor", body, [output], opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_tensor_coalesced(
+        self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None
+    ) -> TorchWork:
+        pairs = zip(outputs, inputs, strict=True)
+        works = _each([partial(self.reduce_scatter_single, o, i, opts) for o, i in pairs])
+        return self._joined("reduce_scatter_tensor_coalesced", works, outputs, opts)
+
+    # -- copies -------------------------------------------------------------------------------
+
+    @on_every_rank(Broadcast)
+    def broadcast(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.BroadcastOptions()
+        tensor = single(tensors, "broadcast")
+        writable_tensor(tensor, "broadcast")
+        is_root, kw = self.peer_of(opts.rootRank) == self.peer, self._kw(opts)
+
+        def body() -> None:
+            buffer = host(tensor)
+            values = array(buffer)
+            self.runtime.broadcast(self.peer, values if is_root else None, out=values, **kw)
+            store_back(buffer, tensor)
+
+        return self.launch("broadcast", body, [tensor], opts)
+
+    @on_every_rank(AllGather)
+    def allgather(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        tensor = single(inputs, "all_gather")
+        targets = list(single(outputs, "all_gather"))
+        if len(targets) != len(self.members) or any(t.shape != tensor.shape for t in targets):
+            raise invalid(
+                f"all_gather takes a list of {len(self.members)} output tensors of the input's shape "
+                f"{tuple(tensor.shape)}, got {[tuple(t.shape) for t in targets]}"
+            )
+        kw = self._kw(opts)
+
+        def body() -> None:
+            gathered = self.runtime.all_gather(self.peer, array(host(tensor)), **kw)
+            for row, target in zip(gathered, targets, strict=True):
+                fill(target, row)
+
+        return self.launch("all_gather", body, targets, opts)
+
+    @on_every_rank(AllGather)
+    def all_gather_single(self, output: Any, input: Any, opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        size = len(self.members)
+        if output.numel() != size * input.numel():
+            raise invalid(
+                f"all_gather_into_tensor: the output has {output.numel()} elements, the input "
+                f"{input.numel()}: the output holds {size} x the input's"
+            )
+        kw = self._kw(opts)
+
+        def body() -> None:
+            buffer = host(output)
+            out = array(buffer).reshape(size, *input.shape)
+            source = array(host(input))
+            if np.may_share_memory(source, out):  # in place: the input is this rank's block of the output
+                source = source.copy()
+            self.runtime.all_gather(self.peer, source, out=out, **kw)
+            store_back(buffer, output)
+
+        return self.launch("all_gather_into_tensor", body, [output], opts)
+
+    _allgather_base = all_gather_single
+
+    def allgather_into_tensor_coalesced(
+        self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None
+    ) -> TorchWork:
+        pairs = zip(outputs, inputs, strict=True)
+        works = _each([partial(self.all_gather_single, o, i, opts) for o, i in pairs])
+        return self._joined("allgather_into_tensor_coalesced", works, outputs, opts)
+
+    def allgather_coalesced(
+        self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], opts: Any = None
+    ) -> TorchWork:
+        works = _each([partial(self.allgather, [o], [i], opts) for o, i in zip(outputs, inputs, strict=True)])
+        return self._joined("allgather_coalesced", works, [t for o in outputs for t in o], opts)
+
+    def _joined(self, label: str, works: list[TorchWork], outputs: Sequence[Any], opts: Any) -> TorchWork:
+        """One work for several queued ones: done after all of them, failed with the first error
+        (each is a step of its own: the others still run, so the group stays in step)."""
+
+        def body() -> None:
+            for work in works:
+                work.wait()
+
+        return self.launch(label, body, outputs, opts) if works else self._done
+
+    @on_every_rank(Gather)
+    def gather(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.GatherOptions()
+        tensor = single(inputs, "gather")
+        root, kw = self.peer_of(opts.rootRank), self._kw(opts)
+        targets = list(single(outputs, "gather")) if root == self.peer else []
+        if root == self.peer and len(targets) != len(self.members):
+            raise invalid(f"gather: the root passes {len(self.members)} output tensors, got {len(targets)}")
+
+        def body() -> None:
+            gathered = self.runtime.gather(self.peer, array(host(tensor)), root, **kw)
+            for row, target in zip(gathered if gathered is not None else [], targets, strict=False):
+                fill(target, row)
+
+        return self.launch("gather", body, targets, opts)
+
+    @on_every_rank(Scatter)
+    def scatter(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.ScatterOptions()
+        output = single(outputs, "scatter")
+        root, kw = self.peer_of(opts.rootRank), self._kw(opts)
+        parts = list(single(inputs, "scatter")) if root == self.peer else []
+        if root == self.peer and (
+            len(parts) != len(self.members) or any(p.shape != output.shape for p in parts)
+        ):
+            shapes = [tuple(p.shape) for p in parts]
+            raise invalid(
+                f"scatter: the root passes {len(self.members)} input tensors of the output's shape "
+                f"{tuple(output.shape)}, got {shapes}"
+            )
+
+        def body() -> None:
+            stacked = np.stack([array(host(p)) for p in parts]) if parts else None
+            buffer = host(output)
+            self.runtime.scatter(self.peer, stacked, root, out=array(buffer), **kw)
+            store_back(buffer, output)
+
+        return self.launch("scatter", body, [output], opts)
+
+    @on_every_rank(Barrier)
+    def barrier(self, opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.BarrierOptions()
+        kw = self._kw(opts)
+        return self.launch("barrier", lambda: self.runtime.barrier(self.peer, **kw), [], opts)
+
+
+def _each(calls: list[Callable[[], TorchWork]]) -> list[TorchWork]:
+    """The works of every call, each a step of the group, issued even after one failed on every
+    rank for its arguments (a refused or mismatched step: the others' next steps must meet this
+    rank's); then the first error is raised. A timeout or a lost peer is raised at once."""
+    works, first = [], None
+    for call in calls:
+        try:
+            works.append(call())
+        except dist.DistBackendError as exc:
+            if not isinstance(exc.__cause__, InvalidArgumentError | MismatchError):
+                raise
+            first = first or exc
+    if first is not None:
+        raise first
+    return works
+
+
+def _scaled(values: Any, factor: Any) -> Any:
+    """PREMUL_SUM's input: ``values`` times the factor (a number or a one-element tensor), same dtype."""
+    return (values * (factor.item() if hasattr(factor, "item") else factor)).astype(values.dtype, copy=False)

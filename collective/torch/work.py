@@ -1,0 +1,320 @@
+"""The torch side of the "collective" backend: its Work handles, errors and tensor staging.
+
+``collective.torch`` turns each torch.distributed call into calls of our API; what it hands back
+to torch lives here:
+
+* ``TorchWork``, a ``torch.distributed.Work`` whose ``wait()`` raises the collective's error and
+  whose ``get_future()`` is a ``torch.futures.Future`` completed with the list of output tensors
+  (what DDP's reducer and comm hooks read). A blocking call returns one already completed.
+  (A group's calls keep their order through a collective.work.Sequencer; receives through
+  ``Receives``, a queue per source and tag.)
+* ``backend_error``: our errors as ``torch.distributed.DistBackendError`` (a RuntimeError), with
+  our message (prefixed with the error's class) and our error as ``__cause__``.
+* ``host`` / ``array`` / ``fill``: the contiguous CPU tensor a collective reads and writes (a copy
+  of a CUDA or non-contiguous tensor, copied back with ``store_back``), the numpy view of it the
+  runtime works on (bool as uint8), and writing a numpy result into a tensor.
+
+torch is optional: it is imported through importlib, so type checkers see the same (Any) types
+whether or not it is installed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+
+from collective.errors import CollectiveError
+
+torch: Any = importlib.import_module("torch")
+dist: Any = importlib.import_module("torch.distributed")
+
+__all__ = [
+    "DTYPES",
+    "Receives",
+    "TorchWork",
+    "array",
+    "backend_error",
+    "fill",
+    "host",
+    "seconds",
+    "store_back",
+    "tensor_of",
+]
+
+
+def backend_error(exc: BaseException) -> BaseException:
+    """``exc`` as torch users expect it: a DistBackendError with our message, caused by ``exc``.
+
+    Anything that is not one of our errors (a bug, KeyboardInterrupt) is returned as it is.
+    """
+    if not isinstance(exc, CollectiveError):
+        return exc
+    public = next(kind for kind in type(exc).__mro__ if kind.__module__ == CollectiveError.__module__)
+    error: BaseException = dist.DistBackendError(f"{public.__name__}: {exc}")  # (the class users catch)
+    error.__cause__ = exc
+    return error
+
+
+def seconds(timeout: Any) -> float | None:
+    """A torch timeout (timedelta; zero or negative means unset) in seconds, or None."""
+    if isinstance(timeout, timedelta):
+        value = timeout.total_seconds()
+    elif isinstance(timeout, int | float) and not isinstance(timeout, bool):
+        value = float(timeout)
+    else:
+        return None
+    return value if value > 0 else None
+
+
+class _Failed:
+    """What the source future of a failed work carries (see TorchWork)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+def _unwrap(source: Any) -> Any:
+    value = source.value()
+    if isinstance(value, _Failed):
+        raise value.error
+    return value
+
+
+class TorchWork(dist.Work):  # type: ignore[misc]
+    """One call of the backend: ``wait()``, ``get_future()``, ``is_completed()``, ``result()``.
+
+    Its future is ``source.then(_unwrap)``: a failure raised in that callback marks the future
+    failed in torch's C++ (what DDP's reducer checks), where ``Future.set_exception`` would only
+    store the error as a value, which the reducer would read as its result.
+    """
+
+    def __init__(self, outputs: Sequence[Any], label: str) -> None:
+        super().__init__()
+        self._outputs = list(outputs)
+        self._label = label
+        self._source = torch.futures.Future()
+        self._future = self._source.then(_unwrap)
+        self._done = threading.Event()  # set once the future is complete too
+        self._error: BaseException | None = None
+        self._completer: int | None = None  # the thread completing the future (running its callbacks)
+        self.sender: Callable[[], int] | None = None  # a receive's: the sending rank, once it completed
+
+    @classmethod
+    def completed(cls, outputs: Sequence[Any], label: str) -> TorchWork:
+        work = cls(outputs, label)
+        work._complete(work._outputs)
+        return work
+
+    def run(self, body: Callable[[], None]) -> None:
+        """Run the collective (on the group's worker thread) and complete the future either way."""
+        try:
+            body()
+        except BaseException as exc:
+            self._error = backend_error(exc)
+            self._complete(_Failed(self._error))
+            return
+        self._complete(self._outputs)
+
+    def _complete(self, value: Any) -> None:
+        """Complete the future (its ``then`` callbacks run here), then wake ``wait()``: a waiter
+        must find the future done, as with gloo (its value() raised an internal assert otherwise)."""
+        self._completer = threading.get_ident()
+        try:
+            self._source.set_result(value)
+        finally:
+            self._done.set()
+
+    def _settled(self, limit: float | None) -> bool:
+        if self._completer == threading.get_ident():  # a callback of this work's future waits on it:
+            return True  # its result is set (the callbacks run as the future completes)
+        return self._done.wait(limit)
+
+    def wait(self, timeout: Any = None) -> bool:
+        """True once the collective completed; its error (DistBackendError) if it failed."""
+        limit = seconds(timeout)
+        if limit is not None and not self._settled(limit):
+            raise dist.DistBackendError(
+                f"CollectiveTimeout: {self._label} did not complete within {limit:g}s of wait(); "
+                f"it is still running (the collective's own timeout still applies)"
+            )
+        self._settled(None)
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def _source_rank(self) -> int:
+        """The group rank a completed receive came from (torch's dist.recv(src=None) asks for it)."""
+        if self.sender is None or not self.is_success():
+            raise RuntimeError(f"{self._label}: the source rank is known once a receive has completed")
+        return self.sender()
+
+    def get_future(self) -> Any:
+        """A torch.futures.Future completed with the output tensors (or failed with the error)."""
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list[Any]:
+        return self._outputs
+
+    def synchronize(self) -> None:
+        self.wait()
+
+    def __repr__(self) -> str:
+        state = "pending" if not self._done.is_set() else ("failed" if self._error else "done")
+        return f"<TorchWork {self._label} {state}>"
+
+
+class Receives:
+    """Queued receives by (source, tag): each pair's in the order issued, different pairs apart (a
+    pending receive from one rank holds up none from another). A pair's thread runs while it has
+    receives queued and ends with its last one, so threads stay as few as the pairs in flight."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._queues: dict[tuple[int, int], deque[Callable[[], None]]] = {}
+
+    def submit(self, key: tuple[int, int], job: Callable[[], None]) -> None:
+        """Queue ``job`` (which handles its own errors) behind the pair's earlier receives."""
+        with self._lock:
+            jobs = self._queues.get(key)
+            if jobs is not None:  # its thread is running: it takes this one too
+                jobs.append(job)
+                return
+            self._queues[key] = deque([job])
+        name = f"{self._name}-{key[0]}-{key[1]}"
+        threading.Thread(target=self._drain, args=(key,), name=name, daemon=True).start()
+
+    def _drain(self, key: tuple[int, int]) -> None:
+        while True:
+            with self._lock:
+                jobs = self._queues[key]
+                if not jobs:
+                    del self._queues[key]
+                    return
+                job = jobs[0]
+            job()
+            with self._lock:
+                jobs.popleft()
+
+
+def host(tensor: Any) -> Any:
+    """The contiguous CPU tensor a collective works on: ``tensor`` itself where it is one.
+
+    CUDA tensors are staged through host memory, non-contiguous ones copied.
+    """
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor
+    return tensor.detach().cpu().contiguous()
+
+
+class _Holder:
+    """Keeps a tensor alive under the numpy array that views its memory."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, tensor: Any, interface: dict[str, Any]) -> None:
+        self.tensor = tensor
+        self.__array_interface__ = interface
+
+
+def array(tensor: Any) -> Any:
+    """A numpy view of a contiguous CPU tensor (bool as uint8, bfloat16 as ml_dtypes' bfloat16).
+
+    Built from the tensor's pointer, shape and strides, with no call that releases the GIL
+    (``Tensor.numpy()`` and ``detach()`` do, and each release costs tens of microseconds when
+    other threads want the GIL); writing the view writes the tensor, whether or not it requires
+    grad.
+    """
+    typestr = _TYPESTR.get(tensor.dtype)
+    if typestr is None or tensor.is_neg() or (tensor.dtype.is_complex and tensor.is_conj()):
+        return _slow_array(tensor)
+    size = int(typestr[2:])
+    interface = {
+        "data": (tensor.data_ptr(), False),
+        "shape": tuple(tensor.shape),
+        "strides": tuple(step * size for step in tensor.stride()),
+        "typestr": typestr,
+        "version": 3,
+    }
+    view = np.asarray(_Holder(tensor, interface))
+    return view.view(_bfloat16()) if tensor.dtype == torch.bfloat16 else view
+
+
+def _slow_array(tensor: Any) -> Any:
+    tensor = tensor.detach().resolve_conj().resolve_neg()
+    if tensor.dtype == torch.bool:
+        return tensor.view(torch.uint8).numpy()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(_bfloat16())
+    return tensor.numpy()
+
+
+def _bfloat16() -> Any:
+    import ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+def tensor_of(values: Any) -> Any:
+    """A CPU tensor viewing the numpy array ``values`` (bfloat16 too)."""
+    values = np.ascontiguousarray(values)
+    if values.dtype.name == "bfloat16":
+        return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(values)
+
+
+def fill(tensor: Any, values: Any) -> None:
+    """Write the numpy array ``values`` (the tensor's element count) into ``tensor``."""
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        target = array(tensor)
+        if target.size and target.__array_interface__["data"][0] == values.__array_interface__["data"][0]:
+            return  # the result is already there (in place)
+        np.copyto(target, values.reshape(target.shape), casting="no")
+        return
+    source = tensor_of(values).reshape(tensor.shape)
+    tensor.detach().copy_(source.view(torch.bool) if tensor.dtype == torch.bool else source)
+
+
+def store_back(buffer: Any, tensor: Any) -> None:
+    """Copy ``buffer`` (from ``host(tensor)``) into ``tensor`` unless it is ``tensor`` itself."""
+    if buffer is not tensor:
+        tensor.detach().copy_(buffer)
+
+
+_TYPESTR: dict[Any, str] = {
+    getattr(torch, name): code
+    for name, code in (
+        ("float32", "<f4"),
+        ("float64", "<f8"),
+        ("float16", "<f2"),
+        ("bfloat16", "<i2"),
+        ("int8", "|i1"),
+        ("int16", "<i2"),
+        ("int32", "<i4"),
+        ("int64", "<i8"),
+        ("uint8", "|u1"),
+        ("uint16", "<u2"),
+        ("uint32", "<u4"),
+        ("uint64", "<u8"),
+        ("bool", "|u1"),
+        ("complex64", "<c8"),
+        ("complex128", "<c16"),
+    )
+    if hasattr(torch, name)
+}
+DTYPES = frozenset(_TYPESTR)  # the dtypes the backend moves
