@@ -198,13 +198,16 @@ def all_gather_v(
     peer_id: int,
     x: Array,
     *,
+    recv_sizes: Sequence[int] | None = None,
     group: Group | None = None,
     timeout: float | None = None,
     async_op: bool = False,
     out: Array | None = None,
 ) -> Any:
     """Every peer's ``x`` (rows may differ between peers), a list in group-rank order."""
-    return _default.all_gather_v(peer_id, x, group=group, timeout=timeout, async_op=async_op, out=out)
+    return _default.all_gather_v(
+        peer_id, x, recv_sizes=recv_sizes, group=group, timeout=timeout, async_op=async_op, out=out
+    )
 
 
 def reduce_scatter_v(

@@ -351,14 +351,16 @@ class Runtime:
         peer_id: int,
         x: Array,
         *,
+        recv_sizes: Sequence[int] | None = None,
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
         out: Array | None = None,
     ) -> Any:
         """Every peer's ``x`` on every peer, a list in group-rank order; x.shape[0] may differ between
-        peers (the rest of the shape and the dtype agree). ``out``: one array of every peer's rows."""
-        return self.start(peer_id, AllGatherV(x, out=out), group, timeout, async_op)
+        peers (the rest of the shape and the dtype agree). ``out``: one array of every peer's rows.
+        ``recv_sizes``: the rows expected from each rank, checked (on every peer) before data moves."""
+        return self.start(peer_id, AllGatherV(x, out=out, recv_sizes=recv_sizes), group, timeout, async_op)
 
     def reduce_scatter_v(
         self,

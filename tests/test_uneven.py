@@ -115,6 +115,11 @@ ERRORS: dict[str, tuple[Callable[[col.Runtime, int], Any], type[Exception], str]
         col.InvalidArgumentError,
         "all_gather_v: rank 2's out has 4 rows, its result 3",
     ),
+    "all_gather_v recv_sizes": (
+        lambda rt, p: rt.all_gather_v(p, rows(p, p), recv_sizes=[0, 1, 3] if p == 2 else None),
+        col.InvalidArgumentError,
+        "all_gather_v: rank 2 expects 3 rows from rank 2, which sends 2",
+    ),
     "reduce_scatter_v sum": (
         lambda rt, p: rt.reduce_scatter_v(p, rows(p, 3), [1, 1, 2] if p == 1 else [1, 1, 1]),
         col.InvalidArgumentError,
@@ -153,7 +158,7 @@ ERRORS: dict[str, tuple[Callable[[col.Runtime, int], Any], type[Exception], str]
     "all_to_all_v recv_sizes": (
         lambda rt, p: rt.all_to_all_v(p, rows(p, 3), [1, 1, 1], recv_sizes=[1, 2, 0] if p == 1 else None),
         col.InvalidArgumentError,
-        "all_to_all_v: the sizes do not match: rank 1 expects 2 rows from rank 1, which sends 1; "
+        "all_to_all_v: rank 1 expects 2 rows from rank 1, which sends 1; "
         "rank 1 expects 0 rows from rank 2, which sends 1",
     ),
     "all_to_all_v out rows": (

@@ -444,7 +444,7 @@ def mends() -> None:
     receives = [1] * world if rank != 1 else [2] + [1] * (world - 2) + [0]
     expect_error(
         lambda: dist.all_to_all_single(torch.zeros(world), torch.zeros(world), receives, sends),
-        "split sizes of the ranks do not match",
+        "all_to_all_v: rank 1 expects 2 rows from rank 0, which sends 1",
     )
     # the in-place forms FSDP and ZeRO use
     whole = torch.arange(world * 3, dtype=torch.float32)
@@ -525,6 +525,16 @@ def mends() -> None:
         kept = torch.zeros(2, 3)
         dist.recv(kept, 0, tag=12)
         same(kept, torch.arange(6.0).reshape(2, 3), "the message a refused receive left")
+    # all_gather into tensors of different sizes (rank i's of its input's size): all_gather_v
+    mine = torch.arange(rank + 2.0).reshape(1, rank + 2) * (rank + 1)
+    gathered = [torch.zeros(1, r + 2) for r in range(world)]
+    dist.all_gather(gathered, mine)
+    for r, got in enumerate(gathered):
+        same(got, torch.arange(r + 2.0).reshape(1, r + 2) * (r + 1), f"uneven all_gather from {r}")
+    expect_error(  # rank 1 expects 3 elements from rank 0, which sends 2: an error on every rank
+        lambda: dist.all_gather([torch.zeros(r + 2 + (rank == 1 and r == 0)) for r in range(world)], mine[0]),
+        "all_gather_v: rank 1 expects 3 rows from rank 0, which sends 2",
+    )
     # reduce_scatter of lists of tensors of different sizes (rank i's of its output's size), as gloo
     uneven = [torch.arange(r + 1.0) + rank for r in range(world)]
     out = torch.zeros(rank + 1)
@@ -533,7 +543,7 @@ def mends() -> None:
     sizes = [2, 1, 1] if rank == 1 else [1, 2, 1]  # rank 1 disagrees: an error on every rank
     expect_error(
         lambda: dist.reduce_scatter(torch.zeros(sizes[rank]), [torch.ones(k) for k in sizes]),
-        "input lists differ in sizes",
+        "peers disagree on sizes: peers 0, 2 passed (1, 2, 1), peer 1 passed (2, 1, 1)",
     )
     # collectives issued from a callback of a work's future (DDP's PowerSGD hook does): they hung
     nested = torch.ones(4) * (rank + 1)

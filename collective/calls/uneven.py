@@ -74,18 +74,6 @@ class _Uneven(Call):
     def out_rows(self) -> int:
         return -1 if self.out is None else int(self.out.shape[0])
 
-    def check_out_rows(self, stated: list[int], rows: list[int]) -> None:
-        """Every rank's ``out`` (rows stated, -1 for none) against its result's rows: the same
-        verdict on every rank, before any data moves."""
-        pairs = enumerate(zip(stated, rows, strict=True))
-        wrong = [
-            f"rank {rank}'s out has {got} rows, its result {want}"
-            for rank, (got, want) in pairs
-            if got not in (-1, want)
-        ]
-        if wrong:
-            raise InvalidArgumentError(f"{self.kind}: " + "; ".join(wrong))
-
     def finish(self, result: Array | None, agreed: Signature, size: int) -> Any:
         whole = super().finish(result, agreed, size)
         return None if whole is None else _split(whole, self.blocks_of(agreed, size))
@@ -95,24 +83,88 @@ class _Uneven(Call):
         raise NotImplementedError
 
 
-class AllGatherV(_Uneven):
-    """Every rank's x on every rank, a list in rank order (rows may differ between ranks)."""
+class _Gathered(_Uneven):
+    """An uneven call whose every rank states its own sizes (its ``table`` row: what it sends, then
+    its ``out``'s rows and the rows it expects from each rank, ``recv_sizes``, if it passed them);
+    once agreed, every rank checks every rank's ``out`` and expectations the same way."""
+
+    __slots__ = ("receives_given",)
+    rules = Rules(("shape", "dtype"), gathered=True)
+
+    def __init__(self, x: Any = None, out: Any = None, recv_sizes: Any = None) -> None:
+        super().__init__(x, out=out)
+        self.receives_given = None if recv_sizes is None else _listed(recv_sizes)
+
+    def expected(self, size: int) -> tuple[tuple[int, ...], str | None]:
+        """The rows this rank expects from each rank (empty: it did not say), or the problem."""
+        if self.receives_given is None:
+            return (), None
+        sizes, problem = _sizes(self.receives_given, size, "recv_sizes")
+        return sizes or (), problem
+
+    def stated(self, sends: tuple[int, ...], size: int) -> Signature:
+        """This rank's call: the trailing shape and dtype, and its table row."""
+        row = (*sends, self.out_rows(), *self.expected(size)[0])
+        return Signature(
+            self.kind, None, None, tuple(self.x.shape[1:]), self.x.dtype, table=((self.rank, row),)
+        )
+
+    def sent(self, rows: list[tuple[int, ...]], size: int) -> list[list[int]]:
+        """Rows rank k sends rank j (``[k][j]``), from every rank's table row."""
+        raise NotImplementedError
+
+    def checked(self, agreed: Signature, size: int) -> list[list[int]]:
+        """``sent`` of the agreed call, once every rank's ``out`` and ``recv_sizes`` agree with it
+        (InvalidArgumentError, the same on every rank, otherwise)."""
+        rows = agreed.rows(size)
+        sent = self.sent(rows, size)
+        wrong = []
+        for rank, row in enumerate(rows):
+            got = [sent[k][rank] for k in range(size)]
+            out_rows, expectation = row[self.out_at(size)], row[self.out_at(size) + 1 :]
+            if out_rows not in (-1, sum(got)):
+                wrong.append(f"rank {rank}'s out has {out_rows} rows, its result {sum(got)}")
+            wrong += [
+                f"rank {rank} expects {want} rows from rank {k}, which sends {got[k]}"
+                for k, want in enumerate(expectation)
+                if want != got[k]
+            ]
+        if wrong:
+            raise InvalidArgumentError(f"{self.kind}: " + "; ".join(wrong))
+        return sent
+
+    def out_at(self, size: int) -> int:
+        """Where a table row holds the rank's ``out`` rows (after what it sends)."""
+        raise NotImplementedError
+
+
+class AllGatherV(_Gathered):
+    """Every rank's x on every rank, a list in rank order (rows may differ between ranks).
+    ``recv_sizes`` (optional): the rows a rank expects from each rank, checked before data moves."""
 
     __slots__ = ()
     kind = "all_gather_v"
     strategy_kind = "all_gather"
-    rules = Rules(("shape", "dtype"), gathered=True)
+
+    @classmethod
+    def refused(cls, problem: str, root: Any = None, op: Any = "sum") -> Call:
+        call = cls(None)
+        call.refuse(problem)
+        return call
 
     def check(self, device: Device, size: int, rank: int) -> str | None:
-        return self.check_rows(device)
+        return self.check_rows(device) or self.expected(size)[1]
 
     def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:
         if problem is not None:
             return Signature(self.kind, error=problem)
-        row = (int(self.x.shape[0]), self.out_rows())
-        return Signature(
-            self.kind, None, None, tuple(self.x.shape[1:]), self.x.dtype, table=((self.rank, row),)
-        )
+        return self.stated((int(self.x.shape[0]),), len(self.receives_given or ()))
+
+    def out_at(self, size: int) -> int:
+        return 1
+
+    def sent(self, rows: list[tuple[int, ...]], size: int) -> list[list[int]]:
+        return [[row[0] if row else 0] * size for row in rows]
 
     def blocks_of(self, agreed: Signature, size: int) -> list[int]:
         return [row[0] for row in agreed.rows(size)]
@@ -123,12 +175,10 @@ class AllGatherV(_Uneven):
 
     def moves(self, agreed: Signature, size: int) -> Movement:
         """(A node's locally agreed call knows its own ranks' rows only: enough for its contribution.)"""
-        table = agreed.rows(size)
-        rows = [row[0] if row else 0 for row in table]
-        if len(agreed.table) == size:
-            self.check_out_rows([row[1] for row in table], [sum(rows)] * size)
+        complete = len(agreed.table) == size
+        sent = self.checked(agreed, size) if complete else self.sent(agreed.rows(size), size)
         width = math.prod(agreed.shape or ())
-        return Stack(size, agreed.dtype, [r * width for r in rows])
+        return Stack(size, agreed.dtype, [row[0] * width for row in sent])
 
 
 class ReduceScatterV(_Uneven):
@@ -190,20 +240,18 @@ class ReduceScatterV(_Uneven):
         return ReducedBlocks(size, agreed.dtype, agreed.op, [s * width for s in agreed.sizes])
 
 
-class AllToAllV(_Uneven):
+class AllToAllV(_Gathered):
     """Rank r sends ``send_sizes[j]`` rows of x to rank j (in rank order); rank j gets a list, in
     source rank order, of the rows each rank sent it. ``recv_sizes`` (optional): the rows a rank
     expects from each rank, checked against what they send before any data moves."""
 
-    __slots__ = ("receives_given", "sends_given")
+    __slots__ = ("sends_given",)
     kind = "all_to_all_v"
     strategy_kind = "all_to_all"
-    rules = Rules(("shape", "dtype"), gathered=True)
 
     def __init__(self, x: Any = None, send_sizes: Any = (), out: Any = None, recv_sizes: Any = None) -> None:
-        super().__init__(x, out=out)
+        super().__init__(x, out=out, recv_sizes=recv_sizes)
         self.sends_given = _listed(send_sizes)
-        self.receives_given = None if recv_sizes is None else _listed(recv_sizes)
 
     @classmethod
     def refused(cls, problem: str, root: Any = None, op: Any = "sum") -> Call:
@@ -217,14 +265,8 @@ class AllToAllV(_Uneven):
             return None, f"send_sizes {list(sizes)} sum to {sum(sizes)} rows; x has {self.x.shape[0]}"
         return sizes, problem
 
-    def _expected(self, size: int) -> tuple[tuple[int, ...], str | None]:
-        if self.receives_given is None:
-            return (), None
-        sizes, problem = _sizes(self.receives_given, size, "recv_sizes")
-        return sizes or (), problem
-
     def check(self, device: Device, size: int, rank: int) -> str | None:
-        return self.check_rows(device) or self._parsed(size)[1] or self._expected(size)[1]
+        return self.check_rows(device) or self._parsed(size)[1] or self.expected(size)[1]
 
     def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:
         if problem is not None:
@@ -232,9 +274,13 @@ class AllToAllV(_Uneven):
         size = len(self.sends_given)
         sizes, _ = self._parsed(size)
         assert sizes is not None
-        row = (*sizes, self.out_rows(), *self._expected(size)[0])  # sends, out's rows, expected rows
-        shape = tuple(self.x.shape[1:])
-        return Signature(self.kind, None, None, shape, self.x.dtype, table=((self.rank, row),))
+        return self.stated(sizes, size)
+
+    def out_at(self, size: int) -> int:
+        return size
+
+    def sent(self, rows: list[tuple[int, ...]], size: int) -> list[list[int]]:
+        return [list(row[:size]) if row else [] for row in rows]
 
     def blocks_of(self, agreed: Signature, size: int) -> list[int]:
         return [row[self.rank] for row in agreed.rows(size)]
@@ -245,19 +291,7 @@ class AllToAllV(_Uneven):
 
     def moves(self, agreed: Signature, size: int) -> Movement:
         """(A node's locally agreed call knows its own ranks' rows only: enough for its contribution.)"""
-        rows = agreed.rows(size)
-        if len(agreed.table) == size:
-            received = [sum(row[rank] for row in rows) for rank in range(size)]
-            self.check_out_rows([row[size] for row in rows], received)
-            wrong = [
-                f"rank {rank} expects {row[size + 1 + source]} rows from rank {source}, which sends "
-                f"{rows[source][rank]}"
-                for rank, row in enumerate(rows)
-                if len(row) > size + 1
-                for source in range(size)
-                if row[size + 1 + source] != rows[source][rank]
-            ]
-            if wrong:
-                raise InvalidArgumentError(f"{self.kind}: the sizes do not match: " + "; ".join(wrong))
+        complete = len(agreed.table) == size
+        sent = self.checked(agreed, size) if complete else self.sent(agreed.rows(size), size)
         width = math.prod(agreed.shape or ())
-        return Exchange(size, agreed.dtype, [[r * width for r in row[:size]] for row in rows])
+        return Exchange(size, agreed.dtype, [[r * width for r in row] for row in sent])

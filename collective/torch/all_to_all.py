@@ -1,9 +1,9 @@
 """``dist.all_to_all_single`` / ``dist.all_to_all`` of the "collective" backend: our all_to_all.
 
 Even splits are one all_to_all of the tensor's blocks. Uneven ones (split sizes, or lists of
-tensors of different sizes) first check the splits (every rank sends what its receiver expects:
-one small all_to_all and one small all_reduce, a mismatch an error on every rank), then move the
-blocks padded to the largest one.
+tensors of different sizes) are one all_to_all_v: what each rank sends travels with its call, and
+what each rank expects (its output splits) is checked against it on every rank before any data
+moves, so a mismatch is an error on every rank; no block is padded.
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from typing import Any
 import numpy as np
 
 from collective.calls import AllToAll as AllToAllCall
-from collective.errors import InvalidArgumentError
 from collective.groups import Group
 from collective.runtime import Runtime
 from collective.torch.checks import invalid, on_every_rank
@@ -74,8 +73,10 @@ class AllToAll:
             else:
                 sent = list(input_splits) or [source.shape[0] // size] * size
                 expected = list(output_splits) or [out.shape[0] // size] * size
-                blocks = np.split(source, np.cumsum(sent)[:-1]) if source.ndim else [source]
-                np.concatenate(self._uneven(blocks, expected, kw), out=out.reshape(-1, *out.shape[1:]))
+                rows, into = (
+                    (source, out) if source.ndim else (source.reshape(1), out.reshape(1))
+                )  # (0-d: a row)
+                self.runtime.all_to_all_v(self.peer, rows, sent, recv_sizes=expected, out=into, **kw)
             store_back(buffer, output)
 
         return self.launch("all_to_all_single", body, [output], opts)
@@ -90,39 +91,10 @@ class AllToAll:
             raise invalid(f"all_to_all takes {len(self.members)} input and output tensors each")
 
         def body() -> None:
-            flat = [array(host(t)).reshape(-1) for t in inputs]
-            blocks = self._uneven(flat, [t.numel() for t in outputs], kw)
+            flat = np.concatenate([array(host(t)).reshape(-1) for t in inputs])
+            sent, expected = [t.numel() for t in inputs], [t.numel() for t in outputs]
+            blocks = self.runtime.all_to_all_v(self.peer, flat, sent, recv_sizes=expected, **kw)
             for block, target in zip(blocks, outputs, strict=True):
-                fill(target, block)
+                fill(target, block.reshape(target.shape))
 
         return self.launch("all_to_all", body, outputs, opts)
-
-    def _uneven(self, blocks: Sequence[Any], expected: Sequence[int], kw: dict[str, Any]) -> list[Any]:
-        """Block j of ``blocks`` to rank j; the blocks received (``expected[j]`` rows from rank j).
-
-        Two small collectives check the splits (every rank sends what its receiver expects) and agree
-        on the largest block; the all_to_all moves blocks padded to it.
-        """
-        size = len(self.members)
-        if len(blocks) != size or len(expected) != size:
-            raise InvalidArgumentError(
-                f"all_to_all: the splits name {len(blocks)} and {len(expected)} ranks, not {size}"
-            )
-        rest, dtype = tuple(blocks[0].shape[1:]), blocks[0].dtype
-        sent = np.array([[b.shape[0]] for b in blocks], np.int64)
-        coming = self.runtime.all_to_all(self.peer, sent, **kw).reshape(-1)  # what each rank sends me
-        wrong = [j for j in range(size) if coming[j] != expected[j]]
-        local = max([*(b.shape[0] for b in blocks), *expected, 0])
-        agreed = self.runtime.all_reduce(self.peer, np.array([local, len(wrong)], np.int64), "max", **kw)
-        if agreed[1]:  # every rank stops here together
-            mine = "; ".join(f"rank {j} sends {coming[j]} rows where I expect {expected[j]}" for j in wrong)
-            raise InvalidArgumentError(
-                f"all_to_all: the split sizes of the ranks do not match ({mine or 'on another rank'}): "
-                f"rank i's output_split_sizes[j] must be rank j's input_split_sizes[i]"
-            )
-        largest = int(agreed[0])
-        padded = np.zeros((size, largest, *rest), dtype=dtype)
-        for j, block in enumerate(blocks):
-            padded[j, : block.shape[0]] = block
-        received = self.runtime.all_to_all(self.peer, padded, **kw)
-        return [received[j, :rows] for j, rows in enumerate(expected)]

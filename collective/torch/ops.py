@@ -16,10 +16,10 @@ PREMUL_SUM)                     bool: BOR/SUM/MAX as max, BAND/PRODUCT/MIN as mi
                                 BXOR as bxor of its bytes)
 allreduce_coalesced             all_reduce_coalesced
 broadcast, reduce               broadcast (the root passes the tensor), reduce
-allgather, all_gather_single    all_gather (stacked, into the outputs)
-reduce_scatter(_single)         reduce_scatter (a list of different sizes: padded)
-all_to_all_single, alltoall     all_to_all; uneven splits: padded to the largest block
-                                (collective.torch.all_to_all)
+allgather, all_gather_single    all_gather (stacked, into the outputs); tensors of different
+                                sizes: all_gather_v
+reduce_scatter(_single)         reduce_scatter; a list of different sizes: reduce_scatter_v
+all_to_all_single, alltoall     all_to_all; uneven splits: all_to_all_v (collective.torch.all_to_all)
 gather, scatter, barrier        gather, scatter, barrier
 send, recv                      send (eager), recv (collective.torch.p2p)
 =============================  =====================================================
@@ -190,29 +190,16 @@ class Ops:
 
         def body() -> None:
             if all(part.shape == output.shape for part in parts):
-                stacked = np.stack([array(host(p)) for p in parts])
-            else:  # uneven (as gloo takes it): the ranks' sizes checked, then blocks padded to the largest
-                stacked = self._padded(parts, sizes, kw)
-            source = stacked if factor is None else _scaled(stacked, factor)
-            result = self.runtime.reduce_scatter(self.peer, source, op, **kw)
-            fill(output, result.reshape(-1)[: output.numel()].reshape(output.shape))
+                source = np.stack([array(host(p)) for p in parts])
+                source = source if factor is None else _scaled(source, factor)
+                result = self.runtime.reduce_scatter(self.peer, source, op, **kw)
+            else:  # uneven (as gloo takes it): reduce_scatter_v of the flattened parts (the sizes agreed)
+                source = np.concatenate([array(host(p)).reshape(-1) for p in parts])
+                source = source if factor is None else _scaled(source, factor)
+                result = self.runtime.reduce_scatter_v(self.peer, source, sizes, op, **kw)
+            fill(output, result.reshape(output.shape))
 
         return self.launch("reduce_scatter", body, [output], opts)
-
-    def _padded(self, parts: list[Any], sizes: list[int], kw: dict[str, Any]) -> Any:
-        """``parts`` flattened into the rows of one array, padded to the largest, once one small
-        all_reduce found every rank's sizes the same (else an error on every rank)."""
-        table = np.array(sizes, np.int64)
-        extremes = self.runtime.all_reduce(self.peer, np.concatenate([table, -table]), "max", **kw)
-        if not np.array_equal(extremes[: len(sizes)], -extremes[len(sizes) :]):
-            raise InvalidArgumentError(
-                f"reduce_scatter: the ranks' input lists differ in sizes (here {sizes}): every rank "
-                f"passes tensors of the same sizes, rank i's of its output's size"
-            )
-        stacked = np.zeros((len(parts), max(sizes)), dtype=array(host(parts[0])).dtype)
-        for row, part in zip(stacked, parts, strict=True):
-            row[: part.numel()] = array(host(part)).reshape(-1)
-        return stacked
 
     @on_every_rank(ReduceScatter)
     def reduce_scatter_single(self, output: Any, input: Any, opts: Any = None) -> TorchWork:
@@ -268,17 +255,22 @@ class Ops:
         opts = opts if opts is not None else dist.AllgatherOptions()
         tensor = single(inputs, "all_gather")
         targets = list(single(outputs, "all_gather"))
-        if len(targets) != len(self.members) or any(t.shape != tensor.shape for t in targets):
+        me = self.members.index(self.peer)
+        if len(targets) != len(self.members) or targets[me].numel() != tensor.numel():
             raise invalid(
-                f"all_gather takes a list of {len(self.members)} output tensors of the input's shape "
-                f"{tuple(tensor.shape)}, got {[tuple(t.shape) for t in targets]}"
+                f"all_gather takes a list of {len(self.members)} output tensors, this rank's ({me}) of the "
+                f"input's size {tensor.numel()}, got {[tuple(t.shape) for t in targets]}"
             )
         kw = self._kw(opts)
 
         def body() -> None:
-            gathered = self.runtime.all_gather(self.peer, array(host(tensor)), **kw)
+            if all(t.shape == tensor.shape for t in targets):
+                gathered = self.runtime.all_gather(self.peer, array(host(tensor)), **kw)
+            else:  # uneven: all_gather_v of the flattened tensors, each rank's size checked everywhere
+                flat, sizes = array(host(tensor)).reshape(-1), [t.numel() for t in targets]
+                gathered = self.runtime.all_gather_v(self.peer, flat, recv_sizes=sizes, **kw)
             for row, target in zip(gathered, targets, strict=True):
-                fill(target, row)
+                fill(target, row.reshape(target.shape))
 
         return self.launch("all_gather", body, targets, opts)
 
