@@ -43,7 +43,6 @@ from collective.errors import CollectiveError, RegistrationError
 from collective.groups import Group, new_group
 from collective.launch.bootstrap import init_with_store
 from collective.runtime import Runtime
-from collective.torch.all_to_all import AllToAll
 from collective.torch.ops import Ops
 from collective.torch.p2p import PointToPoint, group_key
 from collective.torch.work import Receives, TorchWork, backend_error, seconds
@@ -58,7 +57,7 @@ BACKEND = "collective"
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL groups
 
 
-class CollectiveProcessGroup(Ops, AllToAll, PointToPoint, dist.ProcessGroup):  # type: ignore[misc]
+class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ignore[misc]
     """A torch ProcessGroup whose collectives run on ``runtime`` as peer ``peer`` in ``group``.
 
     ``members`` are the global ranks (our peer ids) of the group, in group-rank order; ``owns``

@@ -19,7 +19,7 @@ broadcast, reduce               broadcast (the root passes the tensor), reduce
 allgather, all_gather_single    all_gather (stacked, into the outputs); tensors of different
                                 sizes: all_gather_v
 reduce_scatter(_single)         reduce_scatter; a list of different sizes: reduce_scatter_v
-all_to_all_single, alltoall     all_to_all; uneven splits: all_to_all_v (collective.torch.all_to_all)
+all_to_all_single, alltoall     all_to_all; uneven splits: all_to_all_v
 gather, scatter, barrier        gather, scatter, barrier
 send, recv                      send (eager), recv (collective.torch.p2p)
 =============================  =====================================================
@@ -37,6 +37,7 @@ import numpy as np
 from collective.calls import (
     AllGather,
     AllReduce,
+    AllToAll,
     Barrier,
     Broadcast,
     Coalesced,
@@ -320,6 +321,73 @@ class Ops:
                 work.wait()
 
         return self.launch(label, body, outputs, opts) if works else self._done
+
+    # -- exchanges: even splits are one all_to_all; uneven ones one all_to_all_v (what each rank
+    # expects checked against what the others send, on every rank, before data moves; no padding)
+
+    @on_every_rank(AllToAll)
+    def all_to_all_single(
+        self,
+        output: Any,
+        input: Any,
+        output_splits: Sequence[int],
+        input_splits: Sequence[int],
+        opts: Any = None,
+    ) -> TorchWork:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        size, kw = len(self.members), self._kw(opts)
+        even = not output_splits and not input_splits
+        if even and (input.shape != output.shape or (input.dim() and input.shape[0] % size)):
+            raise invalid(
+                f"all_to_all_single: input {tuple(input.shape)} and output {tuple(output.shape)} must have "
+                f"one shape whose first dimension divides by {size} (or pass split sizes)"
+            )
+        for name, splits, tensor in (("input", input_splits, input), ("output", output_splits, output)):
+            rows = tensor.shape[0] if tensor.dim() else 1
+            if splits and (len(splits) != size or any(s < 0 for s in splits) or sum(splits) != rows):
+                raise invalid(
+                    f"all_to_all_single: {name}_split_sizes {list(splits)} must be {size} sizes >= 0 adding "
+                    f"up to the {name}'s first dimension, {rows}"
+                )
+            if not even and not splits and rows % size:
+                raise invalid(
+                    f"all_to_all_single: without {name}_split_sizes the {name}'s first dimension ({rows}) "
+                    f"must divide by {size}"
+                )
+
+        def body() -> None:
+            buffer = host(output)
+            source, out = array(host(input)), array(buffer)
+            if even:
+                self.runtime.all_to_all(self.peer, source.reshape(size, -1), out=out.reshape(size, -1), **kw)
+            else:
+                sent = list(input_splits) or [source.shape[0] // size] * size
+                expected = list(output_splits) or [out.shape[0] // size] * size
+                rows, into = (
+                    (source, out) if source.ndim else (source.reshape(1), out.reshape(1))
+                )  # (0-d: a row)
+                self.runtime.all_to_all_v(self.peer, rows, sent, recv_sizes=expected, out=into, **kw)
+            store_back(buffer, output)
+
+        return self.launch("all_to_all_single", body, [output], opts)
+
+    alltoall_base = all_to_all_single
+
+    @on_every_rank(AllToAll)
+    def alltoall(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
+        opts = opts if opts is not None else dist.AllToAllOptions()
+        outputs, inputs, kw = list(outputs), list(inputs), self._kw(opts)
+        if len(outputs) != len(self.members) or len(inputs) != len(self.members):
+            raise invalid(f"all_to_all takes {len(self.members)} input and output tensors each")
+
+        def body() -> None:
+            flat = np.concatenate([array(host(t)).reshape(-1) for t in inputs])
+            sent, expected = [t.numel() for t in inputs], [t.numel() for t in outputs]
+            blocks = self.runtime.all_to_all_v(self.peer, flat, sent, recv_sizes=expected, **kw)
+            for block, target in zip(blocks, outputs, strict=True):
+                fill(target, block.reshape(target.shape))
+
+        return self.launch("all_to_all", body, outputs, opts)
 
     @on_every_rank(Gather)
     def gather(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
