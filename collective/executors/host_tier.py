@@ -22,7 +22,7 @@ phases.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -42,7 +42,7 @@ from collective.shm.group import ShmGroup
 from collective.transport.shm_ring import INLINE_BYTES
 
 if TYPE_CHECKING:
-    from collective.node import NodeJob
+    from collective.node import Host, NodeJob
 
 __all__ = ["HostTier"]
 
@@ -98,7 +98,9 @@ class _Relay:
 
     source_elsewhere = False
 
-    def __init__(self, tier: HostTier, step: Step, signature: Signature, product: Any = None) -> None:
+    def __init__(
+        self, tier: HostTier, step: Step, signature: Signature, product: Array | None = None
+    ) -> None:
         self.tier = tier
         self.step = step
         self.signature = signature  # the leader's: the global call; the others': their own
@@ -153,7 +155,7 @@ class HostTier:
         self._out = -1  # the last phase-3 step this process entered
 
     @classmethod
-    def of(cls, node: NodeJob, members: tuple[int, ...], hosts: list[Any]) -> HostTier:
+    def of(cls, node: NodeJob, members: tuple[int, ...], hosts: list[Host]) -> HostTier:
         """The tier of the group ``members`` whose processes run on ``hosts`` (one each)."""
         nodes = node.nodes_of(members)
         leader_of = {host: nodes[hosts.index(host)] for host in set(hosts)}  # its lowest rank's node
@@ -166,7 +168,7 @@ class HostTier:
 
     # -- phase 1 --------------------------------------------------------------------------------
 
-    def collect(self, step: Step) -> tuple[Signature, list[Any]]:
+    def collect(self, step: Step) -> tuple[Signature, list[Array]]:
         """Phase 1: (the host's agreed call, the leader's inputs for its contribution; [] elsewhere).
 
         Raises the host's verdict on every process of the host (a mismatch, a bad argument, a
@@ -184,7 +186,7 @@ class HostTier:
 
     # -- phase 3 --------------------------------------------------------------------------------
 
-    def send(self, step: Step, agreed: Signature, product: Any) -> None:
+    def send(self, step: Step, agreed: Signature, product: Array | None) -> None:
         """Phase 3 on the leader: the agreed call and the host's product to the others."""
         if self.group is not None:
             relay = _Relay(self, step, agreed, product)
@@ -204,7 +206,7 @@ class HostTier:
         with contextlib.suppress(CollectiveError):  # ``error`` itself, recorded for the others
             self.group.run(number, step.plan.label, step.deadline, step.timeout, None, error)
 
-    def receive(self, step: Step) -> tuple[Signature, Any, Array | None]:
+    def receive(self, step: Step) -> tuple[Signature, Array | None, Array | None]:
         """Phase 3 on the others: (the agreed call, the product, or this process's result when the
         product went straight into it)."""
         assert self.group is not None

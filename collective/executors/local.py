@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from collective.algorithms.ops import Array, array_module, copy_into
@@ -28,7 +26,7 @@ from collective.transport.inproc import Exchange, InProcessLink
 __all__ = ["Fused", "Linked", "Shared", "numpy_within"]
 
 
-def numpy_within(calls: list[Call], inputs: list[Any], limit: int) -> bool:
+def numpy_within(calls: list[Call], inputs: list[Array | None], limit: int) -> bool:
     """Every peer is on the host and every input is a numpy array of at most ``limit`` bytes (peers
     without an input, e.g. a broadcast's receivers, are fine)."""
     for call, a in zip(calls, inputs, strict=True):
@@ -70,7 +68,7 @@ class Fused:
 
     path = "fused"
 
-    def __init__(self, agreed: Signature, calls: list[Call], fused: list[Any]) -> None:
+    def __init__(self, agreed: Signature, calls: list[Call], fused: list[Array | None]) -> None:
         size = len(calls)
         self.results: list[Array | None] = []
         for rank, call in enumerate(calls):
@@ -98,7 +96,9 @@ class Shared:
 
     path = "shared"
 
-    def __init__(self, exchange: Exchange, inputs: list[Any], movement: Movement, state: Any) -> None:
+    def __init__(
+        self, exchange: Exchange, inputs: list[Array | None], movement: Movement, state: object
+    ) -> None:
         self.exchange = exchange
         self.inputs = inputs
         self.movement = movement

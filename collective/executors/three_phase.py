@@ -129,7 +129,7 @@ class ThreePhase:
         return self._result(step, agreed, product.reshape(-1))
 
     def _lead(
-        self, step: Step, local: Signature, srcs: list[Any], ranks: list[int]
+        self, step: Step, local: Signature, srcs: list[Array], ranks: list[int]
     ) -> tuple[Signature, Any, Array | None]:
         """Phases 1 and 2 on the leader, from its node's agreed call ``local`` and its local peers'
         inputs ``srcs`` (group ranks ``ranks``): (the globally agreed call, the node's product, and
@@ -164,7 +164,7 @@ class ThreePhase:
             link.flush()
         return agreed, product, result
 
-    def _result(self, step: Step, agreed: Signature, product: Any) -> Array | None:
+    def _result(self, step: Step, agreed: Signature, product: Array | None) -> Array | None:
         """Phase 3 for one peer: its result taken from its node's product."""
         call, plan = step.call, step.plan
         result = call.new_result(call.device, agreed, plan.size, step.rank)

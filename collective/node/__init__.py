@@ -3,6 +3,6 @@ topology), the call exchange among a group's nodes, and the typed messages betwe
 
 from __future__ import annotations
 
-from collective.node.membership import NodeJob
+from collective.node.membership import Host, NodeJob
 
-__all__ = ["NodeJob"]
+__all__ = ["Host", "NodeJob"]

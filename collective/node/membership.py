@@ -41,7 +41,9 @@ from collective.transport.shm_ring import RingSegment
 from collective.transport.wire import ErrorRecord, WireError
 from collective.transport.zmq_link import ZmqLink
 
-__all__ = ["NodeJob"]
+__all__ = ["Host", "NodeJob"]
+
+Host = tuple[Any, Any]  # a host identity and a user: processes sharing both share /dev/shm
 
 log = logging.getLogger(__name__)
 
@@ -258,7 +260,7 @@ class NodeJob:
     # -- what choosing an executor needs to know (collective.executors.choose decides) ----------
 
     @property
-    def host(self) -> tuple[Any, Any]:
+    def host(self) -> Host:
         """This process's host: its identity and user (processes that share both share /dev/shm)."""
         assert self.topology is not None
         return self._host_of(self.topology.index)
@@ -272,7 +274,7 @@ class NodeJob:
         assert self.topology is not None
         return members[self.nodes_of(members).index(self.topology.index)]
 
-    def hosts_of(self, members: tuple[int, ...]) -> list[tuple[Any, Any]] | None:
+    def hosts_of(self, members: tuple[int, ...]) -> list[Host] | None:
         """Each member's host, when every member is the only one of its process in the group, this
         process among them, and every process has a ring segment; else None."""
         assert self.topology is not None
@@ -296,7 +298,7 @@ class NodeJob:
             and all(node < len(infos) and isinstance(infos[node].get("ring"), str) for node in nodes)
         )
 
-    def _host_of(self, node: int) -> tuple[Any, Any]:
+    def _host_of(self, node: int) -> Host:
         """What tells node ``node``'s host: its host identity and user (one /dev/shm to share)."""
         assert self.topology is not None
         info = self.topology.infos[node] if node < len(self.topology.infos) else {}

@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 
@@ -214,7 +214,7 @@ class ShmGroup:
 
     def _agree(
         self, s: int, slot: int, message: bytes, digest: int, task: ShmTask
-    ) -> tuple[Signature, Movement, list[Any] | None]:
+    ) -> tuple[Signature, Movement, list[np.ndarray | None] | None]:
         """The agreed call, its movement and every member's inline input for a small step (None
         for a large one).
 
@@ -255,7 +255,7 @@ class ShmGroup:
         channels: list[Any],
         heads: list[Any],
         task: ShmTask,
-    ) -> tuple[Signature, Movement, list[Any] | None]:
+    ) -> tuple[Signature, Movement, list[np.ndarray | None] | None]:
         try:
             agreed = self.codec.decode(message)
             same = all(head[3] == digest for head in heads)
@@ -274,7 +274,7 @@ class ShmGroup:
         sizes = [movement.source_size(rank) for rank in range(self.n)]
         if max((size for size in sizes if size is not None), default=0) * itemsize > INLINE_BYTES:
             return agreed, movement, None
-        inputs: list[Any] = []
+        inputs: list[np.ndarray | None] = []
         for rank, (channel, head, size) in enumerate(zip(channels, heads, sizes, strict=True)):
             nbytes = -1 if size is None else size * itemsize
             if nbytes >= 0 and head[2] != nbytes:
@@ -289,7 +289,7 @@ class ShmGroup:
         self._heads = [[channel.slot_heads[slot] for channel in channels] for slot in (0, 1)]
         return channels
 
-    def _finish_with(self, s: int, error: CollectiveError) -> Any:
+    def _finish_with(self, s: int, error: CollectiveError) -> NoReturn:
         """A verdict every member reaches by itself: leave the step normally, then raise it."""
         self._finished(s)
         raise error
