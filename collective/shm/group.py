@@ -1,18 +1,21 @@
-"""The Shm executor: a collective among peers in different processes of one host, in shared memory.
+"""A group's steps through shared memory, among peers in different processes of one host.
 
-Chosen (collective.node.NodeJob.shm_group, asked by executors.choose) when every peer of the
-group is the one peer of its process in the group and every such process runs on this host (host
-identities from the topology). Each process has one ring segment (transport.shm_ring); a group
-gets a channel in each member's segment. One step ``s`` of the group, on every member::
+``ShmGroup`` is a typed primitive: ``run(number, label, deadline, timeout, task)`` runs one step
+of whatever a ``ShmTask`` says (its call as published, its agreement rules, the movement of the
+agreed call, its input and result buffer). collective.executors.shm runs a collective's own steps
+on it; collective.executors.host_tier runs a host's part of a larger collective (its inputs to the
+host's leader; then the leader's relay). Each process has one ring segment (transport.shm_ring); a
+group gets a channel in each member's segment. One step ``s`` of the group, on every member::
 
-    publish   the call's Signature (and the input itself, when it fits the slot: small
-              collectives) into slot s % 2 of this process's channel; progress = ARRIVE(s)
+    publish   the task's Signature (and the input itself, when it fits the slot: small steps)
+              into slot s % 2 of this process's channel; progress = ARRIVE(s)
     meet      wait until every member arrived (one synchronisation), read every Signature, run
               ``signature.agree`` over them by group rank: a mismatch is the same error on every
               member, and every member still moves on to step s + 1 together
     small     every member computes its own result from every member's inline input (in rank
-              order; the call's ``part``): bit-identical results everywhere, no more waits
-    large     chunks through two chunk buffers per member, pipelined (collective.shm.chunks)
+              order; ``Movement.own``): bit-identical results everywhere, no more waits
+    large     chunks through two chunk buffers per member, pipelined (``Movement.stream`` over
+              collective.shm.chunks)
     end       progress = END(s); no trailing barrier: slot s % 2 is reused at step s + 2, once
               every member has left step s
 
