@@ -525,6 +525,19 @@ def mends() -> None:
         kept = torch.zeros(2, 3)
         dist.recv(kept, 0, tag=12)
         same(kept, torch.arange(6.0).reshape(2, 3), "the message a refused receive left")
+    # all_gather_coalesced: outputs[r][j] is rank r's tensor j (it was read transposed: wrong results
+    # with as many tensors as ranks, a ValueError otherwise)
+    for count in (world, world + 1):
+        mine = [torch.arange(j + 1.0) + 10 * rank for j in range(count)]
+        lists = [[torch.zeros(j + 1) for j in range(count)] for _ in range(world)]
+        dist.all_gather_coalesced(lists, mine)
+        for r in range(world):
+            for j in range(count):
+                same(lists[r][j], torch.arange(j + 1.0) + 10 * r, f"all_gather_coalesced [{r}][{j}]")
+    expect_error(  # a rank whose output lists are not one per rank: an error on every rank
+        lambda: dist.all_gather_coalesced([[torch.zeros(1)]] * (world + (rank == 0)), [torch.ones(1)]),
+        "all_gather_coalesced takes",
+    )
     # all_gather into tensors of different sizes (rank i's of its input's size): all_gather_v
     mine = torch.arange(rank + 2.0).reshape(1, rank + 2) * (rank + 1)
     gathered = [torch.zeros(1, r + 2) for r in range(world)]

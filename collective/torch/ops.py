@@ -36,6 +36,7 @@ import numpy as np
 
 from collective.calls import (
     AllGather,
+    AllGatherV,
     AllReduce,
     AllToAll,
     Barrier,
@@ -306,11 +307,32 @@ class Ops:
         works = _each([partial(self.all_gather_single, o, i, opts) for o, i in pairs])
         return self._joined("allgather_into_tensor_coalesced", works, outputs, opts)
 
+    @on_every_rank(AllGatherV)
     def allgather_coalesced(
         self, outputs: Sequence[Sequence[Any]], inputs: Sequence[Any], opts: Any = None
     ) -> TorchWork:
-        works = _each([partial(self.allgather, [o], [i], opts) for o, i in zip(outputs, inputs, strict=True)])
-        return self._joined("allgather_coalesced", works, [t for o in outputs for t in o], opts)
+        """torch's ``outputs[r][j]``: rank r's tensor j. One all_gather_v of every input flattened
+        into one array (each rank's size checked on every rank), split into the outputs."""
+        opts = opts if opts is not None else dist.AllgatherOptions()
+        inputs, lists = list(inputs), [list(o) for o in outputs]
+        if not inputs or len(lists) != len(self.members) or any(len(o) != len(inputs) for o in lists):
+            raise invalid(
+                f"all_gather_coalesced takes {len(self.members)} output lists (one per rank) of "
+                f"{len(inputs)} tensors (one per input), got lists of {[len(o) for o in lists]}"
+            )
+        kw = self._kw(opts)
+
+        def body() -> None:
+            flat = np.concatenate([array(host(t)).reshape(-1) for t in inputs])
+            sizes = [sum(t.numel() for t in targets) for targets in lists]
+            pieces = self.runtime.all_gather_v(self.peer, flat, recv_sizes=sizes, **kw)
+            for piece, targets in zip(pieces, lists, strict=True):
+                at = 0
+                for target in targets:
+                    fill(target, piece[at : at + target.numel()].reshape(target.shape))
+                    at += target.numel()
+
+        return self.launch("all_gather_coalesced", body, [t for o in lists for t in o], opts)
 
     def _joined(self, label: str, works: list[TorchWork], outputs: Sequence[Any], opts: Any) -> TorchWork:
         """One work for several queued ones: done after all of them, failed with the first error
