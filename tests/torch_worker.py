@@ -367,6 +367,16 @@ def mends() -> None:
             work.wait()
         same(a, torch.full((4,), world * (1.0 + it)), "first of two groups of the same ranks")
         same(b, torch.full((4,), world * (100.0 + it)), "second of two groups of the same ranks")
+    # a receive matches dtype and elements, as gloo's bytes (pipelining sends a 0-d tensor into (1,))
+    if rank == 0:
+        dist.send(torch.tensor(7.0), 1, tag=8)
+        dist.send(torch.arange(6.0).reshape(2, 3), 1, tag=8)
+    if rank == 1:
+        one, rows = torch.zeros(1), torch.zeros(3, 2)
+        dist.recv(one, 0, tag=8)
+        dist.recv(rows, 0, tag=8)
+        same(one, torch.tensor([7.0]), "a 0-d tensor into (1,)")
+        same(rows, torch.arange(6.0).reshape(3, 2), "(2, 3) into (3, 2)")
     # a pending irecv from rank 0 does not hold up a receive from rank 2 (rank 1)
     if rank == 2:
         dist.send(torch.full((2,), 42.0), 1, tag=5)

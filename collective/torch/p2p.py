@@ -58,7 +58,7 @@ class PointToPoint:
         tensor, target, tag = single(tensors, "send"), self.peer_of(dst), self._tag(tag)
         dense(tensor, "send")
         try:
-            self.runtime.send(self.peer, array(host(tensor)), target, tag, timeout=self.timeout)
+            self.runtime.send(self.peer, array(host(tensor)).reshape(-1), target, tag, timeout=self.timeout)
         except CollectiveError as exc:
             raise backend_error(exc) from exc
         return self._done
@@ -70,7 +70,9 @@ class PointToPoint:
         def body() -> None:
             buffer = host(tensor)
             with _named(wire, tag):
-                self.runtime.recv(self.peer, source, wire, timeout=self.timeout, out=array(buffer))
+                self.runtime.recv(
+                    self.peer, source, wire, timeout=self.timeout, out=array(buffer).reshape(-1)
+                )
             store_back(buffer, tensor)
 
         work = self.launch("recv", body, [tensor], _ASYNC, (source, wire))
@@ -87,7 +89,8 @@ class PointToPoint:
         def body() -> None:
             buffer = host(tensor)
             with _named(wire, tag):
-                source, _ = self.runtime.recv_any(self.peer, wire, timeout=self.timeout, out=array(buffer))
+                flat = array(buffer).reshape(-1)
+                source, _ = self.runtime.recv_any(self.peer, wire, timeout=self.timeout, out=flat)
             store_back(buffer, tensor)
             sender.append(source)
 
