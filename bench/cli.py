@@ -22,7 +22,7 @@ from collective.executors import DEFAULT_SHARE_BELOW
 from collective.launch import Stopped, seconds_argument, stop_status, stopped_by_signals
 from collective.transport.wire import SMALL_BYTES
 
-__all__ = ["add_arguments", "main", "run"]
+__all__ = ["add_arguments", "main", "run", "sweep_sizes"]
 
 ALL_STRATEGIES = ("centralized", "tree:2", "ring", "direct")
 DTYPES = (
@@ -151,7 +151,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _sizes(args: argparse.Namespace, itemsize: int) -> list[int]:
+def sweep_sizes(args: argparse.Namespace, itemsize: int) -> list[int]:
+    """The message sizes (bytes) the sweep runs: ``-b`` to ``-e`` by ``-f``, each rounded down to a
+    whole number of ``itemsize``-byte elements, none twice (``-b 0``: one empty row, then on)."""
     sizes: list[int] = []
     size = args.minbytes
     while size <= args.maxbytes:
@@ -254,7 +256,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
     except ImportError:
         parser.error("argument --dtype: bfloat16 needs ml_dtypes (pip install ml_dtypes)")
     world = args.peers * args.nodes
-    sizes = _sizes(args, itemsize)
+    sizes = sweep_sizes(args, itemsize)
     roots = _roots(parser, args.root, world)
     systems = ([args.compare] if args.compare else []) + strategies
     cases = [
@@ -326,7 +328,7 @@ def run_torch(
         itemsize = resolve_dtype(args.dtype).itemsize
     except ImportError:
         parser.error("argument --dtype: bfloat16 needs ml_dtypes (pip install ml_dtypes)")
-    sizes = _sizes(args, itemsize)
+    sizes = sweep_sizes(args, itemsize)
     worlds = [args.nodes] if args.nodes > 1 else [2, 4]
     print(
         f"# collective bench --backend torch: torch.distributed, backend 'collective' vs 'gloo', "

@@ -211,6 +211,14 @@ class LocalJob:
                 found = self._groups[members] = Rendezvous(self, members, local)
             return found
 
+    def waiting(self, members: tuple[int, ...]) -> tuple[int, ...]:
+        """The local peers whose call on the group ``members`` waits in its rendezvous for the others'."""
+        rendezvous = self._groups.get(members)
+        if rendezvous is None:
+            return ()
+        with self._guard:
+            return rendezvous.waiting()
+
     # -- helpers (lock held) ------------------------------------------------------------------
 
     def _raise_if_closed(self) -> None:

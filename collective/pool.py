@@ -46,6 +46,13 @@ class Pool:
         self._held = 0  # bytes of every block the pool keeps, idle or handed out
         self.reused = 0  # blocks handed out again (for tests)
 
+    @property
+    def sizes(self) -> list[int]:
+        """The sizes (bytes) of the blocks it keeps, idle or handed out, sorted (for tests of state
+        growth)."""
+        with self._lock:
+            return sorted(self._blocks)
+
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """An uninitialised numpy array (a recycled block when it is large)."""
         if not isinstance(dtype, np.dtype):

@@ -213,6 +213,42 @@ class Runtime:
         """Whether peers of this process are registered in a job (or joining one)."""
         return self._job is not None
 
+    @property
+    def job(self) -> LocalJob | None:
+        """The job this process's peers are registered in (or joining), None without one. For tests
+        and diagnostics: the job's own attributes are not part of the API."""
+        return self._job
+
+    def waiting(self, group: Group | Sequence[int] | None = None) -> tuple[int, ...]:
+        """The peers of this process whose call on ``group`` (default: the whole job) has reached the
+        group's rendezvous and waits there for the other peers' calls, sorted; () without a job.
+
+        For tests and diagnostics (which peer is the one everybody waits for). A call queued behind
+        an earlier call of its peer (see ``pending``) has not reached the rendezvous yet. Raises
+        InvalidArgumentError for a ``group`` that is no group.
+        """
+        job = self._job
+        found = as_group(group)
+        if job is None:
+            return ()
+        return job.waiting(job.members if found is None else found.members)
+
+    def pending(self, peer_id: int, group: Group | Sequence[int] | None = None) -> int:
+        """How many calls ``peer_id`` issued on ``group`` (default: the whole job) that have not
+        ended: the one running, waiting for the others or not, and those queued behind it
+        (asynchronous calls, and blocking calls from other threads); 0 for a peer not registered.
+
+        For tests and diagnostics (see ``Sequencer.pending``: 0 is exact, a count taken while one of
+        the calls is known to run is too). Raises InvalidArgumentError for a ``group`` that is no
+        group.
+        """
+        found = as_group(group)
+        member = self._peers.get(peer_id)
+        if member is None:
+            return 0
+        sequencer = member.sequencers.get(member.job.members if found is None else found.members)
+        return 0 if sequencer is None else sequencer.pending
+
     def world_size(self, group: Group | None = None) -> int:
         """The number of peers in the job (or in ``group``)."""
         group = as_group(group)

@@ -109,6 +109,14 @@ class Sequencer:
         self._bell.acquire()
         self._worker: threading.Thread | None = None
 
+    @property
+    def pending(self) -> int:
+        """Calls issued and not ended yet: the one running (if any) and those queued behind it (for
+        tests and diagnostics). 0 is exact (idle); while the worker thread passes from one call to
+        the next, the count may include one call too many for a moment."""
+        with self._lock:
+            return len(self._queue) + self._active
+
     def submit(self, call: Callable[[], Any], label: str) -> Work:
         """Queue ``call``; its Work completes when it has run after every earlier call."""
         work = Work(label)

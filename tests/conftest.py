@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -12,6 +15,58 @@ import pytest
 import collective as col
 
 JOIN_TIMEOUT = 30.0
+# Runtime limits: "fused" is the default (small numpy arrays complete at the rendezvous, mid-size
+# ones on the shared path, large ones over the strategy's schedule); "shared" turns fusing off;
+# "linked" runs the configured strategy's schedule at every size.
+PATHS: dict[str, dict[str, int]] = {
+    "fused": {},
+    "shared": {"fuse_below": 0},
+    "linked": {"fuse_below": 0, "share_below": 0},
+}
+
+
+def wait_until(
+    predicate: Callable[[], object], timeout: float, what: str | Callable[[], str], interval: float = 0.005
+) -> None:
+    """Poll ``predicate`` every ``interval`` seconds until it is true; after ``timeout`` seconds raise
+    AssertionError naming ``what`` (a text, or a function giving one when the wait fails).
+
+    The bounded wait for an event the test cannot be told of otherwise (a thread blocked in a
+    rendezvous, a process past a point): never a sleep that hopes it happened meanwhile.
+    """
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            said = what if isinstance(what, str) else what()
+            raise AssertionError(f"not within {timeout:g} s: {said}")
+        time.sleep(interval)
+
+
+@contextlib.contextmanager
+def orchestrator_log() -> Iterator[list[str]]:
+    """The messages an orchestrator of this process logs (INFO and up) while the block runs: its
+    registrations, a signal to wait for (a node has registered before the next one starts)."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("collective.transport.orchestrator")
+    handler, level = Keep(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def registered(lines: list[str], job: str) -> int:
+    """How many nodes of ``job`` the orchestrator said it registered."""
+    said = f"job {job!r}: node at"
+    return sum(1 for line in list(lines) if line.startswith(said) and " registered (" in line)
 
 
 @pytest.fixture
@@ -33,6 +88,14 @@ def orchestrator() -> Iterator[str]:
     finally:
         proc.terminate()
         assert proc.process.returncode == 0, proc.output()
+
+
+@pytest.fixture(params=list(PATHS))
+def rt(request: pytest.FixtureRequest) -> Iterator[col.Runtime]:
+    """A Runtime for each in-process path (see PATHS): errors and results must be the same on the
+    fast paths and over the schedules. Modules that need another one define their own."""
+    with col.Runtime(**PATHS[request.param]) as runtime:
+        yield runtime
 
 
 @pytest.fixture

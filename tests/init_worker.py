@@ -42,7 +42,7 @@ def the_orchestrator_leaves(peer: int) -> int:
     pair = col.new_group([1, 2])
     for _ in range(400):  # about 5 s: the loss of the orchestrator is noticed in 2-3 s
         assert col.all_reduce(peer, np.ones(1), group=pair)[0] == 2.0
-        time.sleep(0.0125)
+        time.sleep(0.0125)  # (kept: paces the calls across the moment the loss is noticed)
     print(f"PAIR OK {peer}", flush=True)
     col.finish(peer)
     return 0
@@ -52,7 +52,7 @@ def late_finish(peer: int) -> int:
     """Rank 0 finishes and its process ends while the others still work, then finish."""
     col.all_reduce(peer, np.ones(1))
     if peer != 0:
-        time.sleep(4)  # (the loss of an orchestrator is noticed in 2-3 s)
+        time.sleep(4)  # (kept: a window, not an order) a lost orchestrator would be noticed in 2-3 s
         assert col.all_reduce(peer, np.ones(1), group=col.new_group([1, 2]))[0] == 2.0
     print(f"LATE OK {peer}", flush=True)
     col.finish(peer)

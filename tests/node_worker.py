@@ -158,7 +158,7 @@ def until(peer: int, world: int, stop_file: str, pause: str = "0.1") -> int:
             return count
         idle_until = time.monotonic() + float(pause)
         while time.monotonic() < idle_until and not os.path.exists(stop_file):
-            time.sleep(min(0.05, float(pause)))
+            time.sleep(min(0.05, float(pause)))  # (kept: the idle time under test; polls the file)
     return count
 
 
@@ -368,7 +368,7 @@ def staggered(peer: int, world: int) -> int:
     peer 1's deadline and its 2 s of grace but within peer 0's deadline. One outcome for every
     peer: peer 1 timed out while the others completed (each local peer ran to its own deadline)."""
     col.barrier(peer)
-    time.sleep({1: 0.0, 0: 3.0}.get(peer, 6.5))
+    time.sleep({1: 0.0, 0: 3.0}.get(peer, 6.5))  # (kept: the lateness under test)
     try:
         col.all_reduce(peer, np.ones(2), timeout=4.0)
         say(f"COMPLETED {peer}")
@@ -383,7 +383,7 @@ def remote_finish(peer: int, world: int) -> int:
     from it and peer 1's collective on [1, 3] (shared memory) waited their whole timeout."""
     col.barrier(peer)
     if peer == 2:
-        time.sleep(6)
+        time.sleep(6)  # (kept: the busy peer under test holds its node in the job)
     if peer in (0, 1):
         started = time.monotonic()
         try:

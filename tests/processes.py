@@ -8,7 +8,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,33 @@ class Proc:
         except subprocess.TimeoutExpired:
             self.kill()
         self._reader.join(5)
+
+
+def mapped(pid: int) -> str:
+    """What process ``pid`` has mapped (/proc/pid/maps); "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return ""
+
+
+def met_in_shared_memory(pids: Collection[int]) -> bool:
+    """Every process of ``pids`` (at least two) has mapped the shared-memory segments of every other
+    (/dev/shm/collective-<pid>-*): they have run a collective together, past their start."""
+    maps = {pid: mapped(pid) for pid in pids}
+    return len(pids) > 1 and all(
+        f"/dev/shm/collective-{other}-" in maps[pid] for pid in pids for other in pids if other != pid
+    )
+
+
+def ignores(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` ignores signal ``signum`` now (the SigIgn mask of /proc/pid/status)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    mask = next((line.split()[1] for line in status.splitlines() if line.startswith("SigIgn:")), "0")
+    return bool(int(mask, 16) >> (signum - 1) & 1)
 
 
 def start_orchestrator(*extra: str, env: dict[str, str] | None = None) -> tuple[Proc, str]:

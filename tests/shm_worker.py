@@ -10,11 +10,14 @@ end, or "ERROR <class> <seconds> <message>" (exit status 3); "READY" once a loop
 
 from __future__ import annotations
 
+import contextlib
 import itertools
+import logging
 import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ml_dtypes
@@ -42,6 +45,43 @@ UFUNCS = {
 def say(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
+
+
+def until(ready: Callable[[], bool], timeout: float, what: str) -> None:
+    """Poll ``ready`` until it is true; AssertionError naming ``what`` after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout:g} s: {what}")
+        time.sleep(0.01)
+
+
+def gate(gates: str, peer: int) -> None:
+    """Wait until the test opens this peer's gate (creates ``<gates>/go-<peer>``): the test orders
+    the processes by what it saw of the others (an exit, a line), never by time."""
+    path = os.path.join(gates, f"go-{peer}")
+    until(lambda: os.path.exists(path), 60, f"{path} created")
+
+
+@contextlib.contextmanager
+def channels_given() -> Iterator[list[str]]:
+    """The groups given a channel of this process's ring while the block runs (its DEBUG log)."""
+    given: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "uses channel" in record.getMessage():
+                given.append(record.getMessage())
+
+    logger, handler = logging.getLogger("collective.shm.ring"), Keep()
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield given
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def data(peer: int, shape: Any, dtype: Any, salt: int) -> np.ndarray:
@@ -247,7 +287,7 @@ def late(peer: int, world: int, delay: str = "2", who: str = "-1", early: str = 
     does it; then all go on. With ``early``: only peer 0 times out (at 1 s), the others would wait
     on: every peer fails the step all the same (one saw the others come and completed it)."""
     if peer == int(who) % world:
-        time.sleep(float(delay))
+        time.sleep(float(delay))  # (kept: the lateness under test, past the others' timeout)
     try:
         col.all_reduce(peer, np.ones(3), timeout=1.0 if peer == 0 or not early else 20)
         raise AssertionError("a result of a step peer 0 gave up")
@@ -355,24 +395,27 @@ def byte_order(peer: int, world: int) -> int:
     return count + 2
 
 
-def leaves(peer: int, world: int) -> int:
+def leaves(peer: int, world: int, gates: str) -> int:
     """Peer 1 finishes at once; the others' first collective is a PeerLostError saying it left.
-    Peer 2 comes once peer 0 has failed and ended too: it names both."""
+    Peer 2 comes once peer 0 has failed and ended too: it names both. (The test opens peer 0's
+    gate once peer 1's process ended, peer 2's once peer 0's did.)"""
     if peer != 1:
-        time.sleep(0.5 if peer == 0 else 3.0)
+        gate(gates, peer)
         col.all_reduce(peer, np.ones(2))
     return 1
 
 
-def leaves_after(peer: int, world: int) -> int:
+def leaves_after(peer: int, world: int, gates: str) -> int:
     """The last peer's two async all_reduces, then it finishes (waiting for them) and its process
-    exits; the others come late: their third all_reduce finds a process that left, not one that died."""
+    exits; the others come late (the test opens their gates once it says FINISHING): their third
+    all_reduce finds a process that left, not one that died."""
     if peer == world - 1:
         works = [col.all_reduce(peer, np.ones(2), async_op=True) for _ in range(2)]
+        say("FINISHING")
         col.finish(peer)
         assert all(work.is_completed() for work in works)
         os._exit(0)
-    time.sleep(1.0)
+    gate(gates, peer)
     for _ in range(3):
         col.all_reduce(peer, np.ones(2))
     return 3
@@ -381,19 +424,20 @@ def leaves_after(peer: int, world: int) -> int:
 BUSY = [(0, 1), (0, 2), (0, 3), (0, 4), (0, 1, 2), (0, 1, 3), (0, 1, 4), (0, 2, 3)]  # peer 0's 8 channels
 
 
-def no_channel(peer: int, world: int, elements: str = "16") -> int:
-    """Peer 0 keeps 8 groups inside a step (their other members come 2 s later), so its call on a
-    9th group G waits for a channel until its 0.5 s timeout. Peers 2 and 4 wait in that step of G:
-    they must get peer 0's reason once it gets a channel for G's next step. They summed the data
-    the channel's previous group had left in it, as if peer 0 had taken part."""
+def no_channel(peer: int, world: int, elements: str, gates: str) -> int:
+    """Peer 0 keeps 8 groups inside a step (their other members come once the test saw NOCHANNEL),
+    so its call on a 9th group G waits for a channel until its 0.5 s timeout. Peers 2 and 4 wait in
+    that step of G: they must get peer 0's reason once it gets a channel for G's next step. They
+    summed the data the channel's previous group had left in it, as if peer 0 had taken part."""
     n, group = int(elements), col.new_group([0, 2, 4])
     count = 0
     if peer == 0:
-        works = [
-            col.all_reduce(0, np.full(n, 100.0 + k), group=col.new_group(list(m)), async_op=True)
-            for k, m in enumerate(BUSY)
-        ]
-        time.sleep(0.2)
+        with channels_given() as given:
+            works = [
+                col.all_reduce(0, np.full(n, 100.0 + k), group=col.new_group(list(m)), async_op=True)
+                for k, m in enumerate(BUSY)
+            ]
+            until(lambda: len(given) == len(BUSY), 30, "each busy group holding a channel")
         try:
             col.all_reduce(0, np.full(n, 1000.0), group=group, timeout=0.5)
             raise AssertionError("a step of G without a channel")
@@ -403,7 +447,7 @@ def no_channel(peer: int, world: int, elements: str = "16") -> int:
             same(work.wait(), np.full(n, 100.0 + k + sum(p + 1.0 for p in BUSY[k] if p)), "busy")
         count = len(works)
     else:
-        time.sleep(2)
+        gate(gates, peer)
         for members in [m for m in BUSY if peer in m]:
             col.all_reduce(peer, np.full(n, peer + 1.0), group=col.new_group(list(members)))
             count += 1
@@ -473,13 +517,14 @@ def gave_up(peer: int, world: int) -> int:
     return 1
 
 
-def unmapped(peer: int, world: int) -> int:
-    """Peer 1 finishes at once: peer 0's first step on [0, 1] fails mapping peer 1's segment. Then
-    peer 0 needs channels for more groups than it has: giving that group's up raised IndexError."""
+def unmapped(peer: int, world: int, gates: str) -> int:
+    """Peer 1 finishes at once: peer 0's first step on [0, 1] (once the test saw peer 1's process
+    end) fails mapping peer 1's segment. Then peer 0 needs channels for more groups than it has:
+    giving that group's up raised IndexError."""
     if peer == 1:
         return 0
     if peer == 0:
-        time.sleep(0.5)
+        gate(gates, peer)
         try:
             col.all_reduce(peer, np.ones(2), group=col.new_group([0, 1]))
             raise AssertionError("a step with a peer that left")

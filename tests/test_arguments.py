@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from typing import Any
 
 import numpy as np
 import pytest
 
 import collective as col
-from tests.conftest import outcomes_of_peers, run_peers
+from tests.conftest import outcomes_of_peers, run_peers, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,9 +71,7 @@ def test_a_numpy_integer_registers_a_peer_and_groups_are_made_while_the_job_form
     config = col.CollectiveConfig(num_devices=2, timeout=20)
     first = threading.Thread(target=col.register, args=(np.int64(0), "cpu", config))
     first.start()
-    waited = time.monotonic() + 10
-    while not col.default_runtime().has_job() and time.monotonic() < waited:
-        time.sleep(0.01)
+    wait_until(col.default_runtime().has_job, 10, "peer 0 registering")
     assert col.world_size() == 2
     assert col.new_group([0, 1]).members == (0, 1)
     col.register(np.int32(1), "cpu", config)

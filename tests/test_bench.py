@@ -23,8 +23,8 @@ from collective.bench.report import parse_size
 from collective.bench.sweep import busbw_factor
 from collective.bench.trivial import BareAllReduce, TrivialGroup
 from collective.runtime import Runtime
-from tests.conftest import run_peers
-from tests.processes import interruptible
+from tests.conftest import run_peers, wait_until
+from tests.processes import interruptible, met_in_shared_memory
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -160,7 +160,7 @@ def test_default_sweep_plan_covers_8_bytes_to_16_mebibytes() -> None:
     parser = argparse.ArgumentParser()
     bench_cli.add_arguments(parser)
     args = parser.parse_args([])
-    sizes = bench_cli._sizes(args, 4)
+    sizes = bench_cli.sweep_sizes(args, 4)
     assert sizes[0] == 8 and sizes[-1] == 16 << 20
 
 
@@ -397,7 +397,7 @@ def test_sigterm_while_the_results_are_written_is_exit_143(
 
     def write_json(*_: Any) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(1)  # (the handler raises here)
+        time.sleep(1)  # (kept: where the signal lands, not an order) the handler raises here
 
     monkeypatch.setattr(bench_cli, "write_json", write_json)
     argv = [
@@ -552,8 +552,8 @@ def test_thread_floor_bench_times_the_floor_the_baseline_and_ours(capsys: pytest
 def test_a_zero_minimum_size_sweeps_once_from_empty() -> None:
     parser = argparse.ArgumentParser()
     bench_cli.add_arguments(parser)
-    assert bench_cli._sizes(parser.parse_args(["-b", "0", "-e", "16"]), 4) == [0, 4, 8, 16]
-    assert bench_cli._sizes(parser.parse_args(["-b", "0", "-e", "0"]), 4) == [0]
+    assert bench_cli.sweep_sizes(parser.parse_args(["-b", "0", "-e", "16"]), 4) == [0, 4, 8, 16]
+    assert bench_cli.sweep_sizes(parser.parse_args(["-b", "0", "-e", "0"]), 4) == [0]
 
 
 def test_ops_that_split_into_blocks_report_the_bytes_they_move(
@@ -713,28 +713,39 @@ def test_a_bench_of_nodes_stopped_by_a_signal_stops_its_processes_and_their_shar
         argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=interruptible
     )
     started: list[int] = []
+
+    def segments() -> list[str]:
+        return [
+            name
+            for name in os.listdir("/dev/shm")
+            if any(name.startswith(f"collective-{pid}-") for pid in started)
+        ]
+
+    def in_their_loop() -> bool:
+        """Both nodes made their segments and mapped the other's: their first collective ran."""
+        nodes = {int(name.split("-")[1]) for name in segments()}
+        return len(nodes) == 2 and met_in_shared_memory(nodes)
+
+    def running() -> list[int]:
+        return [pid for pid in started if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
+
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(_children(bench.pid)) < 3:  # the orchestrator, 2 nodes
-            time.sleep(0.1)
+        wait_until(lambda: len(_children(bench.pid)) >= 3, 30, "the orchestrator and 2 nodes started")
         started = _children(bench.pid)
         assert len(started) == 3, started
-        time.sleep(1.5)  # the nodes are in their loop (their segments made)
+        wait_until(in_their_loop, 30, "both nodes in their loop (each has mapped the other's segment)")
         bench.send_signal(signum)
         assert bench.wait(30) == 128 + signum
     finally:
         bench.kill()
         bench.communicate()
-        time.sleep(0.5)
-        alive = [pid for pid in started if Path(f"/proc/{pid}").exists() and "Z" not in _state(pid)]
+        with contextlib.suppress(AssertionError):  # (as long as they were given before: asserted below)
+            wait_until(lambda: not running(), 0.5, "the bench's processes ended")
+        alive = running()
         for pid in alive:  # (a failed test leaves nothing running)
             os.kill(pid, signal.SIGKILL)
     assert not alive, alive
-    left = [
-        name
-        for name in os.listdir("/dev/shm")
-        if any(name.startswith(f"collective-{pid}-") for pid in started)
-    ]
+    left = segments()
     assert not left, left
 
 

@@ -1,7 +1,10 @@
-"""The public API on local peers (threads) against a numpy reference."""
+"""The public API on local peers (threads) against a numpy reference; a barrier holds every peer
+until the last one enters; a result made without ``out=`` is an array of its own."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -9,7 +12,8 @@ import pytest
 
 import collective as col
 from collective import Centralized, Direct, Ring, Tree
-from tests.conftest import assert_matches, peer_input, reference, run_peers
+from tests import peers
+from tests.conftest import PATHS, assert_matches, peer_input, reference, run_peers, wait_until
 
 STRATEGIES = [Centralized(), Tree(1), Tree(2), Tree(3), Tree(5), Ring(), Direct()]
 PEERS = [1, 2, 3, 4, 5, 8]
@@ -297,3 +301,108 @@ def test_string_strategies_and_enum_ops(link_runtime: col.Runtime) -> None:
     results = run_peers(3, body, link_runtime)
     np.testing.assert_array_equal(results[0][0], np.arange(6) + 2)
     np.testing.assert_array_equal(results[1][1], np.arange(6))
+
+
+# -- barriers, and results that own their memory ---------------------------------------------------
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_a_barrier_releases_no_peer_before_every_peer_entered(path: str) -> None:
+    n, rounds = 4, 5
+    entered = [0] * rounds
+    lock = threading.Lock()
+
+    def others_wait_in_the_barrier(peer: int) -> None:
+        """One peer late in each round: it enters once every other peer waits inside the barrier."""
+        others = tuple(p for p in range(n) if p != peer)
+        wait_until(lambda: rt.waiting() == others, 10, f"peers {others} waiting in the barrier")
+
+    def body(peer: int) -> list[int]:
+        rt.register(peer, "cpu", peers.config(n, Ring()))
+        seen = []
+        for r in range(rounds):
+            if peer == r % n:
+                others_wait_in_the_barrier(peer)
+            with lock:
+                entered[r] += 1
+            rt.barrier(peer)
+            with lock:
+                seen.append(entered[r])
+        rt.finish(peer)
+        return seen
+
+    with col.Runtime(**PATHS[path]) as rt:
+        for seen in run_peers(n, body, rt):
+            assert seen == [n] * rounds
+
+
+def _calls_with_new_results(
+    n: int, inputs: list[np.ndarray]
+) -> list[tuple[str, Callable[[col.Runtime, int], Any]]]:
+    """(label, ``run(rt, peer)``) of every collective over ``n`` peers on blocks of (4, 2) float32,
+    roots 1, with and without ``out``; every input made here is appended to ``inputs`` (the peers'
+    blocks first)."""
+    block, dtype = (4, 2), np.float32
+    single = [peers.make_input(p, block, dtype, 3) for p in range(n)]
+    blocked = [peers.make_input(p, (n * block[0], *block[1:]), dtype, 4) for p in range(n)]
+    stack = peers.make_input(1, (n, *block), dtype, 5)  # the scatter root's
+    inputs.extend([*single, *blocked, stack])
+
+    def all_gather_out(rt: col.Runtime, p: int) -> Any:
+        out = np.full((n, *block), 7, dtype)
+        return rt.all_gather(p, single[p], out=out), out
+
+    def reduce_scatter_out(rt: col.Runtime, p: int) -> Any:
+        out = np.full(block, 7, dtype)
+        return rt.reduce_scatter(p, blocked[p], "sum", out=out), out
+
+    def gather(rt: col.Runtime, p: int) -> Any:
+        out = np.full((n, *block), 7, dtype) if p == 1 or p % 2 else None
+        return rt.gather(p, single[p], root=1, out=out), out
+
+    def scatter(rt: col.Runtime, p: int) -> Any:
+        out = np.full(block, 7, dtype) if p % 2 else None
+        return rt.scatter(p, stack if p == 1 else None, root=1, out=out), out
+
+    calls: list[tuple[str, Callable[[col.Runtime, int], Any]]] = [
+        ("all_gather", lambda rt, p: rt.all_gather(p, single[p])),
+        ("all_gather out=", all_gather_out),
+        ("reduce_scatter sum", lambda rt, p: rt.reduce_scatter(p, blocked[p], "sum")),
+        ("reduce_scatter out=", reduce_scatter_out),
+        ("all_to_all", lambda rt, p: rt.all_to_all(p, blocked[p])),
+        ("gather root=1", gather),
+        ("scatter root=1", scatter),
+        ("barrier", lambda rt, p: rt.barrier(p)),
+        ("all_reduce", lambda rt, p: rt.all_reduce(p, inputs[p])),
+        ("broadcast", lambda rt, p: rt.broadcast(p, None if p else inputs[0])),
+        ("reduce", lambda rt, p: rt.reduce(p, inputs[p], root=1)),
+    ]
+    return calls
+
+
+@pytest.mark.parametrize("path", ["fused", "shared"])
+def test_every_new_result_is_an_array_of_its_own(path: str) -> None:
+    """No result without ``out=`` shares a byte with another peer's result or with any input (every
+    peer of an all_reduce gets the same values: each in its own array, to write as it likes)."""
+    n, inputs = 3, []
+    calls = _calls_with_new_results(n, inputs)
+    with col.Runtime(**PATHS[path]) as rt:
+
+        def body(peer: int) -> list[Any]:
+            rt.register(peer, "cpu", peers.config(n))
+            results = [run(rt, peer) for _, run in calls]
+            rt.finish(peer)
+            return results
+
+        per_peer = run_peers(n, body, rt)
+    checked = 0
+    for index, (label, _) in enumerate(calls):
+        got = [per_peer[p][index] for p in range(n)]
+        got = [r[0] if isinstance(r, tuple) and r[1] is None else r for r in got]  # (result, out) pairs
+        arrays = [r for r in got if isinstance(r, np.ndarray)]
+        checked += len(arrays)
+        for i, a in enumerate(arrays):
+            assert not any(np.shares_memory(a, x) for x in inputs), f"{label}: a result is an input"
+            assert not any(np.shares_memory(a, b) for b in arrays[i + 1 :]), f"{label}: results share"
+    assert checked >= 6 * n  # all_gather, reduce_scatter, all_to_all, all_reduce, broadcast: every peer;
+    # scatter: the peers without out; reduce: the root

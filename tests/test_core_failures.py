@@ -35,10 +35,10 @@ def joined() -> Iterator[col.Runtime]:
 
 
 def test_registering_a_joined_peer_again_leaves_the_job_running(joined: col.Runtime) -> None:
-    job = joined._job
+    job = joined.job
     with pytest.raises(col.RegistrationError, match="peer 1 is already registered"):
         joined.register(1, "cpu", cfg(3))
-    assert joined._job is job
+    assert joined.job is job
     all_reduce_works(joined, [0, 1, 2])
 
 
@@ -56,17 +56,17 @@ def test_a_refused_registration_does_not_change_the_peers_device(joined: col.Run
 
 
 def test_a_finished_peer_registering_again_does_not_drop_the_job(joined: col.Runtime) -> None:
-    job = joined._job
+    job = joined.job
     joined.finish(0)
     with pytest.raises(col.RegistrationError, match="already finished this job"):
         joined.register(0, "cpu", cfg(3))
-    assert joined._job is job
+    assert joined.job is job
     for peer in (1, 2):  # the others see peer 0 gone...
         with pytest.raises(col.PeerLostError, match="peer 0 left the job"):
             joined.all_reduce(peer, np.ones(2))
     for peer in (1, 2):  # ...and can leave cleanly
         joined.finish(peer)
-    assert joined._job is None
+    assert joined.job is None
     run_peers(3, lambda p: joined.register(p, "cpu", cfg(3)), joined)  # a new job starts
     all_reduce_works(joined, [0, 1, 2])
 
@@ -138,7 +138,7 @@ def test_a_late_peer_gets_the_steps_timeout_though_the_others_finished_since() -
         def body(peer: int) -> Any:
             rt.register(peer, "cpu", col.CollectiveConfig(num_devices=3, timeout=10))
             if peer == 0:
-                time.sleep(1.0)
+                time.sleep(1.0)  # (kept: the late peer under test) past the others' 0.3 s timeout
             try:
                 return rt.all_reduce(peer, np.ones(4), timeout=0.3)
             finally:

@@ -15,7 +15,7 @@ import pytest
 import collective as col
 from collective.ddp import GradientSync, attach_torch, broadcast_parameters, torch_no_sync
 from collective.launch import free_port
-from tests.conftest import outcomes_of_peers, run_peers
+from tests.conftest import outcomes_of_peers, run_peers, wait_until
 from tests.processes import Proc, finish_all
 
 N = 3
@@ -95,8 +95,8 @@ def test_a_full_bucket_is_reduced_while_the_rest_of_backward_runs() -> None:
             first, rest = sync.buckets
             for name in first:
                 sync.ready(name, grads[name])
-            for work in sync._buckets[0].works:
-                work.wait(timeout=20)  # done, with "embed" (the rest of backward) not made yet
+            # its all_reduce done (nothing of this peer pending), "embed" (the rest of backward) not made yet
+            wait_until(lambda: rt.pending(peer) == 0, 20, f"peer {peer}'s first bucket synced")
             for name in rest:
                 sync.ready(name, grads[name])
             result = sync.wait()
@@ -483,7 +483,7 @@ def test_a_step_whose_wait_timed_out_keeps_its_buffers_until_its_sync_ends() -> 
             got: list[Any] = []
             for step in range(3):
                 if peer == 1 and step == 0:
-                    time.sleep(1.0)  # late to step 0: peer 0 gives up waiting on it
+                    time.sleep(1.0)  # (kept: the late peer under test) late to step 0: peer 0 gives up on it
                 sync.ready("w", np.full(4, 100.0 * step + (peer == 1)))
                 try:
                     got.append(float(sync.wait(timeout=0.3 if peer == 0 else None)["w"][0]))

@@ -13,7 +13,7 @@ import pytest
 
 import collective as col
 from collective import Ring, Tree
-from tests.conftest import outcomes_of_peers, run_peers
+from tests.conftest import outcomes_of_peers, run_peers, wait_until
 
 TIMEOUT = 0.5
 
@@ -218,7 +218,7 @@ def test_peer_id_outside_the_job(runtime: col.Runtime, peer: Any) -> None:
 def test_register_twice_while_waiting_and_after_joining(runtime: col.Runtime) -> None:
     first = threading.Thread(target=lambda: runtime.register(0, "cpu", cfg(2)), daemon=True)
     first.start()
-    time.sleep(0.05)
+    wait_until(runtime.has_job, 5, "peer 0 registered (waiting for peer 1)")
     with pytest.raises(col.RegistrationError, match=r"peer 0 is already registered; call finish\(0\) first"):
         runtime.register(0, "cpu", cfg(2))
     runtime.register(1, "cpu", cfg(2))
@@ -332,8 +332,8 @@ def test_a_peer_that_never_arrives_times_out_the_others_and_the_job_recovers(rt:
 def test_finish_while_others_wait_is_a_peer_lost_error(rt: col.Runtime) -> None:
     def body(peer: int) -> Any:
         rt.register(peer, "cpu", cfg(3))
-        if peer == 2:
-            time.sleep(0.1)
+        if peer == 2:  # once the others wait for it inside the all_reduce
+            wait_until(lambda: rt.waiting() == (0, 1), 10, "peers 0 and 1 waiting in the all_reduce")
             rt.finish(peer)
             return None
         started = time.monotonic()
@@ -351,8 +351,8 @@ def test_finish_while_others_wait_is_a_peer_lost_error(rt: col.Runtime) -> None:
 
 def test_reset_wakes_blocked_peers_with_job_closed(rt: col.Runtime) -> None:
     def body(peer: int) -> Any:
-        if peer == 2:
-            time.sleep(0.2)
+        if peer == 2:  # once peer 0 is registering
+            wait_until(rt.has_job, 10, "peer 0 registering")
             rt.reset()
             return None
         rt.register(peer, "cpu", cfg(3)) if peer == 0 else None
@@ -362,8 +362,13 @@ def test_reset_wakes_blocked_peers_with_job_closed(rt: col.Runtime) -> None:
     assert isinstance(outcomes[0], col.JobClosedError) and "reset" in str(outcomes[0])
 
     run_peers(2, lambda p: rt.register(p, "cpu", cfg(2)), rt)
+
+    def reset_once_peer_0_waits() -> None:
+        wait_until(lambda: rt.waiting() == (0,), 10, "peer 0 waiting in the all_reduce")
+        rt.reset()
+
     blocked = outcomes_of_peers(
-        2, lambda p: rt.all_reduce(p, np.ones(3)) if p == 0 else (time.sleep(0.2), rt.reset()), rt
+        2, lambda p: rt.all_reduce(p, np.ones(3)) if p == 0 else reset_once_peer_0_waits(), rt
     )
     assert isinstance(blocked[0], col.JobClosedError)
     with pytest.raises(col.RegistrationError, match="not registered"):
@@ -376,12 +381,12 @@ def test_one_peer_driven_by_two_threads_runs_its_calls_in_the_order_issued(rt: c
     results: dict[str, Any] = {}
     first = threading.Thread(target=lambda: results.update(first=rt.all_reduce(0, np.ones(2))), daemon=True)
     first.start()
-    time.sleep(0.1)  # the first call is now waiting for peer 1 inside the rendezvous
+    wait_until(lambda: rt.waiting() == (0,), 5, "the first call waiting for peer 1 inside the rendezvous")
     second = threading.Thread(
         target=lambda: results.update(second=rt.all_reduce(0, np.full(2, 5.0))), daemon=True
     )
     second.start()
-    time.sleep(0.1)
+    wait_until(lambda: rt.pending(0) == 2, 5, "the second call queued behind the first")
     np.testing.assert_array_equal(rt.all_reduce(1, np.ones(2)), [2, 2])  # meets the first call
     np.testing.assert_array_equal(rt.all_reduce(1, np.ones(2)), [6, 6])  # then the second
     first.join(5)

@@ -17,7 +17,8 @@ import collective as col
 from collective.launch import free_port
 from collective.launch.bootstrap import init
 from collective.launch.launchers import first_host, launched_from
-from tests.processes import Proc, finish_all
+from tests.conftest import wait_until
+from tests.processes import Proc, finish_all, ignores
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -225,7 +226,7 @@ def test_sigterm_or_sighup_to_launch_stops_its_nodes_and_what_they_started(
     terminal); now it stops them, and what each started, and exits 128 + the signal. ``twice``: a
     node that ignores SIGINT keeps launch stopping for a while, and a second SIGTERM then cut the
     stopping short (launch died with a traceback, everything left running)."""
-    script = tmp_path / "waits.py"
+    script = tmp_path / "waits.py"  # (its sleeps hold the nodes until launch stops them: not an order)
     script.write_text(
         ("import signal\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n" if twice else "")
         + "import os, subprocess, time\nchild = subprocess.Popen(['sleep', '60'])\n"
@@ -237,15 +238,12 @@ def test_sigterm_or_sighup_to_launch_stops_its_nodes_and_what_they_started(
     pids = _pids(launch, "node") + _pids(launch, "child")
     assert len(pids) == 4 and all(map(_running, pids)), launch.output()
     launch.process.send_signal(signum)
-    if twice:
-        time.sleep(1)
+    if twice:  # once launch is stopping its nodes (it ignores the signal meanwhile), the same again
+        wait_until(lambda: ignores(launch.process.pid, signum), 10, "launch stopping its nodes")
         launch.process.send_signal(signum)
     assert launch.wait(30) == 128 + signum, launch.output()
     assert "Traceback" not in launch.output(), launch.output()
-    deadline = time.monotonic() + 10
-    while any(map(_running, pids)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not any(map(_running, pids)), [pid for pid in pids if _running(pid)]
+    wait_until(lambda: not any(map(_running, pids)), 10, lambda: str([pid for pid in pids if _running(pid)]))
 
 
 def test_a_failed_node_stops_what_others_started_and_ctrl_c_leaves_no_shared_memory(tmp_path: Path) -> None:
@@ -255,12 +253,10 @@ def test_a_failed_node_stops_what_others_started_and_ctrl_c_leaves_no_shared_mem
     failing = Proc([sys.executable, "-m", "collective", "launch", "--nodes", "2", *shell], CLEAN)
     assert failing.wait(30) == 3, failing.output()
     children = _pids(failing, "child")
-    deadline = time.monotonic() + 10
-    while any(map(_running, children)) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert children and not any(map(_running, children)), failing.output()
+    assert children, failing.output()
+    wait_until(lambda: not any(map(_running, children)), 10, failing.output)
 
-    script = tmp_path / "blocked.py"  # every node waits in a barrier that rank 0 never enters
+    script = tmp_path / "blocked.py"  # every node waits in a barrier that rank 0 (sleeping) never enters
     script.write_text(
         "import os, time, collective as col\npeer = col.init()\nprint('node', os.getpid(), flush=True)\n"
         "time.sleep(60) if peer == 0 else col.barrier(peer)\n"
@@ -277,7 +273,7 @@ def test_a_failed_node_stops_what_others_started_and_ctrl_c_leaves_no_shared_mem
 
 
 def test_ctrl_c_stops_every_node_quietly(tmp_path: Path) -> None:
-    script = tmp_path / "sleepy.py"
+    script = tmp_path / "sleepy.py"  # (its sleep holds the nodes until Ctrl-C: not an order)
     script.write_text("import time\nprint('started', flush=True)\ntime.sleep(60)\n")
     launch = Proc([sys.executable, "-m", "collective", "launch", "--nodes", "2", str(script)], CLEAN)
     for rank in range(2):

@@ -11,7 +11,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,8 @@ import collective as col
 from collective.launch import bootstrap, free_port
 from collective.launch.bootstrap import init
 from collective.launch.launchers import first_host, launched_from
+from tests.conftest import wait_until
+from tests.processes import met_in_shared_memory
 from tests.test_init import CLEAN, slurm, torchrun
 
 pytestmark = pytest.mark.timeout(60)
@@ -123,10 +124,10 @@ def test_a_collected_runtime_is_forgotten() -> None:
     init(rt, environ=env)
     rt.finish(0)
     rt.close()
-    assert rt in bootstrap._initialised
+    assert rt in bootstrap.initialised()
     del rt
     gc.collect()
-    assert len(bootstrap._initialised) == 0  # a new Runtime at the same address starts afresh
+    assert bootstrap.initialised() == []  # a new Runtime at the same address starts afresh
 
 
 @pytest.mark.parametrize(
@@ -208,7 +209,7 @@ def test_launch_killed_outright_leaves_no_orchestrator_behind(tmp_path: Path) ->
     """SIGKILL (the OOM killer, a batch system's last word) gives launch no chance to stop its
     orchestrator: it ran on, orphaned, forever. Now it stops with its parent (the nodes of one host
     go on without it, to their end, as they would after the orchestrator's loss)."""
-    script = tmp_path / "loop.py"
+    script = tmp_path / "loop.py"  # (its sleeps pace a job of about 20 s: still running when launch dies)
     script.write_text(
         "import time, collective as col\npeer = col.init()\nfor _ in range(400):\n"
         "    col.barrier(peer)\n    time.sleep(0.05)\n"
@@ -221,21 +222,17 @@ def test_launch_killed_outright_leaves_no_orchestrator_behind(tmp_path: Path) ->
     )
     children: list[int] = []
     try:
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and len(children) < 3:  # the orchestrator and 2 nodes
-            time.sleep(0.2)
-            children = _children_of(launch.pid)
+        wait_until(lambda: len(_children_of(launch.pid)) >= 3, 30, "the orchestrator and 2 nodes started")
+        children = _children_of(launch.pid)
         assert len(children) == 3, children
         (orchestrator,) = [
             pid for pid in children if b"orchestrator" in Path(f"/proc/{pid}/cmdline").read_bytes()
         ]
-        time.sleep(1.0)
+        nodes = [pid for pid in children if pid != orchestrator]
+        wait_until(lambda: met_in_shared_memory(nodes), 30, "the nodes running their job")
         launch.kill()
         launch.wait(10)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and _running(orchestrator):
-            time.sleep(0.2)
-        assert not _running(orchestrator)
+        wait_until(lambda: not _running(orchestrator), 10, "the orchestrator ending with launch")
     finally:
         launch.kill()
         for pid in children:
@@ -315,7 +312,7 @@ def test_launcher_values_in_unusual_forms() -> None:
     with pytest.raises(
         col.ConfigError, match=r"^the first host of SLURM_JOB_NODELIST='no-such-host.invalid01'"
     ):
-        bootstrap._config(launched_from(unresolved), unresolved)
+        bootstrap.config_from(launched_from(unresolved), unresolved)
 
 
 def test_a_named_orchestrator_without_master_addr_gives_the_address_reaching_it(
@@ -335,15 +332,17 @@ def test_a_named_orchestrator_without_master_addr_gives_the_address_reaching_it(
         "COLLECTIVE_GLOBAL_ADDRESS": "192.0.2.10:29500",
         "COLLECTIVE_JOB": "j",
     }
-    config = bootstrap._config(launched_from(env), env)  # rank 1 with a named orchestrator: starts nothing
+    config = bootstrap.config_from(
+        launched_from(env), env
+    )  # rank 1 with a named orchestrator: starts nothing
     assert asked == [("192.0.2.10", "COLLECTIVE_GLOBAL_ADDRESS")]
     assert (config.node_address, config.global_address) == ("10.1.2.3:0", "192.0.2.10:29500")
     given = {**env, "COLLECTIVE_NODE_ADDRESS": "10.9.9.9:0"}  # an address given is used as it is
-    assert bootstrap._config(launched_from(given), given).node_address == "10.9.9.9:0"
+    assert bootstrap.config_from(launched_from(given), given).node_address == "10.9.9.9:0"
     torchrun_given = {**CLEAN, **torchrun(1, 2, 1234), "COLLECTIVE_NODE_ADDRESS": "10.9.9.9:0"}
-    assert bootstrap._config(launched_from(torchrun_given), torchrun_given).node_address == "10.9.9.9:0"
+    assert bootstrap.config_from(launched_from(torchrun_given), torchrun_given).node_address == "10.9.9.9:0"
     portless = {**torchrun_given, "COLLECTIVE_NODE_ADDRESS": "10.9.9.8"}  # (it became 127.0.0.1)
-    assert bootstrap._config(launched_from(portless), portless).node_address == "10.9.9.8:0"
+    assert bootstrap.config_from(launched_from(portless), portless).node_address == "10.9.9.8:0"
     assert len(asked) == 1  # (with MASTER_ADDR set too: it was ignored there)
 
 
@@ -382,7 +381,7 @@ def test_launch_whose_output_reader_left_stops_its_nodes_as_a_pipeline_does() ->
         "30",
         sys.executable,
         "-c",
-        "import time\nfor i in range(10**6): print(i, flush=True)\ntime.sleep(60)",
+        "import time\nfor i in range(10**6): print(i, flush=True)\ntime.sleep(60)",  # (holds: not an order)
     ]
     launched = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CLEAN)
     try:
@@ -412,7 +411,16 @@ def test_launch_whose_reader_leaves_after_its_nodes_ended_says_so() -> None:
     ]
     launched = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=CLEAN)
     try:
-        time.sleep(1.5)  # the nodes end meanwhile; launch's pump waits on the full pipe
+        nodes: set[int] = set()  # seen so far (launch reaps them as they end)
+
+        def nodes_ended() -> bool:
+            for pid in _children_of(launched.pid):
+                with contextlib.suppress(OSError):
+                    if b"print(" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                        nodes.add(pid)
+            return len(nodes) == 2 and not any(map(_running, nodes))
+
+        wait_until(nodes_ended, 30, "the nodes ending")  # meanwhile: launch's pump waits on the full pipe
         assert launched.stdout is not None and launched.stdout.read(10)
         launched.stdout.close()
         assert launched.wait(20) == 141
@@ -446,9 +454,9 @@ def test_rank_0s_orchestrator_ends_with_its_job() -> None:
     port = free_port()
     with col.Runtime() as rt:
         init(rt, environ={**CLEAN, **torchrun(0, 1, port), "COLLECTIVE_TIMEOUT": "20"})
-        embedded = bootstrap._embedded[-1]
-        assert embedded.thread.is_alive()
+        serving = bootstrap.orchestrator_threads()[-1]
+        assert serving.is_alive()
         rt.finish(0)
-    embedded.thread.join(5)  # every node left: it stops serving, and nothing of it stays
-    assert not embedded.thread.is_alive() and embedded not in bootstrap._embedded
+    serving.join(5)  # every node left: it stops serving, and nothing of it stays
+    assert not serving.is_alive() and serving not in bootstrap.orchestrator_threads()
     assert _port_is_free(port)

@@ -28,6 +28,7 @@ from collective.transport.inproc import COPY_BELOW, Exchange, InProcessLink
 from collective.transport.network import NodeNetwork
 from collective.transport.wire import ErrorRecord
 from collective.transport.zmq_link import ZmqLink
+from tests.conftest import wait_until
 from tests.recording import Network
 
 
@@ -36,10 +37,15 @@ def _record(reason: str) -> ErrorRecord:
     return ErrorRecord("PeerLostError", (), reason)
 
 
-def inproc_links(n: int, timeout: float = 10.0) -> list[Any]:
+def inproc_exchange(n: int, timeout: float = 10.0) -> tuple[Exchange, list[Any]]:
+    """An Exchange of ``n`` peers and their links, whose waits end ``timeout`` seconds from now."""
     exchange = Exchange(tuple(range(n)), "test #0")
     deadline = time.monotonic() + timeout
-    return [InProcessLink(exchange, rank, deadline) for rank in range(n)]
+    return exchange, [InProcessLink(exchange, rank, deadline) for rank in range(n)]
+
+
+def inproc_links(n: int, timeout: float = 10.0) -> list[Any]:
+    return inproc_exchange(n, timeout)[1]
 
 
 class ZmqMesh:
@@ -73,8 +79,7 @@ class ZmqMesh:
 
 
 def inproc_group(n: int, timeout: float) -> LinkGroup:
-    links = inproc_links(n, timeout)
-    exchange = links[0]._exchange
+    exchange, links = inproc_exchange(n, timeout)
 
     def abort(peer: int, reason: str) -> None:
         exchange.abort(PeerLostError(f"peer {peer} gave up: {reason}", [peer]))
@@ -232,7 +237,9 @@ def test_an_abort_wins_over_what_the_aborting_node_sent_for_its_next_step() -> N
     try:
         mesh.networks[1].abort(0, ErrorRecord("MemoryError", (), "simulated"))
         mesh.networks[1].send(0, {"t": "data", "ch": 0, "seq": 1, "off": 0, "n": 0})
-        time.sleep(0.2)  # both have arrived before node 0 looks
+        wait_until(  # both have arrived before node 0 looks (in order: the abort, then the data)
+            lambda: mesh.networks[0].queued([1], 1, "data"), 5, "node 1's step-1 data at node 0"
+        )
         with pytest.raises(PeerLostError, match="node 1 gave up step 0"):
             mesh.links[0].recv_into(1, np.empty(1))
     finally:
@@ -263,8 +270,7 @@ def test_a_receive_that_never_completes_times_out_and_aborts_every_peer() -> Non
 
 
 def test_abort_wakes_blocked_peers_with_the_error() -> None:
-    links = inproc_links(2)
-    exchange = links[0]._exchange
+    exchange, links = inproc_exchange(2)
     caught: list[BaseException] = []
 
     def wait_for_peer_1() -> None:
@@ -275,7 +281,7 @@ def test_abort_wakes_blocked_peers_with_the_error() -> None:
 
     waiter = threading.Thread(target=wait_for_peer_1)
     waiter.start()
-    time.sleep(0.05)
+    wait_until(lambda: exchange.waiting == (0,), 5, "peer 0 asleep waiting for peer 1")
     exchange.abort(PeerLostError("peer 1 failed", [1]))
     waiter.join(5)
     assert not waiter.is_alive() and caught and caught[0].peers == (1,)

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import collective as col
+from tests.conftest import wait_until
 from tests.processes import (
     WORKER,
     Proc,
@@ -200,7 +201,7 @@ def test_launch_runs_a_script_on_every_node() -> None:
 
 
 def test_launch_stops_the_others_when_a_node_fails(tmp_path: Path) -> None:
-    script = tmp_path / "fails.py"
+    script = tmp_path / "fails.py"  # (node 0 sleeps until launch stops it: not an order)
     script.write_text(
         "import os, sys, time\n"
         "if os.environ['COLLECTIVE_PEER_IDS'] == '1':\n"
@@ -262,7 +263,7 @@ def test_a_node_failing_inside_a_step_fails_the_others_at_once(orchestrator: str
 def _suspend(proc: Proc, seconds: float) -> None:
     os.kill(proc.process.pid, signal.SIGSTOP)
     try:
-        time.sleep(seconds)
+        time.sleep(seconds)  # (kept: the suspension under test lasts this long)
     finally:
         os.kill(proc.process.pid, signal.SIGCONT)
 
@@ -276,7 +277,11 @@ def test_a_node_suspended_for_less_than_the_orchestrators_threshold_goes_on(tmp_
         for node in nodes:
             node.wait_for("READY", 60)
         _suspend(nodes[1], 3.0)
-        time.sleep(1.0)  # the heartbeat thread noticed the gap and heard from the orchestrator
+        wait_until(  # the heartbeat thread noticed the gap (not counted) and checks with the orchestrator
+            lambda: any("this node did not run for" in line for _, line in list(nodes[1].lines)),
+            10,
+            lambda: f"node 1 noticing its suspension; output:\n{nodes[1].output()}",
+        )
         stop.touch()
         for node, code in zip(nodes, finish_all(nodes, 60), strict=True):
             assert code == 0, node.output()

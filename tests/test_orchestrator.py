@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import zmq
 
-from collective.transport.orchestrator import Orchestrator
+from collective.transport.orchestrator import Orchestrator, pack
 from collective.transport.orchestrator_client import OrchestratorClient
+from tests.conftest import orchestrator_log, registered, wait_until
 from tests.processes import READY, WORKER, Proc, finish_all, node_env, start_orchestrator
 
 pytestmark = pytest.mark.timeout(120)
@@ -139,14 +140,20 @@ def test_a_registration_timeout_says_who_is_missing_and_who_was_refused(
     outcome: list[Any] = []
     count = 3 if other == "silent" else 2
     thread = threading.Thread(target=lambda: outcome.append(_register(waiting, count, 7001, [0], 2.0)))
-    thread.start()
-    time.sleep(0.3)
+    silent = context.socket(zmq.DEALER)
+    silent.setsockopt(zmq.LINGER, 0)
+    with orchestrator_log() as lines:
+        thread.start()
+        wait_until(lambda: registered(lines, job) == 1, 5, "the waiting node registered")
     if other == "silent":  # registers (a third node is needed), then its process dies: no heartbeat, no leave
-        second._post({"t": "register", "num_nodes": 3, "address": "127.0.0.1:7002", "peers": [1], "info": {}})
+        silent.connect(f"tcp://{orchestrator.address}")
+        registration = {"t": "register", "job": job, "num_nodes": 3, "address": "127.0.0.1:7002"}
+        silent.send(pack({**registration, "peers": [1], "info": {}}))  # (as docs/wire.md has it)
     elif other is not None:
         refused = _register(second, other[0], 7002, other[1], 2.0)
         assert type(refused).__name__ == "RegistrationError", refused
     thread.join(10)
+    silent.close()
     second.close()
     waiting.close()
     (error,) = outcome
@@ -164,8 +171,9 @@ def test_a_registration_timeout_names_connections_refused_for_their_token(contex
         wrong = OrchestratorClient(context, orch.address, job, token="wrong")
         outcome: list[Any] = []
         runner = threading.Thread(target=lambda: outcome.append(_register(waiting, 2, 7001, [0], 2.0)))
-        runner.start()
-        time.sleep(0.3)
+        with orchestrator_log() as lines:
+            runner.start()
+            wait_until(lambda: registered(lines, job) == 1, 5, "the waiting node registered")
         refused = _register(wrong, 2, 7002, [1], 2.0)
         assert "handshake failed" in str(refused)
         runner.join(10)
@@ -179,7 +187,7 @@ def test_a_registration_timeout_names_connections_refused_for_their_token(contex
 
 
 def test_a_job_that_forms_later_is_not_told_of_connections_refused_before_it(
-    context: zmq.Context[Any],
+    context: zmq.Context[Any], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Every waiting job was told the orchestrator's lifetime count of refused connections: a job
     started minutes after another job's wrong token chased that as its own cause."""
@@ -190,7 +198,9 @@ def test_a_job_that_forms_later_is_not_told_of_connections_refused_before_it(
         wrong = OrchestratorClient(context, orch.address, f"other-{next(_jobs)}", token="wrong")
         assert "handshake failed" in str(_register(wrong, 2, 7002, [1], 2.0))
         wrong.close()
-        time.sleep(0.2)
+        wait_until(  # (the refusal is recorded when it is logged, before this job's first registration)
+            lambda: "refused a connection" in caplog.text, 5, "the refusal of the wrong token recorded"
+        )
         waiting = OrchestratorClient(context, orch.address, f"later-{next(_jobs)}", token="right")
         error = _register(waiting, 2, 7001, [0], 2.0)
         waiting.close()
@@ -210,7 +220,7 @@ def test_nodes_may_register_long_after_each_other_and_the_waiting_one_says_for_w
     try:
         nodes.append(Proc([sys.executable, WORKER, "until", str(stop)], node_env(address, job, 0, 2, 1)))
         proc.wait_for(f"INFO collective.transport.orchestrator: job '{job}': node at", 30)
-        time.sleep(4)
+        time.sleep(4)  # (kept: the lateness under test) node 1 starts 4 s after node 0 registered
         nodes.append(Proc([sys.executable, WORKER, "until", str(stop)], node_env(address, job, 1, 2, 1)))
         for node, code in zip(nodes, finish_all(nodes, 60), strict=True):
             assert code == 0, node.output()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import re
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from collective.errors import PeerLostError
 from collective.transport.network import NodeNetwork
 from collective.transport.orchestrator import Orchestrator
 from collective.transport.wire import encode_header
+from tests.conftest import wait_until
 from tests.processes import (
     WORKER,
     Proc,
@@ -53,13 +55,16 @@ def greeting_mechanism(address: str) -> bytes:
 def registered(orchestrator: Proc, count: int, job: str) -> list[str]:
     """The data service addresses of the first ``count`` nodes of ``job`` to register (from its log)."""
     pattern = re.compile(rf"job '{job}': node at (\S+) registered")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        found = [m.group(1) for _, line in list(orchestrator.lines) if (m := pattern.search(line))]
-        if len(found) >= count:
-            return found
-        time.sleep(0.05)
-    raise AssertionError(f"{count} nodes of {job} did not register; output:\n{orchestrator.output()}")
+
+    def found() -> list[str]:
+        return [m.group(1) for _, line in list(orchestrator.lines) if (m := pattern.search(line))]
+
+    wait_until(
+        lambda: len(found()) >= count,
+        30,
+        lambda: f"{count} nodes of {job} did not register; output:\n{orchestrator.output()}",
+    )
+    return found()
 
 
 def test_every_port_of_a_token_job_is_curve_and_a_stranger_injects_nothing(tmp_path: Path) -> None:
@@ -98,7 +103,11 @@ def test_every_port_of_a_token_job_is_curve_and_a_stranger_injects_nothing(tmp_p
         }
         for _ in range(3):
             stranger.send(encode_header(forged))
-        time.sleep(0.3)
+        wait_until(  # the stranger tried, and node 1 refused it
+            lambda: any("refused a connection" in line for _, line in list(second.lines)),
+            10,
+            lambda: f"node 1 refusing the stranger; output:\n{second.output()}",
+        )
         first = Proc([sys.executable, WORKER, "until", str(stop)], env[0])
         nodes.insert(0, first)
         first.wait_for("READY", 60)
@@ -119,6 +128,7 @@ def test_every_port_of_a_token_job_is_curve_and_a_stranger_injects_nothing(tmp_p
 def test_a_data_service_with_a_token_names_the_address_it_refused(
     token: str | None, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.DEBUG, logger="collective.transport.auth")  # (the connections it accepts)
     context: zmq.Context[Any] = zmq.Context()
     server = NodeNetwork(context, "mesh", "127.0.0.1", 0, lambda src: None, token="t0k3n")
     client = NodeNetwork(context, "mesh", "127.0.0.1", 0, lambda src: None, token=token)
@@ -126,13 +136,13 @@ def test_a_data_service_with_a_token_names_the_address_it_refused(
         server.connect(1, ["127.0.0.1:9", server.address])
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:
             probe = f"127.0.0.1:{raw.getsockname()[1]}"
-            time.sleep(0.3)  # the monitor reads the address while the connection is open
+            wait_until(  # the monitor reads the address while the connection is open
+                lambda: f"accepted a connection from {probe}" in caplog.text, 5, f"the monitor read {probe}"
+            )
             raw.sendall(GREETING)  # NULL mechanism: refused
             while raw.recv(4096):
                 pass
-        deadline = time.monotonic() + 5
-        while probe not in caplog.text and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: f"refused a connection from {probe}" in caplog.text, 5, f"the refusal of {probe}")
         assert f"data service {server.address} refused a connection from {probe}" in caplog.text
         client.connect(0, [client.address, server.address])
         try:  # queued, or refused if the handshake already failed: never blocking
@@ -147,11 +157,12 @@ def test_a_data_service_with_a_token_names_the_address_it_refused(
         context.destroy(linger=0)
 
 
-def test_a_token_orchestrator_stops_at_once() -> None:
+def test_a_token_orchestrator_stops_at_once(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="collective.transport.orchestrator")
     orchestrator = Orchestrator("127.0.0.1", 0, token="t0k3n")
     thread = threading.Thread(target=orchestrator.serve, daemon=True)
     thread.start()
-    time.sleep(0.2)
+    wait_until(lambda: "orchestrator listening on" in caplog.text, 5, "the orchestrator serving")
     started = time.monotonic()
     orchestrator.stop()
     thread.join(5)
@@ -252,12 +263,12 @@ def test_a_flood_on_an_idle_data_service_leaves_its_memory_bounded_and_the_job_w
                 flooder.send(chunk, zmq.NOBLOCK, copy=False)
                 sent += len(chunk)
             except zmq.Again:
-                time.sleep(0.01)
+                time.sleep(0.01)  # (kept: a back-off, not an order) the node drains; the loop has a deadline
             peak = max(peak, rss(pid))
         settle = time.monotonic() + 1.0
         while time.monotonic() < settle:
             peak = max(peak, rss(pid))
-            time.sleep(0.02)
+            time.sleep(0.02)  # (kept: the sampling interval of the 1 s the node's memory is watched)
         flooder.close()
         stop.touch()
         for node, code in zip(nodes, finish_all(nodes, 60), strict=True):

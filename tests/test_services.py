@@ -25,6 +25,7 @@ from collective.transport.orchestrator_client import OrchestratorClient
 from collective.transport.shm import SLOT_BYTES, SLOTS
 from collective.transport.wire import CHUNK_BYTES, MAX_MESSAGE_BYTES, ErrorRecord, encode_header
 from collective.transport.zmq_link import ZmqLink
+from tests.conftest import orchestrator_log, registered, wait_until
 
 _jobs = itertools.count()
 
@@ -66,11 +67,13 @@ def register_all(
             results[i] = exc
 
     threads = []
-    for i in range(len(nodes)):
-        thread = threading.Thread(target=run, args=(i,))
-        thread.start()
-        threads.append(thread)
-        time.sleep(0.02)  # arrive in the given order
+    with orchestrator_log() as lines:
+        for i in range(len(nodes)):
+            thread = threading.Thread(target=run, args=(i,))
+            thread.start()
+            threads.append(thread)
+            if i < len(nodes) - 1:  # arrive in the given order
+                wait_until(lambda i=i: registered(lines, job) > i, 5, f"node {i} of {job} registered")
     for thread in threads:
         thread.join(10)
     for client in clients:
@@ -127,9 +130,10 @@ def test_registrations_that_cannot_form_a_job_are_refused(
             errors[i] = exc
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(nodes))]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.05)
+    with orchestrator_log() as lines:
+        threads[0].start()
+        wait_until(lambda: registered(lines, job) == 1, 5, f"the first node of {job} registered")
+        threads[1].start()
     for thread in threads:
         thread.join(10)
     for client in clients:
@@ -157,13 +161,17 @@ def test_garbage_to_the_orchestrator_is_refused_and_it_keeps_serving(
         raw.sendall(os.urandom(4096))
     rogue = context.socket(zmq.DEALER)
     rogue.setsockopt(zmq.LINGER, 0)
+    dropped = rogue.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     rogue.connect(f"tcp://{orchestrator.address}")
     rogue.send(b"\xff\x00not msgpack")
     rogue.send(msgpack.packb([1, 2, 3]))
     rogue.send(msgpack.packb({"t": "register", "job": "x", "num_nodes": "two", "address": 5, "peers": [-1]}))
     rogue.send_multipart([b"two", b"frames"])
     rogue.send(b"x" * (2 << 20))  # larger than the orchestrator accepts
-    time.sleep(0.3)
+    wait_until(lambda: "malformed registration" in caplog.text, 5, "the rogue's registration refused")
+    assert dropped.poll(5000), "the orchestrator kept the connection that sent more than it accepts"
+    rogue.disable_monitor()
+    dropped.close(0)
     rogue.close()
     topologies = register_all(
         orchestrator, context, f"after-{next(_jobs)}", [("127.0.0.1:7001", [0]), ("127.0.0.1:7002", [1])]
@@ -208,7 +216,9 @@ def test_garbage_to_a_data_service_is_refused_and_it_keeps_serving(
     stranger.connect(f"tcp://{b.address}")
     stranger.send_multipart([encode_header({"t": "data", "job": "mesh", "seq": 0, "src": 0})])
     stranger.send(b"y" * (MAX_MESSAGE_BYTES + 1))  # over ZMQ_MAXMSGSIZE: dropped before allocation
-    dealer = a._dealers[1]  # a known node sending malformed messages
+    # A known node sending malformed messages: only node 0's own connection carries its routing id
+    # (the ROUTER refuses a second one), and no public call sends frames as they are (on purpose).
+    dealer = a._dealers[1]
     dealer.send_multipart([b"\xc1 bad header"])
     dealer.send_multipart([msgpack.packb({"t": "data", "job": "other", "seq": 0, "src": 0})])
     dealer.send_multipart(
@@ -252,9 +262,7 @@ def test_a_data_service_with_a_token_refuses_connections_without_it(
         a.send(1, {"t": "data", "seq": 0, "from": "node 0"})
         header, _ = b.receive(0, 0, time.monotonic() + 5, "node 0")
         assert header["from"] == "node 0"
-        deadline = time.monotonic() + 5
-        while "refused a connection" not in caplog.text and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: "refused a connection" in caplog.text, 5, "the intruder's connection refused")
         assert f"data service {b.address} refused a connection" in caplog.text
         with pytest.raises(Exception, match="timed out"):  # nothing else ever arrived
             b.receive(0, 0, time.monotonic() + 0.3, "anything more")
@@ -274,16 +282,16 @@ def test_same_host_nodes_pass_large_chunks_through_shared_memory(
     call = {"kind": "broadcast", "op": None, "root": 0, "shape": [count], "dtype": "float64"}
     sender = ZmqLink(a, 0, call, time.monotonic() + 30)
     sender.send(1, data)
-    assert a._segment is not None and not a._segment._free  # every slot lent
+    assert a.free_slots == []  # every slot lent
     out = np.empty(count)
     ZmqLink(b, 0, call, time.monotonic() + 30).recv_into(0, out)
     np.testing.assert_array_equal(out, data)
     sender.flush()
     deadline = time.monotonic() + 5
-    while len(a._segment._free) < SLOTS and time.monotonic() < deadline:  # acks come back to node 0
+    while len(a.free_slots or ()) < SLOTS and time.monotonic() < deadline:  # acks come back to node 0
         with contextlib.suppress(Exception):
             a.receive(1, 99, time.monotonic() + 0.05, "nothing")
-    assert sorted(a._segment._free) == list(range(SLOTS))
+    assert a.free_slots == list(range(SLOTS))
 
 
 def test_forged_slots_and_acks_are_refused(
@@ -341,7 +349,9 @@ def test_a_node_sending_more_than_a_step_can_need_fails_it_instead_of_filling_me
     for offset in range(0, BUDGET_FLOOR // CHUNK_BYTES + 4):
         a.send(1, {"t": "data", "seq": 0, "off": offset}, chunk)
     a.send(1, {"t": "data", "seq": 0 + STEPS_AHEAD + 1})  # further ahead than any node can be
-    time.sleep(1.0)  # node 1 does not read: the background drain queues what it may and drops the rest
+    wait_until(  # node 1 does not read: the background drain queues what it may and drops the rest
+        lambda: "node 0 sent a message of step 3" in caplog.text, 10, "node 1's drain at the last message"
+    )
     received = 0
     with pytest.raises(MismatchError, match="node 0 sent more than 64 MiB for step 0"):
         while True:

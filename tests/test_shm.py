@@ -16,6 +16,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import zmq
 
@@ -179,7 +180,8 @@ def test_a_node_naming_a_file_that_is_not_a_segment_is_served_over_tcp(made: Any
     try:
         forged = {**b.info, "shm": made(mode=0o644)}  # the right host, a file of the right size
         a.connect(0, [a.address, b.address], [a.info, forged])
-        assert 1 not in a._peer_segments and a.stage(1, b"x" * 100) is None
+        not_mapped = a.shared_view(1, 0, 8, np.dtype(np.uint8)) is None  # (a mapped one: a view of slot 0)
+        assert not_mapped and a.stage(1, b"x" * 100) is None
     finally:
         a.close()
         b.close()
@@ -187,6 +189,8 @@ def test_a_node_naming_a_file_that_is_not_a_segment_is_served_over_tcp(made: Any
 
 
 NODE_THAT_RAISES = """
+import glob
+import os
 import threading
 import collective as col
 from collective.transport.orchestrator import Orchestrator
@@ -198,7 +202,7 @@ config = col.CollectiveConfig(
     data_service_port=0, job="raises", timeout=20,
 )
 col.register(0, "cpu", config)
-print(col.default_runtime()._job.node._network.info["shm"], flush=True)
+print(*sorted(glob.glob(f"/dev/shm/collective-{os.getpid()}-*")), flush=True)  # its segments: send, ring
 raise RuntimeError("the training script failed before finish()")
 """
 
@@ -208,7 +212,8 @@ def test_a_node_that_exits_without_finish_leaves_no_segment() -> None:
         [sys.executable, "-c", NODE_THAT_RAISES], capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 1 and "RuntimeError: the training script failed" in result.stderr
-    path = result.stdout.strip()
-    assert path.startswith("/dev/shm/collective-"), result.stdout + result.stderr
-    assert not os.path.exists(path)
-    assert not glob.glob(f"/dev/shm/collective-{path.split('-')[1]}-*")
+    paths = result.stdout.split()
+    assert len(paths) == 2, result.stdout + result.stderr  # its send segment and its ring segment
+    assert all(path.startswith("/dev/shm/collective-") for path in paths), result.stdout + result.stderr
+    assert not any(map(os.path.exists, paths))
+    assert not glob.glob(f"/dev/shm/collective-{paths[0].split('-')[1]}-*")

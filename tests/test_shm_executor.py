@@ -50,11 +50,16 @@ def test_big_endian_arrays_move_between_processes_and_a_long_double_is_refused_e
         assert (int(steps) > 0) == (shm == "1"), line
 
 
-def test_a_collective_after_a_process_finished_says_it_left(orchestrator: str) -> None:
+def test_a_collective_after_a_process_finished_says_it_left(orchestrator: str, tmp_path: Path) -> None:
     """It said 'the shared memory of peer 1 cannot be mapped here: [Errno 2] No such file'. Peer 2,
     coming after peer 0 had failed and ended too, named peer 0 alone (seen in CI): now both."""
-    procs = start(orchestrator, 3, "leaves")
-    codes = finish_all(procs, 60)
+    procs = start(orchestrator, 3, "leaves", str(tmp_path))
+    try:
+        for ended, then in ((1, 0), (0, 2)):  # peer 0 comes once peer 1 ended, peer 2 once peer 0 did
+            procs[ended].wait(60)
+            (tmp_path / f"go-{then}").touch()
+    finally:
+        codes = finish_all(procs, 60)
     assert codes[1] == 0, procs[1].output()
     for proc, code, gone in zip(procs[::2], codes[::2], ("peer 1", "peers 0-1"), strict=True):
         (line,) = errors_of(proc)
@@ -62,10 +67,15 @@ def test_a_collective_after_a_process_finished_says_it_left(orchestrator: str) -
         assert re.search(rf"{gone}\)? left the job", line), line
 
 
-def test_a_process_that_finished_and_exited_left_it_did_not_die(orchestrator: str) -> None:
+def test_a_process_that_finished_and_exited_left_it_did_not_die(orchestrator: str, tmp_path: Path) -> None:
     """Its segment says it finished, but its pid was looked at first: 'peer 2 (process P) died'."""
-    procs = start(orchestrator, 3, "leaves_after")
-    codes = finish_all(procs, 60)
+    procs = start(orchestrator, 3, "leaves_after", str(tmp_path))
+    try:
+        procs[2].wait_for("FINISHING", 60)  # the others come once peer 2 is finishing
+        for peer in (0, 1):
+            (tmp_path / f"go-{peer}").touch()
+    finally:
+        codes = finish_all(procs, 60)
     assert codes[2] == 0, procs[2].output()
     for proc, code in zip(procs[:2], codes[:2], strict=True):
         (line,) = errors_of(proc)
@@ -94,12 +104,18 @@ def test_a_channel_evicted_by_one_member_is_found_anew_by_the_others(orchestrato
 
 @pytest.mark.parametrize("elements", ["16", "300000"])
 def test_a_step_a_process_gave_up_before_it_had_a_channel_fails_for_the_others(
-    orchestrator: str, elements: str
+    orchestrator: str, elements: str, tmp_path: Path
 ) -> None:
     """Its next step's channel said the step had ended: the others summed the data another group had
     left in that channel (a silent wrong result), inline or in chunks."""
-    procs = start(orchestrator, 5, "no_channel", elements)
-    for proc, code in zip(procs, finish_all(procs, 100), strict=True):
+    procs = start(orchestrator, 5, "no_channel", elements, str(tmp_path))
+    try:
+        procs[0].wait_for("NOCHANNEL", 60)  # the others come once peer 0's call on G timed out
+        for peer in range(1, 5):
+            (tmp_path / f"go-{peer}").touch()
+    finally:
+        codes = finish_all(procs, 100)
+    for proc, code in zip(procs, codes, strict=True):
         assert code == 0, proc.output()
     _, line = procs[0].wait_for("NOCHANNEL", 1)
     assert "no shared-memory channel of this process came free for group peers 0, 2, 4" in line, line
@@ -131,10 +147,17 @@ def test_a_step_given_up_fails_for_every_member_and_its_channel_waits_for_them(o
         assert line.startswith("GAVE CollectiveTimeout") and "waited 0.5s for peer 1" in line, line
 
 
-def test_a_group_that_never_mapped_its_members_gives_its_channel_up(orchestrator: str) -> None:
+def test_a_group_that_never_mapped_its_members_gives_its_channel_up(
+    orchestrator: str, tmp_path: Path
+) -> None:
     """Its first step failed mapping a member that had left: every later eviction raised IndexError."""
-    procs = start(orchestrator, 6, "unmapped")
-    for proc, code in zip(procs, finish_all(procs, 100), strict=True):
+    procs = start(orchestrator, 6, "unmapped", str(tmp_path))
+    try:
+        procs[1].wait(60)  # peer 0 comes once peer 1's process ended
+        (tmp_path / "go-0").touch()
+    finally:
+        codes = finish_all(procs, 100)
+    for proc, code in zip(procs, codes, strict=True):
         assert code == 0, proc.output()
     _, line = procs[0].wait_for("OK", 1)
     assert line.split()[1] == "15", line  # every group of peers 0, 2, 3, 4, 5 with peer 0

@@ -34,7 +34,7 @@ def test_consecutive_small_all_reduces_do_not_grow(limits: dict[str, int], itera
                     y = rt.all_reduce(peer, x)
                     if peer == 0 and i in (iterations // 10, iterations - 1):
                         traced[f"at {i}"] = tracemalloc.get_traced_memory()[0]
-                job = rt._job
+                job = rt.job
                 assert job is not None and job.rendezvous(job.members).open_slots <= 1  # steps are dropped
                 rt.finish(peer)
                 return y

@@ -13,17 +13,7 @@ import pytest
 import collective as col
 from tests.conftest import run_peers
 
-PATHS: dict[str, dict[str, int]] = {
-    "fused": {},
-    "shared": {"fuse_below": 0},
-    "linked": {"fuse_below": 0, "share_below": 0},
-}
-
-
-@pytest.fixture(params=list(PATHS))
-def rt(request: pytest.FixtureRequest) -> Any:
-    with col.Runtime(**PATHS[request.param]) as runtime:
-        yield runtime
+# ``rt``: a Runtime for each in-process path (tests/conftest.py).
 
 
 def on_every_peer(rt: col.Runtime, n: int, step: Callable[[int], Any]) -> list[Any]:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from collective.work import Sequencer
+from tests.conftest import wait_until
 
 WAIT = 10.0  # bound on every wait of these tests
 
@@ -23,12 +24,14 @@ def _worker_threads(name: str) -> list[threading.Thread]:
 def test_calls_run_in_issue_order_whoever_runs_them() -> None:
     sequencer = Sequencer("order")
     ran: list[int] = []
-    gate = threading.Event()
-    first = sequencer.submit(lambda: (gate.wait(WAIT), ran.append(0)), "first")
+    gate, started = threading.Event(), threading.Event()
+    first = sequencer.submit(lambda: (started.set(), gate.wait(WAIT), ran.append(0)), "first")
     works = [sequencer.submit(lambda i=i: ran.append(i), f"call {i}") for i in range(1, 5)]
+    assert started.wait(WAIT)  # the worker runs the first call (held at the gate)
     blocking = threading.Thread(target=lambda: sequencer.call(lambda: ran.append(5), "blocking"))
     blocking.start()
-    time.sleep(0.05)  # the blocking call is queued behind the four, not run inline
+    # the blocking call is queued behind the four (6 pending with the first), not run inline
+    wait_until(lambda: sequencer.pending == 6 or ran, WAIT, "the blocking call queued behind the four")
     assert ran == []
     gate.set()
     blocking.join(WAIT)
@@ -43,13 +46,10 @@ def test_a_parked_worker_is_reused_then_ends_after_linger(monkeypatch: pytest.Mo
     seen: list[threading.Thread] = []
     for _ in range(3):  # bursts a little apart, as a training step's buckets are
         sequencer.submit(lambda: seen.append(threading.current_thread()), "bucket").wait(WAIT)
-        time.sleep(0.02)
+        time.sleep(0.02)  # (kept: the behaviour under test) bursts a little apart, the worker parked between
     assert len(set(seen)) == 1, "each burst woke the parked worker instead of starting a thread"
     assert seen[0] is not threading.current_thread()
-    deadline = time.monotonic() + WAIT
-    while _worker_threads("linger") and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert not _worker_threads("linger"), "the worker outlived LINGER with nothing to do"
+    wait_until(lambda: not _worker_threads("linger"), WAIT, "the worker outlived LINGER with nothing to do")
     assert sequencer.submit(lambda: 7, "after").wait(WAIT) == 7  # a new worker starts
 
 

@@ -138,6 +138,7 @@ class RefusalWatch:
                 return
             if kind == zmq.EVENT_ACCEPTED:
                 peers[int(value)] = _peer_name(int(value))
+                log.debug("%s accepted a connection from %s", self._where, peers[int(value)])
             elif kind & HANDSHAKE_FAILED:
                 failed = True
             elif kind == zmq.EVENT_DISCONNECTED:

@@ -123,6 +123,13 @@ class Exchange:
     def size(self) -> int:
         return len(self.peer_ids)
 
+    @property
+    def waiting(self) -> tuple[int, ...]:
+        """The indices of the peers asleep in this exchange now (waiting for a message, the barrier,
+        an announcement or their receivers), for tests and diagnostics."""
+        with self._lock:
+            return tuple(index for index, bell in enumerate(self._bells) if bell._armed)
+
     def barrier(self, index: int, deadline: float) -> None:
         """Wait until every peer of this collective has called ``barrier`` (once per collective)."""
         with self._lock:

@@ -179,6 +179,15 @@ class NodeNetwork:
     def size(self) -> int:
         return len(self._dealers) + 1
 
+    @property
+    def free_slots(self) -> list[int] | None:
+        """The slots of this node's send segment not lent to a node now, sorted; None without a
+        segment (for tests: every slot comes back once its receiver acknowledged it)."""
+        if self._segment is None:
+            return None
+        with self._lock:
+            return self._segment.free_slots
+
     def _enter_step(self, channel: int, seq: int) -> None:
         """This node works on step ``seq`` of ``channel`` now: forget what earlier steps left (lock held)."""
         if seq <= self._step.get(channel, 0):

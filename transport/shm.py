@@ -61,6 +61,11 @@ class SendSegment(Segment):
         self._free = list(range(SLOTS))
         self._owner: dict[int, int] = {}  # slot -> the node it was lent to
 
+    @property
+    def free_slots(self) -> list[int]:
+        """The slots not lent to any node now, sorted (for tests)."""
+        return sorted(self._free)
+
     def stage(self, dst: int, data: np.ndarray) -> int | None:
         """Copy ``data`` (at most SLOT_BYTES) into a free slot lent to ``dst``; None if none is free."""
         if not self._free or data.nbytes > SLOT_BYTES:

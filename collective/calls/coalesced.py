@@ -24,7 +24,7 @@ from collective.errors import InvalidArgumentError
 from collective.pool import pool
 from collective.tensors import native, writable
 
-__all__ = ["coalesced_all_reduce"]
+__all__ = ["MAX_LAYOUTS", "coalesced_all_reduce", "remembered_layouts"]
 
 _SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
 
@@ -154,13 +154,19 @@ class _Layout:
 
 
 _LAYOUTS: dict[tuple[Any, Any], _Layout] = {}
-_MAX_LAYOUTS = 64  # distinct lists remembered (a training loop has one or a few)
+MAX_LAYOUTS = 64  # distinct lists remembered (a training loop has one or a few)
+
+
+def remembered_layouts() -> int:
+    """How many distinct lists (their shapes and dtype) are remembered now: at most MAX_LAYOUTS
+    (for tests of state growth)."""
+    return len(_LAYOUTS)
 
 
 def _layout(shapes: tuple[tuple[int, ...], ...], dtype: Any) -> _Layout:
     found = _LAYOUTS.get((shapes, dtype))
     if found is None:
-        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+        if len(_LAYOUTS) >= MAX_LAYOUTS:
             _LAYOUTS.clear()
         found = _LAYOUTS[(shapes, dtype)] = _Layout(shapes, dtype)
     return found

@@ -93,6 +93,13 @@ class Rendezvous:
     def open_slots(self) -> int:
         return len(self._slots)
 
+    def waiting(self) -> tuple[int, ...]:
+        """The local peers whose call waits here for the others' (an undecided step), sorted; job
+        lock held."""
+        return tuple(
+            sorted(self.local[i] for slot in self._slots.values() if slot.outcome is None for i in slot.calls)
+        )
+
     def run(self, peer: int, device: Device, timeout: float, call: Call) -> Any:
         """Run ``call`` for ``peer``: check it, meet the others, execute the agreed step."""
         index = self._index[peer]

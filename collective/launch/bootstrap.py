@@ -30,7 +30,15 @@ from collective.launch.launchers import Launched, launched_from, reaching, resol
 from collective.runtime import Runtime
 from collective.transport.orchestrator import Orchestrator
 
-__all__ = ["Store", "init", "init_with_store", "meet_through_store"]
+__all__ = [
+    "Store",
+    "config_from",
+    "init",
+    "init_with_store",
+    "initialised",
+    "meet_through_store",
+    "orchestrator_threads",
+]
 
 log = logging.getLogger(__name__)
 
@@ -128,13 +136,26 @@ def init(runtime: Runtime, device: str = "cpu", environ: Mapping[str, str] | Non
                 launched.job,
                 launched.orchestrator or f"hosted by rank 0 at {':'.join(map(str, launched.master or ()))}",
             )
-            runtime.register(launched.rank, device, _config(launched, env))
+            runtime.register(launched.rank, device, config_from(launched, env))
             _joined.add(runtime)
     except BaseException:
         with _lock:
             _initialised.pop(runtime, None)
         raise
     return launched.rank
+
+
+def initialised() -> list[Runtime]:
+    """The runtimes ``init()`` was called with that are still alive (one is forgotten once collected)."""
+    with _lock:
+        return list(_initialised)
+
+
+def orchestrator_threads() -> list[threading.Thread]:
+    """The threads serving the orchestrators rank 0's ``init()`` started in this process, oldest
+    first; each ends (and leaves this list) once its job is over."""
+    with _lock:
+        return [embedded.thread for embedded in _embedded]
 
 
 @contextlib.contextmanager
@@ -152,8 +173,9 @@ def _stopped_on_failure() -> Iterator[None]:
         raise
 
 
-def _config(launched: Launched, env: Mapping[str, str]) -> CollectiveConfig:
-    """The job's settings, every one checked before rank 0 starts an orchestrator."""
+def config_from(launched: Launched, env: Mapping[str, str]) -> CollectiveConfig:
+    """The job's settings, every one checked before rank 0 starts an orchestrator (what ``init()``
+    registers with; raises ConfigError naming the variables that are missing or contradict)."""
     if env.get("COLLECTIVE_NODE_ADDRESS", "").strip():  # (a machine of several networks: the one to use)
         given = env["COLLECTIVE_NODE_ADDRESS"].strip()
         host = given.rpartition(":")[0] if ":" in given else given  # (its port: 0 or the service's)
