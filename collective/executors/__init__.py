@@ -56,31 +56,24 @@ def choose(
 
     Raises a CollectiveError the call's movement finds in the agreed call (the same on every peer).
     """
-    executor = _choose(site, members, local, agreed, calls, label)
+    executor: Executor
+    if site.node is not None:
+        executor = _across_processes(site, members, local, label)
+    else:
+        movement = calls[0].movement(agreed, len(members))
+        inputs = [call.source() for call in calls]
+        if site.fuse_below and numpy_within(calls, inputs, site.fuse_below):
+            executor = Fused(agreed, calls, movement.fuse(inputs))
+        else:
+            exchange = Exchange(members, label)
+            site.exchanges.add(exchange)
+            if site.share_below and numpy_within(calls, inputs, site.share_below):
+                executor = Shared(exchange, inputs, movement, movement.shared(inputs))
+            else:
+                executor = Linked(exchange, site.config.local_strategy(calls[0].strategy_kind), movement)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s of group %s: %s", label, members, executor.path)
     return executor
-
-
-def _choose(
-    site: Site,
-    members: tuple[int, ...],
-    local: tuple[int, ...],
-    agreed: Signature,
-    calls: list[Call],
-    label: str,
-) -> Executor:
-    if site.node is not None:
-        return _across_processes(site, members, local, label)
-    movement = calls[0].movement(agreed, len(members))
-    inputs = [call.source() for call in calls]
-    if site.fuse_below and numpy_within(calls, inputs, site.fuse_below):
-        return Fused(agreed, calls, movement.fuse(inputs))
-    exchange = Exchange(members, label)
-    site.exchanges.add(exchange)
-    if site.share_below and numpy_within(calls, inputs, site.share_below):
-        return Shared(exchange, inputs, movement, movement.shared(inputs))
-    return Linked(exchange, site.config.local_strategy(calls[0].strategy_kind), movement)
 
 
 def _across_processes(site: Site, members: tuple[int, ...], local: tuple[int, ...], label: str) -> Executor:
