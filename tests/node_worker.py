@@ -14,11 +14,15 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 import collective as col
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.matrix, run as a script
+from tests.matrix import reduced as reference
 
 OPS = ["sum", "mean", "max", "min", "prod"]
 _print_lock = threading.Lock()
@@ -37,23 +41,6 @@ ELEMENTS = [0, 1, 2, 17, 1000, (3 << 20) // 8]  # 0, fewer than nodes, ..., a fe
 def data(peer: int, length: int, salt: int = 0) -> np.ndarray:
     rng = np.random.default_rng(1000 * peer + salt)
     return rng.integers(-3, 4, size=length).astype(np.float64)
-
-
-def reference(arrays: list[np.ndarray], op: str) -> np.ndarray:
-    ufunc = {
-        "sum": np.add,
-        "mean": np.add,
-        "max": np.maximum,
-        "min": np.minimum,
-        "prod": np.multiply,
-        "band": np.bitwise_and,
-        "bor": np.bitwise_or,
-        "bxor": np.bitwise_xor,
-    }[op]
-    total = arrays[0].copy()
-    for other in arrays[1:]:
-        ufunc(total, other, out=total)
-    return total / len(arrays) if op == "mean" else total
 
 
 def matrix(peer: int, world: int) -> int:

@@ -18,28 +18,22 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
 import collective as col
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.matrix, run as a script
 from collective.shm import group as shm_executor
 from collective.transport.shm_ring import RingSegment
 from collective.transport.shm_segment import NAME
+from tests.matrix import reduced
 
 SIZES = [0, 1, 3, 17, 1000, 20_000, 300_001]  # elements: empty .. more than a chunk, odd
 DTYPES = ["float32", "float64", "int32", ml_dtypes.bfloat16]
-UFUNCS = {
-    "sum": np.add,
-    "mean": np.add,
-    "max": np.maximum,
-    "min": np.minimum,
-    "prod": np.multiply,
-    "band": np.bitwise_and,
-    "bor": np.bitwise_or,
-    "bxor": np.bitwise_xor,
-}
 
 
 def say(line: str) -> None:
@@ -87,15 +81,6 @@ def channels_given() -> Iterator[list[str]]:
 def data(peer: int, shape: Any, dtype: Any, salt: int) -> np.ndarray:
     rng = np.random.default_rng(7919 * peer + salt)
     return rng.integers(-3, 4, size=shape).astype(dtype)
-
-
-def reduced(arrays: list[np.ndarray], op: str) -> np.ndarray:
-    total = arrays[0].copy()
-    for other in arrays[1:]:
-        UFUNCS[op](total, other, out=total)
-    if op == "mean":
-        total = total // len(arrays) if total.dtype.kind in "iu" else total / total.dtype.type(len(arrays))
-    return total
 
 
 def same(got: Any, expected: np.ndarray, what: str) -> None:
