@@ -135,6 +135,15 @@ def _stacked(inputs: Sequence[Array]) -> Array:
     return array_module(inputs[0]).concatenate(inputs) if len(inputs) > 1 else inputs[0].copy()
 
 
+def _received(value: Array, n: int, root: int | None) -> list[Any]:
+    """Every rank's result of a movement whose receivers get ``value``: all ranks, or the root."""
+    if root is None:
+        return [value] * n
+    results: list[Any] = [None] * n
+    results[root] = value
+    return results
+
+
 def _equal(counts: Sequence[int]) -> bool:
     return len(set(counts)) <= 1
 
@@ -290,12 +299,7 @@ class Reduction(Movement):
         return self.total if self.root is None or rank == self.root else None
 
     def fuse(self, inputs: list[Any]) -> list[Any]:
-        value = reduce_all(self.op, inputs)
-        if self.root is None:
-            return [value] * self.n
-        results: list[Any] = [None] * self.n
-        results[self.root] = value
-        return results
+        return _received(reduce_all(self.op, inputs), self.n, self.root)
 
     def own(self, inputs: list[Any], rank: int, dst: Array) -> None:
         reduce_all(self.op, inputs, dst)
@@ -424,12 +428,7 @@ class Stack(_Blocked):
         return self.starts[-1] if self.root is None or rank == self.root else None
 
     def fuse(self, inputs: list[Any]) -> list[Any]:
-        value = _stacked(inputs)
-        if self.root is None:
-            return [value] * self.n
-        results: list[Any] = [None] * self.n
-        results[self.root] = value
-        return results
+        return _received(_stacked(inputs), self.n, self.root)
 
     def own(self, inputs: list[Any], rank: int, dst: Array) -> None:
         for k, x in enumerate(inputs):
