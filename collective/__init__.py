@@ -7,48 +7,53 @@ algorithms Centralized, Tree(k), Ring or Direct. See docs/api.md for the full co
 
 from __future__ import annotations
 
-from collective.algorithms.ops import ReduceOp
-from collective.algorithms.strategies import Centralized, Direct, Ring, Tree
-from collective.api import (
-    all_gather,
-    all_gather_v,
-    all_reduce,
-    all_reduce_coalesced,
-    all_to_all,
-    all_to_all_v,
-    barrier,
-    broadcast,
-    default_runtime,
-    finish,
-    gather,
-    init,
-    new_group,
-    recv,
-    recv_any,
-    reduce,
-    reduce_scatter,
-    reduce_scatter_v,
-    register,
-    reset,
-    scatter,
-    send,
-    world_size,
-)
-from collective.config import CollectiveConfig
-from collective.errors import (
-    CollectiveError,
-    CollectiveTimeout,
-    ConfigError,
-    InvalidArgumentError,
-    JobClosedError,
-    MismatchError,
-    PeerLostError,
-    RegistrationError,
-)
-from collective.groups import Group
-from collective.launch import peer_ids_from_env
-from collective.runtime import Runtime
-from collective.work import Work
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (what type checkers see; at run time each name loads on first use: __getattr__)
+    from collective.algorithms.ops import ReduceOp
+    from collective.algorithms.strategies import Centralized, Direct, Ring, Tree
+    from collective.api import (
+        all_gather,
+        all_gather_v,
+        all_reduce,
+        all_reduce_coalesced,
+        all_to_all,
+        all_to_all_v,
+        barrier,
+        broadcast,
+        default_runtime,
+        finish,
+        gather,
+        init,
+        new_group,
+        recv,
+        recv_any,
+        reduce,
+        reduce_scatter,
+        reduce_scatter_v,
+        register,
+        reset,
+        scatter,
+        send,
+        world_size,
+    )
+    from collective.config import CollectiveConfig
+    from collective.errors import (
+        CollectiveError,
+        CollectiveTimeout,
+        ConfigError,
+        InvalidArgumentError,
+        JobClosedError,
+        MismatchError,
+        PeerLostError,
+        RegistrationError,
+    )
+    from collective.groups import Group
+    from collective.launch import peer_ids_from_env
+    from collective.runtime import Runtime
+    from collective.work import Work
+
 
 __version__ = "0.2.0"
 
@@ -95,3 +100,37 @@ __all__ = [
     "send",
     "world_size",
 ]
+
+# Where each public name lives: ``import collective`` loads none of them (torch imports this package
+# through its backend autoload: collective.autoload), the first use of a name loads its module.
+_LAZY: dict[str, str] = {
+    name: module
+    for module, names in {
+        "collective.algorithms.ops": "ReduceOp",
+        "collective.algorithms.strategies": "Centralized Direct Ring Tree",
+        "collective.api": "all_gather all_gather_v all_reduce all_reduce_coalesced all_to_all all_to_all_v "
+        "barrier broadcast default_runtime finish gather init new_group recv recv_any reduce reduce_scatter "
+        "reduce_scatter_v register reset scatter send world_size",
+        "collective.config": "CollectiveConfig",
+        "collective.errors": "CollectiveError CollectiveTimeout ConfigError InvalidArgumentError "
+        "JobClosedError MismatchError PeerLostError RegistrationError",
+        "collective.groups": "Group",
+        "collective.launch": "peer_ids_from_env",
+        "collective.runtime": "Runtime",
+        "collective.work": "Work",
+    }.items()
+    for name in names.split()
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'collective' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # (found directly from now on)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -67,6 +67,29 @@ def run_job(world: int, *argv: str, timeout: float = 150, **extra: str) -> list[
 
 # -- real processes -------------------------------------------------------------------------------
 
+AUTOLOADED = """
+import sys, torch, torch.distributed as dist
+loaded = sorted(name for name in sys.modules if name.startswith("collective"))
+dist.init_process_group("collective")
+rank = dist.get_rank()
+values = torch.full((3,), float(rank + 1))
+dist.all_reduce(values)
+assert values.tolist() == [3.0] * 3, values
+print(f"OK {rank} at import {loaded}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_process_that_never_imports_the_package_knows_the_backend() -> None:
+    """torch's backend autoload (entry point group ``torch.backends``): init_process_group("collective")
+    in a script that never imports collective (a Ray Train worker, a configured name); ``import torch``
+    itself loads only collective.autoload, not the runtime."""
+    port = free_port()
+    procs = [Proc([sys.executable, "-c", AUTOLOADED], torchrun(rank, 2, port)) for rank in range(2)]
+    for rank, (proc, code) in enumerate(zip(procs, finish_all(procs, 120), strict=True)):
+        expected = f"OK {rank} at import ['collective', 'collective.autoload']"
+        assert code == 0 and expected in proc.output(), f"rank {rank} (exit {code}):\n{proc.output()}"
+
 
 def test_every_op_against_a_reference_on_the_world_and_a_subgroup() -> None:
     """3 ranks: all_reduce (every dtype and op, PREMUL_SUM, bool, strided, requires_grad), broadcast,
