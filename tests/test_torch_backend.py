@@ -307,6 +307,17 @@ def test_ddp_step_bench_compares_parameters(capsys: pytest.CaptureFixture[str]) 
         assert float(line.split()[-1]) <= 1e-5, line  # the largest parameter difference to gloo
 
 
+def test_a_timeout_says_timed_out_in_the_words_torch_tests_match() -> None:
+    """torch's distributed tests match a barrier's timeout with " (Timed out|closed|timeout) "."""
+    import re
+
+    from collective.errors import CollectiveTimeout
+
+    error = backend_error(CollectiveTimeout("barrier #3: peers waited 1s for peer 1 to call it", [1]))
+    assert str(error) == "CollectiveTimeout: Timed out - barrier #3: peers waited 1s for peer 1 to call it"
+    assert re.search(" (Timed out|closed|timeout) ", str(error))
+
+
 def test_coalesced_wrappers_go_on_after_an_argument_error_and_stop_at_a_timeout() -> None:
     """A refused or mismatched step failed on every rank: the list's next steps are issued (the
     others issue theirs). A timeout or a lost peer ends the list at once: it waited one timeout

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from collective.errors import CollectiveError
+from collective.errors import CollectiveError, CollectiveTimeout
 
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
@@ -56,7 +56,8 @@ def backend_error(exc: BaseException) -> BaseException:
     if not isinstance(exc, CollectiveError):
         return exc
     public = next(kind for kind in type(exc).__mro__ if kind.__module__ == CollectiveError.__module__)
-    error: BaseException = dist.DistBackendError(f"{public.__name__}: {exc}")  # (the class users catch)
+    said = "Timed out - " if isinstance(exc, CollectiveTimeout) else ""  # (the words torch's own tests match)
+    error: BaseException = dist.DistBackendError(f"{public.__name__}: {said}{exc}")  # (the class users catch)
     error.__cause__ = exc
     return error
 
