@@ -121,6 +121,11 @@ def test_ddp_trains_exactly_as_under_gloo(tmp_path: Path) -> None:
         assert torch.equal(ours, results["collective"][1][scenario]), f"{scenario}: ranks differ"
 
 
+def test_ddp_with_sparse_gradients_trains_as_under_gloo() -> None:
+    """nn.Embedding(sparse=True): its COO gradients all_reduce (summed, as gloo's) and DDP trains."""
+    run_job(2, "sparse")
+
+
 def test_a_killed_rank_is_an_error_on_every_other_rank_within_seconds() -> None:
     port = free_port()
     procs = [Proc([sys.executable, WORKER, "kill"], torchrun(rank, 3, port)) for rank in range(3)]

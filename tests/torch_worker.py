@@ -519,7 +519,19 @@ def mends() -> None:
         dist.recv(on_world, 0)
         same(on_pair, torch.full((3,), 2.0), "a receive on a subgroup")
         same(on_world, torch.full((3,), 1.0), "a receive on the world")
-    expect_error(lambda: dist.all_reduce(torch.ones(3).to_sparse()), "takes dense tensors")
+
+    # a sparse (COO) all_reduce sums as gloo's: indices and values gathered, then coalesced
+    def coo(r: int) -> Any:  # ranks 0 and 2 share index (0, 2)
+        return torch.sparse_coo_tensor(
+            torch.tensor([[r % 2, 2], [r, 1]]).t(), torch.tensor([1.0 + r, 10.0]), (world, 3)
+        )
+
+    mine, dense_sum = coo(rank), sum(coo(r).to_dense() for r in range(world))
+    dist.all_reduce(mine)
+    assert mine.is_sparse and mine.is_coalesced(), mine
+    same(mine.to_dense(), dense_sum, "sparse all_reduce")
+    expect_error(lambda: dist.all_reduce(coo(rank), op=dist.ReduceOp.MAX), "only ReduceOp.SUM")
+    expect_error(lambda: dist.broadcast(torch.ones(3).to_sparse(), 0), "takes dense tensors")
     # a dtype the backend does not move: a TypeError on this rank alone, the others left waiting
     expect_error(lambda: dist.all_reduce(torch.zeros(2, dtype=torch.float8_e4m3fn)), "not supported")
     # point to point: a receive into an expanded tensor is refused before it takes the message
@@ -606,6 +618,31 @@ def mends() -> None:
     print(f"OK {rank}", flush=True)
 
 
+def sparse() -> None:
+    """DDP over a model with a sparse embedding (its gradients are COO tensors): the same steps
+    under our backend and under a gloo group of the same ranks give the same parameters."""
+    dist.init_process_group("collective")
+    rank = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+    models = []
+    for group in (None, gloo):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Embedding(50, 8, sparse=True), torch.nn.Linear(8, 1))
+        models.append(torch.nn.parallel.DistributedDataParallel(model, process_group=group))
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in models]
+    for step in range(4):
+        generator = torch.Generator().manual_seed(100 * step + rank)
+        tokens = torch.randint(0, 50, (16,), generator=generator)
+        for model, optimizer in zip(models, optimizers, strict=True):
+            optimizer.zero_grad()
+            model(tokens).pow(2).mean().backward()
+            optimizer.step()
+    for ours, theirs in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    dist.destroy_process_group()
+    print(f"OK {rank}", flush=True)
+
+
 def main() -> int:
     scenario = sys.argv[1]
     if scenario == "ops":
@@ -618,6 +655,8 @@ def main() -> int:
         reuse()
     elif scenario == "mends":
         mends()
+    elif scenario == "sparse":
+        sparse()
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     return 0

@@ -86,8 +86,10 @@ def op_name(op: Any) -> str:
 
 
 def dense(tensor: Any, what: str) -> None:
-    """A tensor the backend can read: dense, of a dtype it moves."""
-    if tensor.layout is not torch.strided:
+    """A tensor the backend can read: dense (or a COO tensor to all_reduce), of a dtype it moves."""
+    if tensor.layout is not torch.strided and not (
+        tensor.layout is torch.sparse_coo and what == "all_reduce"
+    ):
         raise invalid(
             f"{what}: a {tensor.layout} tensor: the collective backend takes dense tensors; pass "
             f"tensor.to_dense()"

@@ -136,12 +136,36 @@ class Ops:
     @on_every_rank(AllReduce)
     def allreduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
         opts = opts if opts is not None else dist.AllreduceOptions()
+        if single(tensors, "all_reduce").layout is torch.sparse_coo:
+            return self._sparse_allreduce(tensors[0], opts)
         group, timeout = self.group, seconds(opts.timeout) or self.call_timeout
 
         def run(source: Any, out: Any, op: str) -> None:
             self.runtime.all_reduce(self.peer, source, op, group=group, timeout=timeout, out=out)
 
         return self._reduction(single(tensors, "all_reduce"), opts, "all_reduce", run)
+
+    def _sparse_allreduce(self, tensor: Any, opts: Any) -> TorchWork:
+        """A COO tensor's sum over the ranks, as gloo does it: every rank's indices and values
+        gathered (two all_gather_v), then coalesced, the same way on every rank (the same bits);
+        the result replaces the tensor's contents."""
+        if getattr(opts.reduceOp, "op", opts.reduceOp) != dist.ReduceOp.SUM:
+            raise invalid(f"all_reduce of a sparse tensor: only ReduceOp.SUM, got {op_name(opts.reduceOp)}")
+        kw = self._kw(opts)
+
+        def body() -> None:
+            local = tensor.detach().coalesce()
+            indices = local.indices().t().contiguous()  # (nnz, sparse dims)
+            values = local.values().contiguous()  # (nnz, *dense dims)
+            every_index = self.runtime.all_gather_v(self.peer, array(indices), **kw)
+            every_value = self.runtime.all_gather_v(self.peer, array(values), **kw)
+            found = torch.from_numpy(np.concatenate(every_index)).t()
+            summed = torch.from_numpy(np.concatenate(every_value)).to(values.dtype)
+            total = torch.sparse_coo_tensor(found, summed, tensor.shape).coalesce()
+            with torch.no_grad():
+                tensor.copy_(total)
+
+        return self.launch("all_reduce", body, [tensor], opts)
 
     @on_every_rank(Reduce)
     def reduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
