@@ -12,10 +12,13 @@ an all_to_all's ``Counts`` matrix says how many elements each peer sends to each
 from __future__ import annotations
 
 import enum
+import functools
 import itertools
 import operator
+import sys
 import types
-from collections.abc import Iterable, Sequence
+import warnings
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +29,7 @@ Array = Any  # numpy.ndarray or cupy.ndarray: both expose the array API used her
 
 __all__ = [
     "BITWISE",
+    "HALF_KERNELS_FROM",
     "NUMPY_UFUNCS",
     "Array",
     "Blocks",
@@ -38,6 +42,7 @@ __all__ = [
     "combine",
     "copy_into",
     "count_matrix",
+    "elementwise",
     "empty",
     "received_blocks",
     "row_blocks",
@@ -110,10 +115,45 @@ def array_module(array: Array) -> types.ModuleType:
     raise InvalidArgumentError(f"expected a numpy or CuPy array, got {type(array).__name__}")
 
 
+HALF_KERNELS_FROM = 1 << 14  # elements: from this size a float16 sum or product runs on torch's kernel
+_TORCH_KERNELS = {ReduceOp.SUM: "add", ReduceOp.MEAN: "add", ReduceOp.PROD: "mul"}
+
+
+def elementwise(op: ReduceOp, like: np.ndarray) -> Callable[..., Any]:
+    """What computes ``op`` elementwise on numpy arrays like ``like``, called ``(a, b, out=out)``.
+
+    numpy's ufunc, but for large float16 sums and products when torch is already imported (the
+    torch backend's processes, any torch user's): numpy works on half precision one element at a
+    time (1.3M float16 additions: 4.9 ms here), torch's kernels are vectorised (0.14 ms), and both
+    give each element the exact result rounded once to float16, NaN's bits included, so the bits
+    are the same (tests/test_algorithms.py compares them, specials included). Not bfloat16 nor
+    max and min: torch's vectorised kernels give their NaNs other bits than numpy's.
+    """
+    if like.size >= HALF_KERNELS_FROM and like.dtype == _FLOAT16 and op in _TORCH_KERNELS:
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            kernel = getattr(torch, _TORCH_KERNELS[op])
+            return functools.partial(_torch_kernel, kernel, NUMPY_UFUNCS[op], torch)
+    ufunc: Callable[..., Any] = NUMPY_UFUNCS[op]
+    return ufunc
+
+
+_FLOAT16 = np.dtype(np.float16)  # (native byte order: torch reads only that)
+
+
+def _torch_kernel(kernel: Any, ufunc: Any, torch: Any, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
+    if not (a.flags.c_contiguous and b.flags.c_contiguous and out.flags.c_contiguous):
+        ufunc(a, b, out=out)
+        return
+    with warnings.catch_warnings():  # (a read-only array, e.g. another process's shared memory: only read)
+        warnings.simplefilter("ignore", UserWarning)
+        kernel(torch.from_numpy(a), torch.from_numpy(b), out=torch.from_numpy(out))
+
+
 def combine(op: ReduceOp, a: Array, b: Array, out: Array) -> None:
     """out = op(a, b) elementwise; ``out`` may be ``a`` or ``b``. Commutative, so bit-identical either way."""
     if type(out) is np.ndarray:
-        NUMPY_UFUNCS[op](a, b, out=out)
+        elementwise(op, out)(a, b, out=out)
         return
     ufunc = getattr(array_module(out), op.ufunc_name)
     ufunc(a, b, out=out)

@@ -39,7 +39,7 @@ import numpy as np
 
 from collective.algorithms import strategies
 from collective.algorithms.link import Link
-from collective.algorithms.ops import Array, ReduceOp, array_module, copy_into
+from collective.algorithms.ops import Array, ReduceOp, array_module, copy_into, elementwise
 from collective.algorithms.strategies import Strategy
 from collective.calls.layout import Layout
 
@@ -93,7 +93,7 @@ def reduce_all(op: ReduceOp, inputs: Sequence[Any], out: Array | None = None) ->
         return out
     first = inputs[0]
     if type(first) is np.ndarray:  # the ufunc itself: this runs on every small step
-        ufunc = NUMPY_UFUNCS[op]
+        ufunc = elementwise(op, first)  # (numpy's ufunc; a large half-precision one: torch's kernel)
         result = out if out is not None else np.empty(first.shape, first.dtype)  # (the inputs' dtype:
         ufunc(first, inputs[1], out=result)  # a ufunc's own result of '>f4' inputs is '<f4')
         for other in inputs[2:]:
@@ -105,9 +105,6 @@ def reduce_all(op: ReduceOp, inputs: Sequence[Any], out: Array | None = None) ->
     for other in inputs[2:]:
         ufunc(result, other, out=result)
     return result
-
-
-NUMPY_UFUNCS = {op: getattr(np, op.ufunc_name) for op in ReduceOp}
 
 
 def slice_of(length: int, parts: int, index: int) -> slice:
