@@ -91,6 +91,27 @@ def test_a_process_that_never_imports_the_package_knows_the_backend() -> None:
         assert code == 0 and expected in proc.output(), f"rank {rank} (exit {code}):\n{proc.output()}"
 
 
+MIXED = """
+import sys, torch.distributed as dist
+try:
+    dist.init_process_group(sys.argv[1])
+except dist.DistBackendError as exc:
+    print(f"REFUSED {exc}", flush=True)
+"""
+
+
+@pytest.mark.parametrize("backend", ["cpu:collective,cuda:gloo", "cpu:gloo,cuda:collective"])
+def test_a_backend_string_pairing_ours_with_another_is_refused_on_every_rank(backend: str) -> None:
+    """torch takes a Python ProcessGroup as the whole group: the other backend would be dropped
+    silently (CUDA traffic through host memory where NCCL was asked for)."""
+    port = free_port()
+    procs = [Proc([sys.executable, "-c", MIXED, backend], torchrun(rank, 2, port)) for rank in range(2)]
+    for rank, (proc, code) in enumerate(zip(procs, finish_all(procs, 120), strict=True)):
+        said = proc.output()
+        assert code == 0 and "REFUSED InvalidArgumentError" in said, f"rank {rank} (exit {code}):\n{said}"
+        assert "pairs 'collective' with gloo" in said and "use 'collective' alone" in said, said
+
+
 def test_every_op_against_a_reference_on_the_world_and_a_subgroup() -> None:
     """3 ranks: all_reduce (every dtype and op, PREMUL_SUM, bool, strided, requires_grad), broadcast,
     reduce, all_gather (list, into a tensor), reduce_scatter (list, tensor), all_to_all (equal,

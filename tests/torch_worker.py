@@ -392,6 +392,32 @@ def mends() -> None:
     if rank == 0:
         dist.recv(torch.zeros(1), 1, tag=6)
         dist.send(torch.full((2,), 7.0), 1, tag=5)
+    # a receive runs on the thread that waits on it (no thread between: gloo's latency); one whose
+    # work is asked after otherwise (its future, is_completed) runs on its pair's thread
+    if rank == 0:
+        for value in (3.0, 4.0, 5.0):
+            dist.send(torch.full((1,), value), 1, tag=9)
+    if rank == 1:
+        started: list[str] = []
+        start = threading.Thread.start
+
+        def counted(thread: threading.Thread) -> None:
+            started.append(thread.name)
+            start(thread)
+
+        threading.Thread.start = counted  # type: ignore[method-assign]
+        try:
+            got = torch.zeros(1)
+            dist.recv(got, 0, tag=9)
+            dist.irecv(got, 0, tag=9).wait()
+            assert not started, started
+            same(got, torch.full((1,), 4.0), "received on the waiting thread")
+            work = dist.irecv(got, 0, tag=9)
+            assert work.get_future().wait() == [got]  # torch's future: no wait() of ours
+            assert [name for name in started if "-recv-" in name], started
+            same(got, torch.full((1,), 5.0), "received on the pair's thread")
+        finally:
+            threading.Thread.start = start  # type: ignore[method-assign]
     # coalesced async: an error in the first op reaches the joined work
     from torch.distributed.distributed_c10d import _coalescing_manager  # what FSDP uses
 

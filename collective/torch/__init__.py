@@ -21,8 +21,9 @@ A group's calls run in the order they were issued through its ``collective.work.
 blocking call in the caller's thread (after the queued ones), ``async_op=True`` (and DDP's
 reducer) queued for the sequencer's worker thread, returning a ``TorchWork`` at once. Torch groups
 of the same ranks share that sequencer: they are one group of ours, whose calls must come in the
-order issued. Point-to-point receives have a worker per (source, tag), so a pending ``irecv``
-never holds up a collective or a receive from elsewhere.
+order issued. Point-to-point receives queue per (source, tag) and run on the thread that waits
+on them (a pair's thread once their work is asked after otherwise), so a pending ``irecv`` never
+holds up a collective or a receive from elsewhere.
 Errors are ``torch.distributed.DistBackendError`` with our message, caused by our error; a lost
 peer is one within seconds on every other rank (heartbeats), whatever torch's timeout.
 """
@@ -32,10 +33,12 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
+from types import FrameType
 from typing import Any
 
 from collective.api import default_runtime
@@ -153,6 +156,39 @@ def _release_sequencer(runtime: Runtime, members: tuple[int, ...]) -> None:
             del table[members]
 
 
+def _backend_string() -> Any:
+    """The BackendConfig torch creates this group for ("cpu:collective,cuda:nccl" has two backends),
+    found in torch's creating frame: its creator API passes no backend string. None if not found."""
+    frame: FrameType | None = sys._getframe(1)
+    for _ in range(6):
+        frame = frame.f_back if frame is not None else None
+        if frame is None:
+            return None
+        config = frame.f_locals.get("backend_config")
+        if config is not None and hasattr(config, "get_device_backend_map"):
+            return config
+    return None
+
+
+def _alone_in(config: Any) -> None:
+    """Refuse a group whose backend string names another backend beside ours: torch takes a Python
+    ProcessGroup as the whole group, so the other would be dropped silently (CUDA tensors would
+    cross host memory where NCCL was asked for)."""
+    if config is None:
+        return
+    backends = {str(device): str(name) for device, name in config.get_device_backend_map().items()}
+    others = {device: name for device, name in backends.items() if name != BACKEND}
+    if others:
+        named = ",".join(f"{device}:{name}" for device, name in backends.items())
+        raise dist.DistBackendError(
+            f"InvalidArgumentError: the backend string {named!r} pairs 'collective' with "
+            f"{', '.join(sorted(set(others.values())))}: a 'collective' group serves every device "
+            f"itself (CUDA tensors through host memory), so it cannot share a group with another "
+            f"backend; use 'collective' alone, or another group for the other backend "
+            f"(dist.new_group(backend='nccl'))"
+        )
+
+
 def _store_host(store: Any) -> str | None:
     """The host of the TCPStore under torch's PrefixStores, if any (where rank 0 listens)."""
     for _ in range(16):
@@ -197,6 +233,7 @@ def _join(runtime: Runtime, store: Any, rank: int, world: int, timeout: Any) -> 
 
 def create(options: Any, backend_options: Any = None) -> CollectiveProcessGroup:
     """torch's creator (extended API): the default group joins the job, subgroups name its peers."""
+    _alone_in(_backend_string())
     runtime = default_runtime()
     rank, size = int(options.group_rank), int(options.group_size)
     global_ranks = [int(r) for r in options.global_ranks_in_group]

@@ -95,7 +95,7 @@ class Ops:
         A receive (from (source, tag)) is queued with that pair's, any other call on the group's."""
         if receive is not None:
             work = TorchWork(outputs, label)
-            self._receives.submit(receive, lambda: work.run(body))
+            work.drive = self._receives.submit(receive, partial(work.run, body))
             return work
         if getattr(opts, "asyncOp", True):
             work = TorchWork(outputs, label)

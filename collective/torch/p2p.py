@@ -2,10 +2,11 @@
 
 A send hands a copy of the tensor to the destination peer and returns (eager, like our send: two
 ranks may send to each other, then receive), so it returns a completed work. A receive matches by
-source and tag, in order, and writes into torch's tensor; it runs on the worker of its (source,
-tag), apart from the collectives and other pairs, so a pending ``irecv`` holds up neither a
-collective nor a receive from elsewhere (and a blocking ``recv`` is that work, waited on). The
-receiving tensor must have the sender's shape and dtype. A lost sender is a PeerLostError within
+source and tag, in order, and writes into torch's tensor; it is queued with its (source, tag)'s,
+apart from the collectives and other pairs, and runs on the thread that waits on its work (a
+blocking ``recv`` is that work, waited on: no thread between), so a pending ``irecv`` holds up
+neither a collective nor a receive from elsewhere. The receiving tensor must have the sender's
+dtype and element count. A lost sender is a PeerLostError within
 seconds (heartbeats), not the end of the timeout.
 """
 

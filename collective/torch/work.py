@@ -7,7 +7,7 @@ to torch lives here:
   whose ``get_future()`` is a ``torch.futures.Future`` completed with the list of output tensors
   (what DDP's reducer and comm hooks read). A blocking call returns one already completed.
   (A group's calls keep their order through a collective.work.Sequencer; receives through
-  ``Receives``, a queue per source and tag.)
+  ``Receives``, a queue per source and tag, each run by the thread that waits on it.)
 * ``backend_error``: our errors as ``torch.distributed.DistBackendError`` (a RuntimeError), with
   our message (prefixed with the error's class) and our error as ``__cause__``.
 * ``host`` / ``array`` / ``fill``: the contiguous CPU tensor a collective reads and writes (a copy
@@ -25,6 +25,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -105,6 +106,7 @@ class TorchWork(dist.Work):  # type: ignore[misc]
         self._error: BaseException | None = None
         self._completer: int | None = None  # the thread completing the future (running its callbacks)
         self.sender: Callable[[], int] | None = None  # a receive's: the sending rank, once it completed
+        self.drive: Callable[[bool], None] | None = None  # a queued receive's: run it (here: True)
 
     @classmethod
     def completed(cls, outputs: Sequence[Any], label: str) -> TorchWork:
@@ -136,9 +138,15 @@ class TorchWork(dist.Work):  # type: ignore[misc]
             return True  # its result is set (the callbacks run as the future completes)
         return self._done.wait(limit)
 
+    def _wanted(self, here: bool = False) -> None:
+        """Something asks after a queued receive: it runs now (``here``, a waiter) or on its thread."""
+        if self.drive is not None and not self._done.is_set():
+            self.drive(here)
+
     def wait(self, timeout: Any = None) -> bool:
         """True once the collective completed; its error (DistBackendError) if it failed."""
         limit = seconds(timeout)
+        self._wanted(here=limit is None)  # (a bounded wait leaves a receive to its thread)
         if limit is not None and not self._settled(limit):
             raise dist.DistBackendError(
                 f"CollectiveTimeout: {self._label} did not complete within {limit:g}s of wait(); "
@@ -157,15 +165,19 @@ class TorchWork(dist.Work):  # type: ignore[misc]
 
     def get_future(self) -> Any:
         """A torch.futures.Future completed with the output tensors (or failed with the error)."""
+        self._wanted()
         return self._future
 
     def is_completed(self) -> bool:
+        self._wanted()
         return self._done.is_set()
 
     def is_success(self) -> bool:
+        self._wanted()
         return self._done.is_set() and self._error is None
 
     def exception(self) -> BaseException | None:
+        self._wanted()
         return self._error
 
     def result(self) -> list[Any]:
@@ -179,38 +191,79 @@ class TorchWork(dist.Work):  # type: ignore[misc]
         return f"<TorchWork {self._label} {state}>"
 
 
+class _Receive:
+    """One queued receive: its job, and whether anything asked after its work (run it soon)."""
+
+    __slots__ = ("job", "wanted")
+
+    def __init__(self, job: Callable[[], None]) -> None:
+        self.job = job
+        self.wanted = False
+
+
 class Receives:
-    """Queued receives by (source, tag): each pair's in the order issued, different pairs apart (a
-    pending receive from one rank holds up none from another). A pair's thread runs while it has
-    receives queued and ends with its last one, so threads stay as few as the pairs in flight."""
+    """Queued receives by (source, tag), each pair's in the order issued, different pairs apart.
+
+    A receive runs when its work is first waited on, on the waiting thread, after the pair's
+    earlier receives (a blocking ``dist.recv`` so costs no thread: gloo's latency). Once anything
+    else asks after a work (its future, ``is_completed``), a thread of the pair's runs the pair's
+    queue, ending with its last receive; so a pending ``irecv`` holds up nothing else, and a pair
+    is run by one thread at a time, its receives in order. Until then a message waits in the
+    mailbox, as it would for a receive not yet issued.
+    """
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._lock = threading.Lock()
-        self._queues: dict[tuple[int, int], deque[Callable[[], None]]] = {}
+        self._queues: dict[tuple[int, int], deque[_Receive]] = {}
+        self._running: set[tuple[int, int]] = set()  # pairs a thread runs the queue of now
 
-    def submit(self, key: tuple[int, int], job: Callable[[], None]) -> None:
-        """Queue ``job`` (which handles its own errors) behind the pair's earlier receives."""
+    def submit(self, key: tuple[int, int], job: Callable[[], None]) -> Callable[[bool], None]:
+        """Queue ``job`` (which handles its own errors) behind the pair's earlier receives; returns
+        what runs it: ``drive(True)`` here and now (unless a thread runs the pair: then it will),
+        ``drive(False)`` on the pair's thread."""
+        receive = _Receive(job)
         with self._lock:
-            jobs = self._queues.get(key)
-            if jobs is not None:  # its thread is running: it takes this one too
-                jobs.append(job)
-                return
-            self._queues[key] = deque([job])
-        name = f"{self._name}-{key[0]}-{key[1]}"
-        threading.Thread(target=self._drain, args=(key,), name=name, daemon=True).start()
+            self._queues.setdefault(key, deque()).append(receive)
+        return partial(self._drive, key, receive)
 
-    def _drain(self, key: tuple[int, int]) -> None:
+    def _drive(self, key: tuple[int, int], receive: _Receive, here: bool) -> None:
+        with self._lock:
+            queue = self._queues.get(key)
+            if queue is None or receive not in queue:
+                return  # it ran
+            receive.wanted = True
+            if key in self._running:
+                return  # it will run on the thread that runs the pair now
+            self._running.add(key)
+        if here:
+            self._run(key, until=receive)
+        else:
+            self._thread(key)
+
+    def _thread(self, key: tuple[int, int]) -> None:
+        """Start the pair's thread (the pair is marked running)."""
+        name = f"{self._name}-{key[0]}-{key[1]}"
+        threading.Thread(target=self._run, args=(key,), name=name, daemon=True).start()
+
+    def _run(self, key: tuple[int, int], until: _Receive | None = None) -> None:
+        """Run the pair's receives in order: up to ``until`` (on a waiting thread) or all of them
+        (on the pair's thread). A waiter leaves the rest to a thread if one of them is wanted."""
         while True:
             with self._lock:
-                jobs = self._queues[key]
-                if not jobs:
-                    del self._queues[key]
+                queue = self._queues[key]
+                if not queue or (until is not None and until not in queue):
+                    if not queue:
+                        del self._queues[key]
+                    elif any(receive.wanted for receive in queue):
+                        self._thread(key)  # (the pair stays running: the thread has it)
+                        return
+                    self._running.discard(key)
                     return
-                job = jobs[0]
-            job()
+                head = queue[0]
+            head.job()
             with self._lock:
-                jobs.popleft()
+                queue.popleft()
 
 
 def host(tensor: Any) -> Any:
