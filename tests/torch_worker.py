@@ -18,6 +18,7 @@ Rank and world size come from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADD
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import sys
@@ -248,9 +249,35 @@ def ops() -> None:
     if rank in members:
         assert dist.get_backend(subgroup) == "collective"
         check_ops(subgroup, members)
+    check_group_methods(rank, world)
     dist.barrier()
     dist.destroy_process_group()
     print(f"OK {rank}", flush=True)
+
+
+def check_group_methods(rank: int, world: int) -> None:
+    """The group object's own methods, in torch's short forms too (as some libraries call them)."""
+    pg = dist.group.WORLD
+    total, first = float(world * (world + 1) // 2), [1.0, 1.0]
+    product = float(math.factorial(world))
+    for call, expected, where in [  # (where: the ranks that get the result)
+        (lambda t: pg.allreduce(t), [total] * 2, range(world)),
+        (lambda t: pg.allreduce(t, dist.ReduceOp.MAX), [float(world)] * 2, range(world)),
+        (lambda t: pg.allreduce([t], dist.ReduceOp.MIN), first, range(world)),
+        (lambda t: pg.allreduce([t], dist.AllreduceOptions()), [total] * 2, range(world)),
+        (lambda t: pg.broadcast(t, world - 1), [float(world)] * 2, range(world)),
+        (lambda t: pg.broadcast([t], 0), first, range(world)),
+        (lambda t: pg.reduce(t, 0, dist.ReduceOp.PRODUCT), [product] * 2, [0]),
+        (lambda t: pg.reduce(t, world - 1), [total] * 2, [world - 1]),
+    ]:
+        t = torch.full((2,), float(rank + 1))
+        call(t).wait()
+        if rank in where:
+            same(t, torch.tensor(expected), "a method of the group object")
+    gathered = [torch.zeros(2) for _ in range(world)]
+    pg.allgather(gathered, torch.full((2,), float(rank))).wait()
+    ranks = torch.arange(world, dtype=torch.float32)[:, None]
+    same(torch.stack(gathered), ranks.expand(world, 2), "pg.allgather")
 
 
 def ddp(backend: str, out: str) -> None:

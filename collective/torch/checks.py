@@ -120,6 +120,24 @@ def tensors_in(values: Any) -> Iterator[Any]:
             yield from tensors_in(value)
 
 
+def short_form(
+    tensors: Any, opts: Any, make: Callable[[], Any], *fields: tuple[str, Any]
+) -> tuple[list[Any], Any]:
+    """(the tensor list, the options) of a call, from torch's forms of it: a list and an options
+    object (what torch.distributed passes), or the short forms of ProcessGroup's own methods that
+    some libraries call on the group object: one tensor for the list, and ``fields`` (name, value)
+    given in place of the options (``pg.allreduce(t, ReduceOp.MAX)``, ``pg.broadcast(t, 1)``).
+    None is the options' defaults."""
+    listed = [tensors] if isinstance(tensors, torch.Tensor) else tensors
+    if opts is not None and hasattr(opts, "timeout"):
+        return listed, opts
+    options = make()
+    for name, value in fields:
+        if value is not None:
+            setattr(options, name, value)
+    return listed, options
+
+
 def single(tensors: Sequence[Any], what: str) -> Any:
     """The one tensor of a call that takes one (torch passes lists)."""
     if len(tensors) != 1:

@@ -50,7 +50,15 @@ from collective.calls import (
 from collective.errors import CollectiveError, InvalidArgumentError, MismatchError
 from collective.groups import Group
 from collective.runtime import Runtime
-from collective.torch.checks import invalid, on_every_rank, op_name, reduce_op, single, writable_tensor
+from collective.torch.checks import (
+    invalid,
+    on_every_rank,
+    op_name,
+    reduce_op,
+    short_form,
+    single,
+    writable_tensor,
+)
 from collective.torch.work import (
     Receives,
     TorchWork,
@@ -65,6 +73,7 @@ from collective.work import Sequencer
 
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
+c10d: Any = importlib.import_module("torch._C._distributed_c10d")  # (options dist does not export)
 
 __all__ = ["Ops"]
 
@@ -135,7 +144,7 @@ class Ops:
 
     @on_every_rank(AllReduce)
     def allreduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
-        opts = opts if opts is not None else dist.AllreduceOptions()
+        tensors, opts = short_form(tensors, opts, dist.AllreduceOptions, ("reduceOp", opts))
         if single(tensors, "all_reduce").layout is torch.sparse_coo:
             return self._sparse_allreduce(tensors[0], opts)
         group, timeout = self.group, seconds(opts.timeout) or self.call_timeout
@@ -168,8 +177,9 @@ class Ops:
         return self.launch("all_reduce", body, [tensor], opts)
 
     @on_every_rank(Reduce)
-    def reduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
-        opts = opts if opts is not None else dist.ReduceOptions()
+    def reduce(self, tensors: Sequence[Any], opts: Any = None, op: Any = None) -> TorchWork:
+        fields = ("rootRank", opts), ("reduceOp", op)  # (the short form: pg.reduce(t, root, op))
+        tensors, opts = short_form(tensors, opts, dist.ReduceOptions, *fields)
         root, kw = self.peer_of(opts.rootRank), self._kw(opts)
 
         def run(source: Any, out: Any, op: str) -> None:
@@ -263,7 +273,7 @@ class Ops:
 
     @on_every_rank(Broadcast)
     def broadcast(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
-        opts = opts if opts is not None else dist.BroadcastOptions()
+        tensors, opts = short_form(tensors, opts, dist.BroadcastOptions, ("rootRank", opts))
         tensor = single(tensors, "broadcast")
         writable_tensor(tensor, "broadcast")
         is_root, kw = self.peer_of(opts.rootRank) == self.peer, self._kw(opts)
@@ -278,7 +288,9 @@ class Ops:
 
     @on_every_rank(AllGather)
     def allgather(self, outputs: Sequence[Any], inputs: Sequence[Any], opts: Any = None) -> TorchWork:
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        if isinstance(inputs, torch.Tensor):  # (the short form: pg.allgather([out, ...], t))
+            outputs, inputs = [outputs], [inputs]
+        inputs, opts = short_form(inputs, opts, c10d.AllgatherOptions)
         tensor = single(inputs, "all_gather")
         targets = list(single(outputs, "all_gather"))
         me = self.members.index(self.peer)
