@@ -81,11 +81,25 @@ def run_op(case: Case, rank: int, x: torch.Tensor, out: torch.Tensor) -> torch.T
     return out
 
 
+def _tensor(values: np.ndarray) -> Any:
+    """A tensor viewing ``values`` (bfloat16 too, which torch.from_numpy does not take)."""
+    if values.dtype.name == "bfloat16":
+        return torch.from_numpy(values.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(values)
+
+
+def _array(tensor: Any, dtype: np.dtype) -> Any:
+    """The numpy view of a result (bfloat16 as ``dtype``, ml_dtypes' bfloat16)."""
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(dtype)
+    return tensor.numpy()
+
+
 def measure(rank: int, case: Case, warmup: int, iterations: int) -> Measurement:
     buffers = Buffers(case, rank)
-    inputs = [torch.from_numpy(x) for x in buffers.inputs]
+    inputs = [_tensor(x) for x in buffers.inputs]
     work = torch.empty_like(inputs[0])
-    out = torch.from_numpy(buffers.out)
+    out = _tensor(buffers.out)
     times = torch.zeros(iterations, dtype=torch.float64)
     wrong = 0
     for i in range(warmup + iterations):
@@ -104,7 +118,7 @@ def measure(rank: int, case: Case, warmup: int, iterations: int) -> Measurement:
             result.div_(case.peers) if result.is_floating_point() else result.floor_divide_(case.peers)
         if i >= warmup:
             times[i - warmup] = time.perf_counter() - started
-        wrong += buffers.wrong(None if result is None else result.numpy(), i)
+        wrong += buffers.wrong(None if result is None else _array(result, buffers.out.dtype), i)
     dist.all_reduce(times, dist.ReduceOp.MAX)
     total_wrong = torch.tensor([wrong])
     dist.all_reduce(total_wrong)

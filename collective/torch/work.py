@@ -74,6 +74,9 @@ def seconds(timeout: Any) -> float | None:
     return value if value > 0 else None
 
 
+_PENDING = object()
+
+
 class _Failed:
     """What the source future of a failed work carries (see TorchWork)."""
 
@@ -91,18 +94,19 @@ def _unwrap(source: Any) -> Any:
 class TorchWork(dist.Work):  # type: ignore[misc]
     """One call of the backend: ``wait()``, ``get_future()``, ``is_completed()``, ``result()``.
 
-    Its future is ``source.then(_unwrap)``: a failure raised in that callback marks the future
-    failed in torch's C++ (what DDP's reducer checks), where ``Future.set_exception`` would only
-    store the error as a value, which the reducer would read as its result.
+    Its future is made when first asked for (see ``get_future``): a blocking call's never is,
+    and making it costs more than the rest of the work.
     """
 
     def __init__(self, outputs: Sequence[Any], label: str) -> None:
         super().__init__()
         self._outputs = list(outputs)
         self._label = label
-        self._source = torch.futures.Future()
-        self._future = self._source.then(_unwrap)
-        self._done = threading.Event()  # set once the future is complete too
+        self._source: Any = None
+        self._future: Any = None  # made when first asked for (most calls never are: a blocking one)
+        self._value: Any = _PENDING  # what completed it: the outputs, or _Failed
+        self._lock = threading.Lock()  # (between completing and making the future)
+        self._done = threading.Event()  # set once the future, if made, is complete too
         self._error: BaseException | None = None
         self._completer: int | None = None  # the thread completing the future (running its callbacks)
         self.sender: Callable[[], int] | None = None  # a receive's: the sending rank, once it completed
@@ -125,11 +129,15 @@ class TorchWork(dist.Work):  # type: ignore[misc]
         self._complete(self._outputs)
 
     def _complete(self, value: Any) -> None:
-        """Complete the future (its ``then`` callbacks run here), then wake ``wait()``: a waiter
-        must find the future done, as with gloo (its value() raised an internal assert otherwise)."""
+        """Complete the future if it was made (its ``then`` callbacks run here), then wake
+        ``wait()``: a waiter must find the future done, as with gloo (its value() raised an
+        internal assert otherwise)."""
         self._completer = threading.get_ident()
+        with self._lock:
+            self._value, source = value, self._source
         try:
-            self._source.set_result(value)
+            if source is not None:
+                source.set_result(value)
         finally:
             self._done.set()
 
@@ -164,8 +172,20 @@ class TorchWork(dist.Work):  # type: ignore[misc]
         return self.sender()
 
     def get_future(self) -> Any:
-        """A torch.futures.Future completed with the output tensors (or failed with the error)."""
+        """A torch.futures.Future completed with the output tensors (or failed with the error).
+
+        Made on the first call: ``source.then(_unwrap)``, where a failure raised in that callback
+        marks the future failed in torch's C++ (what DDP's reducer checks); ``Future.set_exception``
+        would only store the error as a value, which the reducer would read as its result."""
         self._wanted()
+        with self._lock:
+            if self._future is not None:
+                return self._future
+            source = torch.futures.Future()
+            self._future = source.then(_unwrap)
+            value, self._source = self._value, source
+        if value is not _PENDING:  # it completed before anyone asked: complete the future now
+            source.set_result(value)
         return self._future
 
     def is_completed(self) -> bool:
