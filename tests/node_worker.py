@@ -337,6 +337,19 @@ def p2p(peer: int, world: int) -> int:
             np.testing.assert_array_equal(col.recv(peer, other, tag=7), np.arange(5.0) + other)
             np.testing.assert_array_equal(col.recv(peer, other, tag=8), _large(other, peer))
             count += 1
+    # one tag, sizes that take both paths between processes of a host (shared memory up to 1 MiB,
+    # TCP past it, in parts past 4 MiB): received in the order sent
+    sizes = [1, 700_000, 3, 300_000, 1_100_000, 5, 0, 2_000_000, 250_000, 7]
+    for other in range(world):
+        if other != peer:
+            for k, size in enumerate(sizes):
+                col.send(peer, np.full(size, peer * 100 + k, np.float32), other, tag=10)
+    for other in range(world):
+        if other != peer:
+            for k, size in enumerate(sizes):
+                got = col.recv(peer, other, tag=10)
+                np.testing.assert_array_equal(got, np.full(size, other * 100 + k, np.float32))
+            count += 1
     # from any source: every other peer sends peer 0 two messages; each source's in its order
     if peer != 0:
         for k in range(2):

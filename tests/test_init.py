@@ -249,7 +249,13 @@ def test_sigterm_or_sighup_to_launch_stops_its_nodes_and_what_they_started(
 def test_a_failed_node_stops_what_others_started_and_ctrl_c_leaves_no_shared_memory(tmp_path: Path) -> None:
     """launch signalled the nodes alone: a node's own children (a shell's, here) lived on; and a
     node stopped by SIGTERM left its shared memory in /dev/shm (exit handlers skipped)."""
-    shell = ["sh", "-c", 'if [ "$RANK" = 1 ]; then exit 3; fi; sleep 61 & echo "child $!"; wait']
+    started = tmp_path / "started"  # rank 1 fails once rank 0 started its child (else none to stop)
+    shell = [
+        "sh",
+        "-c",
+        f'if [ "$RANK" = 1 ]; then for i in $(seq 300); do [ -e {started} ] && break; sleep 0.02; done; '
+        f'exit 3; fi; sleep 61 & echo "child $!"; touch {started}; wait',
+    ]
     failing = Proc([sys.executable, "-m", "collective", "launch", "--nodes", "2", *shell], CLEAN)
     assert failing.wait(30) == 3, failing.output()
     children = _pids(failing, "child")

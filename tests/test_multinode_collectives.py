@@ -58,4 +58,4 @@ def test_send_and_recv_between_nodes(orchestrator: str, nodes: int, devices: int
     procs = start_nodes(orchestrator, f"p2p-{next(_jobs)}", nodes, devices, "p2p")
     for proc, code in zip(procs, finish_all(procs, 90), strict=True):
         assert code == 0, proc.output()
-        assert f"OK {devices * (6 + world - 1)}" in proc.output(), proc.output()
+        assert f"OK {devices * (6 + 2 * (world - 1))}" in proc.output(), proc.output()

@@ -202,7 +202,7 @@ config = col.CollectiveConfig(
     data_service_port=0, job="raises", timeout=20,
 )
 col.register(0, "cpu", config)
-print(*sorted(glob.glob(f"/dev/shm/collective-{os.getpid()}-*")), flush=True)  # its segments: send, ring
+print(*sorted(glob.glob(f"/dev/shm/collective-{os.getpid()}-*")), flush=True)  # send, ring, p2p
 raise RuntimeError("the training script failed before finish()")
 """
 
@@ -213,7 +213,7 @@ def test_a_node_that_exits_without_finish_leaves_no_segment() -> None:
     )
     assert result.returncode == 1 and "RuntimeError: the training script failed" in result.stderr
     paths = result.stdout.split()
-    assert len(paths) == 2, result.stdout + result.stderr  # its send segment and its ring segment
+    assert len(paths) == 3, result.stdout + result.stderr  # its send, ring and p2p segments
     assert all(path.startswith("/dev/shm/collective-") for path in paths), result.stdout + result.stderr
     assert not any(map(os.path.exists, paths))
     assert not glob.glob(f"/dev/shm/collective-{paths[0].split('-')[1]}-*")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import logging
 import os
 import threading
@@ -31,12 +30,14 @@ from collective.calls.signature import Signature
 from collective.config import CollectiveConfig
 from collective.errors import CollectiveError, PeerLostError, describe_peers
 from collective.node.call_exchange import CallExchange
-from collective.node.protocol import FINISHED_TAG, PART_BYTES, P2PMessage
+from collective.node.messages import Messages
+from collective.node.protocol import FINISHED_TAG, P2PMessage
 from collective.shm.ring import HostRing
 from collective.transport.inproc import clone_error
 from collective.transport.network import NodeNetwork
 from collective.transport.orchestrator_client import OrchestratorClient, Topology
 from collective.transport.outbox import Outbox
+from collective.transport.shm_p2p import P2PSegment
 from collective.transport.shm_ring import RingSegment
 from collective.transport.wire import ErrorRecord, WireError
 from collective.transport.zmq_link import ZmqLink
@@ -75,6 +76,9 @@ class NodeJob:
             self._context.destroy(linger=0)
             raise
         self._outbox = Outbox(partial(self._network.send, track=True), self._lost)  # point to point
+        shm = os.environ.get("COLLECTIVE_SHM", "1") != "0"  # 0: never the Shm executor (e.g. to compare)
+        self._p2p_segment = P2PSegment.create() if shm else None
+        self._messages = Messages(self._outbox, self._network, self._accept_p2p, self._p2p_segment)
         self.topology: Topology | None = None
         self.world = 0
         self._node_of: dict[int, int] = {}
@@ -84,8 +88,6 @@ class NodeJob:
         self._agreed: dict[int, int] = {}  # channel -> the last step whose calls every node agreed on
         self._local: frozenset[int] = frozenset()
         self._finished_peers: dict[int, float] = {}  # other nodes' peers that called finish(): when told
-        self._p2p_ids = itertools.count()  # tells apart the messages this process sends in parts
-        shm = os.environ.get("COLLECTIVE_SHM", "1") != "0"  # 0: never the Shm executor (e.g. to compare)
         self._ring_segment = RingSegment.create() if shm else None
         self._ring: HostRing | None = None
 
@@ -107,6 +109,7 @@ class NodeJob:
                     {
                         **self._network.info,
                         "ring": None if self._ring_segment is None else self._ring_segment.name,
+                        "p2p": None if self._p2p_segment is None else self._p2p_segment.name,
                         "uid": str(os.geteuid()),
                     },
                 )
@@ -119,6 +122,9 @@ class NodeJob:
             self._node_of = {peer: node for node, peers in enumerate(topology.peers) for peer in peers}
             self.world = topology.world
             self.topology = topology
+            here = [node for node in range(len(topology.infos)) if self._host_of(node) == self.host]
+            names = {node: topology.infos[node].get("p2p") for node in here}
+            self._messages.connect({n: name for n, name in names.items() if isinstance(name, str)}, len(here))
             log.info(
                 "joined job %r as node %d of %d", self.config.job, topology.index, len(topology.addresses)
             )
@@ -139,7 +145,7 @@ class NodeJob:
                 notice = P2PMessage(peer, peers[0], FINISHED_TAG, (0,), "uint8")  # (to any peer there)
                 if node != topology.index:
                     with contextlib.suppress(CollectiveError):  # (a node that is gone needs no notice)
-                        self._outbox.send(node, notice.encode(), np.empty(0, np.uint8))
+                        self._messages.send(node, notice, np.empty(0, np.uint8))
 
     def _finished_among(self, peers: list[int], step: int) -> CollectiveError | None:
         """The error for a step whose call from ``peers``' node has not come, when one of them
@@ -171,35 +177,35 @@ class NodeJob:
     # -- point to point ---------------------------------------------------------------------------
 
     def send_p2p(self, src: int, dst: int, tag: int, data: Any) -> None:
-        """Send ``data`` (a numpy copy the caller no longer touches) from peer ``src`` to ``dst``, in
-        parts of PART_BYTES (one network message each)."""
-        payload = data.reshape(-1).view(np.uint8)
-        parts = max(1, -(-payload.nbytes // PART_BYTES))
-        ident = next(self._p2p_ids)
-        for part in range(parts):
-            message = P2PMessage(src, dst, tag, tuple(data.shape), str(data.dtype), ident, part, parts)
-            chunk = payload[part * PART_BYTES : (part + 1) * PART_BYTES]
-            self._outbox.send(self._node_of[dst], message.encode(), chunk)
+        """Send ``data`` (a numpy copy the caller no longer touches) from peer ``src`` to ``dst``:
+        through shared memory or over TCP, delivered in the order sent (collective.node.messages)."""
+        message = P2PMessage(src, dst, tag, tuple(data.shape), str(data.dtype))
+        self._messages.send(self._node_of[dst], message, data)
 
     def pump(self, seconds: float) -> None:
         """Let messages arrive for up to ``seconds`` (a receive that waits outside any collective)."""
-        self._network.pump(seconds)
+        self._messages.pump(seconds)
 
     def _delivered(self, node: int, header: dict[str, Any], payload: Any) -> None:
-        """A point-to-point message arrived from ``node`` (on the network's thread): into the mailbox."""
+        """A point-to-point message arrived from ``node`` over TCP (on the network's thread)."""
         try:
             message = P2PMessage.decode(header)
-            if self._node_of.get(message.sender) != node or message.receiver not in self._local:
-                raise WireError(f"peer {message.sender} -> {message.receiver} does not match node {node}")
-            if message.tag == FINISHED_TAG:
-                self._finished_peers[message.sender] = time.monotonic()
-                if self._mailbox is not None:
-                    self._mailbox().wake()  # (a receive from it ends)
-                return
-            if self._mailbox is not None:
-                self._mailbox().arrived(node, message, payload.buffer if payload is not None else b"")
         except WireError as exc:
             log.warning("refused a point-to-point message from %s: %s", self._describe(node), exc)
+            return
+        self._messages.arrived(node, message, payload.buffer if payload is not None else b"")
+
+    def _accept_p2p(self, node: int, message: P2PMessage, chunk: Any) -> None:
+        """A message from ``node``, in its turn: into the mailbox. WireError: it does not fit."""
+        if self._node_of.get(message.sender) != node or message.receiver not in self._local:
+            raise WireError(f"peer {message.sender} -> {message.receiver} does not match node {node}")
+        if message.tag == FINISHED_TAG:
+            self._finished_peers[message.sender] = time.monotonic()
+            if self._mailbox is not None:
+                self._mailbox().wake()  # (a receive from it ends)
+            return
+        if self._mailbox is not None:
+            self._mailbox().arrived(node, message, chunk)
 
     def close(self) -> None:
         """Leave the job and close every socket (once; later calls do nothing)."""
@@ -211,6 +217,7 @@ class NodeJob:
         self._client.close()
         self._network.close()
         self._context.destroy(linger=0)
+        self._messages.close()
         if self._ring is not None:
             self._ring.close()
         elif self._ring_segment is not None:

@@ -97,12 +97,15 @@ def decode_call(header: dict[str, Any]) -> CallMessage | VerdictMessage:
 
 PART_BYTES = CHUNK_BYTES  # an array larger than this travels between processes in parts of this size
 FINISHED_TAG = 1 << 63  # (past every user tag) a p2p message with it says its sender called finish()
+BELL_TAG = FINISHED_TAG + 1  # a p2p message with it wakes a receiver: shared memory has messages for it
 
 
 @dataclass(frozen=True)
 class P2PMessage:
     """One point-to-point array, or part ``part`` of ``parts`` of one (message ``ident`` of its
-    process): an array over PART_BYTES travels in parts (reassembled by collective.p2p.Mailbox)."""
+    process): an array over PART_BYTES travels in parts (reassembled by collective.p2p.Mailbox).
+    ``order`` numbers the messages from one node to another (-1: none, delivered as it comes): they
+    take two paths on one host, TCP and shared memory, and are delivered in this order."""
 
     sender: int
     receiver: int
@@ -112,6 +115,7 @@ class P2PMessage:
     ident: int = 0
     part: int = 0
     parts: int = 1
+    order: int = -1
 
     def encode(self) -> dict[str, Any]:
         return {
@@ -125,6 +129,7 @@ class P2PMessage:
             "id": self.ident,
             "part": self.part,
             "parts": self.parts,
+            "order": self.order,
         }
 
     @classmethod
@@ -135,8 +140,11 @@ class P2PMessage:
         ident, part, parts = header.get("id", 0), header.get("part", 0), header.get("parts", 1)
         if not (counted(ident) and counted(part) and counted(parts, minimum=1) and part < parts):
             raise WireError(f"invalid p2p part {part!r} of {parts!r}")
+        order = header.get("order", -1)
+        if not counted(order, minimum=-1):
+            raise WireError(f"invalid p2p order {order!r}")
         dtype = str(dtype_from_name(header.get("dtype")))
-        return cls(sender, receiver, tag, shape_of(header.get("shape")), dtype, ident, part, parts)
+        return cls(sender, receiver, tag, shape_of(header.get("shape")), dtype, ident, part, parts, order)
 
 
 def verdict_error(

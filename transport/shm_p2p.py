@@ -1,0 +1,191 @@
+"""Point-to-point messages between the processes of one host through shared memory.
+
+Over loopback TCP a small message costs two trips through ZeroMQ's I/O threads and the kernel
+(about 100 us each way from Python); here it costs a copy into shared memory and, when the
+receiver is waiting, nothing else: it sees the message while it spins. Every process that may
+send has a *p2p segment* in /dev/shm (a transport.shm_segment Segment) holding, per destination
+process, a single-producer single-consumer byte queue it alone writes; the destination maps it
+read-only and reads it. A segment's header page holds::
+
+    waiting   int64: this process blocks in a receive and wants a bell (written by it)
+    queues    QUEUES int64: the destination node (+1) each queue of this segment was given to
+    readers   QUEUES int64: the source node (+1) each counter below was given to
+    consumed  QUEUES int64: the bytes of that source's queue for this process read so far
+
+and then QUEUES queues, each a ``head`` (int64: the bytes written so far) and QUEUE_BYTES of
+records. A record is its length (int64, a multiple of 8, WRAP to go on at the queue's start),
+its header's and its payload's lengths (int64 each), the header, then the payload. The producer
+writes a record, then raises ``head``; the consumer reads records up to ``head``, then raises its
+``consumed`` counter in its own segment, which the producer reads to know the free space. No word
+has two writers.
+
+A message that does not fit (over MESSAGE_BYTES, or the queue full because the receiver has not
+read) is refused here (``post`` returns False) and travels over TCP instead; the caller orders
+the two paths (collective.node.membership numbers each pair's messages). Relies on x86-64 store
+ordering, as transport.shm_ring does: a reader that sees ``head`` sees the record before it.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from typing import Any
+
+import numpy as np
+
+from collective.transport.shm_segment import HEADER, Segment
+
+__all__ = ["MESSAGE_BYTES", "QUEUES", "QUEUE_BYTES", "P2PSegment", "Queues"]
+
+QUEUES = 8  # destination processes of this host a process sends to through shared memory
+QUEUE_BYTES = 2 << 20
+MESSAGE_BYTES = 1 << 20  # the largest payload sent this way (larger ones: TCP, bandwidth-bound)
+WRAP = -1  # a record length: the queue goes on at its start
+_PAGE = 4096
+_WAITING = HEADER
+_KEYS = 64  # the queues' destinations
+_READERS = _KEYS + 8 * QUEUES  # the counters' sources
+_CONSUMED = _READERS + 8 * QUEUES
+_QUEUE = 64 + QUEUE_BYTES  # a queue: its head (in a 64-byte line of its own), then its bytes
+_RECORD = struct.Struct("<qqq")  # length, header length, payload length
+
+
+class P2PSegment(Segment):
+    """A process's p2p queues: its own (``create``, writable) or another's (``attach``, read-only)."""
+
+    MAGIC = b"COLP2P01"
+    SIZE = _PAGE + QUEUES * _QUEUE
+    KIND = "p2p"
+
+    def __init__(self, path: str, memory: Any, owner: bool) -> None:
+        super().__init__(path, memory, owner)
+        words = np.frombuffer(memory, np.int64, _PAGE // 8)
+        self.waiting = words[_WAITING // 8 : _WAITING // 8 + 1]
+        self.keys = words[_KEYS // 8 : _KEYS // 8 + QUEUES]
+        self.readers = words[_READERS // 8 : _READERS // 8 + QUEUES]
+        self.consumed = words[_CONSUMED // 8 : _CONSUMED // 8 + QUEUES]
+        self.heads = [np.frombuffer(memory, np.int64, 1, _PAGE + i * _QUEUE) for i in range(QUEUES)]
+        self.data = [
+            np.frombuffer(memory, np.uint8, QUEUE_BYTES, _PAGE + i * _QUEUE + 64) for i in range(QUEUES)
+        ]
+
+    @staticmethod
+    def _index(keys: np.ndarray, node: int, assign: bool) -> int | None:
+        """The entry of ``keys`` for ``node``; with ``assign``, the first free one is given to it."""
+        for index in range(QUEUES):
+            if keys[index] == node + 1:
+                return index
+        if assign:
+            for index in range(QUEUES):
+                if keys[index] == 0:
+                    keys[index] = node + 1
+                    return index
+        return None
+
+
+class Queues:
+    """This process's ends of the host's p2p queues: ``post`` to a destination node, ``take`` from a
+    source node. ``segments`` maps each node of this host to its segment's name (from the job's
+    topology); the others' segments are attached at once (None where one cannot be: then TCP)."""
+
+    def __init__(self, mine: P2PSegment, node: int, segments: dict[int, str]) -> None:
+        self.mine = mine
+        self.node = node
+        self._names = {other: name for other, name in segments.items() if other != node}
+        self._theirs: dict[int, P2PSegment | None] = {}
+        self._lock = threading.Lock()  # (attaching)
+        self._reading = threading.Lock()  # (each queue has one reader)
+        for other in sorted(self._names)[:QUEUES]:  # a counter per source: then it may post here
+            P2PSegment._index(mine.readers, other, assign=True)
+        for other in self._names:  # attached now, while their processes surely run: what one posts
+            self._segment(other)  # before it exits is still read after
+
+    def _segment(self, node: int) -> P2PSegment | None:
+        with self._lock:
+            if node not in self._theirs:
+                name = self._names.get(node)
+                try:
+                    self._theirs[node] = P2PSegment.attach(name) if name else None
+                except (OSError, ValueError):
+                    self._theirs[node] = None  # (its messages travel over TCP)
+            return self._theirs[node]
+
+    def post(self, node: int, header: bytes, payload: np.ndarray) -> bool:
+        """Write one message for ``node`` (callers serialise their posts); False if it does not fit
+        now (too large, the queue full, no queue left, no segment): send it another way."""
+        theirs = self._segment(node)
+        nbytes = payload.nbytes
+        if theirs is None or nbytes > MESSAGE_BYTES:
+            return False
+        queue = P2PSegment._index(self.mine.keys, node, assign=True)
+        if queue is None:
+            return False
+        counter = P2PSegment._index(theirs.readers, self.node, assign=False)
+        if counter is None:
+            return False  # it reads no queue of ours (not yet joined, or too many processes)
+        consumed = int(theirs.consumed[counter])
+        head = int(self.mine.heads[queue][0])
+        length = _RECORD.size + len(header) + nbytes
+        length += -length % 8
+        at = head % QUEUE_BYTES
+        skip = QUEUE_BYTES - at if at + length > QUEUE_BYTES else 0
+        if head + skip + length - consumed > QUEUE_BYTES:
+            return False  # full: the receiver has not read enough yet
+        data = self.mine.data[queue]
+        if skip:
+            data[at : at + 8].view(np.int64)[0] = WRAP
+            at = 0
+        _RECORD.pack_into(data.data, at, length, len(header), nbytes)
+        start = at + _RECORD.size
+        data[start : start + len(header)] = np.frombuffer(header, np.uint8)
+        start += len(header)
+        data[start : start + nbytes] = payload.reshape(-1).view(np.uint8)
+        self.mine.heads[queue][0] = head + skip + length  # last: the record is complete
+        return True
+
+    def wants_bell(self, node: int) -> bool:
+        """Whether ``node`` blocks in a receive (so a message posted for it needs a bell over TCP)."""
+        theirs = self._segment(node)
+        return theirs is not None and bool(theirs.waiting[0])
+
+    def take(self, node: int) -> list[tuple[bytes, np.ndarray]]:
+        """Every message ``node`` posted for this process since the last take: (header, payload copy)."""
+        theirs = self._segment(node) if node in self._names else None
+        if theirs is None:
+            return []
+        queue = P2PSegment._index(theirs.keys, self.node, assign=False)
+        if queue is None:
+            return []
+        with self._reading:
+            head = int(theirs.heads[queue][0])
+            counter = P2PSegment._index(self.mine.readers, node, assign=False)
+            if counter is None:  # (more sources than counters: its sender found none, so posted nothing)
+                return []
+            consumed = int(self.mine.consumed[counter])
+            data = theirs.data[queue]
+            taken: list[tuple[bytes, np.ndarray]] = []
+            while consumed < head:
+                at = consumed % QUEUE_BYTES
+                length = int(data[at : at + 8].view(np.int64)[0])
+                if length == WRAP:
+                    consumed += QUEUE_BYTES - at
+                    continue
+                length, header_length, nbytes = _RECORD.unpack_from(data.data, at)
+                start = at + _RECORD.size + header_length
+                header = bytes(data[start - header_length : start])
+                payload = data[start : start + nbytes].copy()
+                taken.append((header, payload))
+                consumed += length
+            self.mine.consumed[counter] = consumed
+            return taken
+
+    def sources(self) -> list[int]:
+        """The other nodes of this host that may post to this process."""
+        return list(self._names)
+
+    def close(self) -> None:
+        with self._lock:
+            for segment in self._theirs.values():
+                if segment is not None:
+                    segment.close()
+            self._theirs.clear()
