@@ -1,8 +1,8 @@
 """The torch backend "collective" against gloo, call by call, in the same processes and the same run.
 
-    python -m collective.bench.torch_vs_gloo                               # send/recv round trip
-    python -m collective.bench.torch_vs_gloo --op all_reduce --dtype float16 --dtype bfloat16
-    python -m collective.bench.torch_vs_gloo --op pingpong --sizes 8,1024,1048576 --rounds 9
+    python -m collective.bench.torch_backend.calls                 # send/recv round trip
+    python -m collective.bench.torch_backend.calls --op all_reduce --dtype float16 --dtype bfloat16
+    python -m collective.bench.torch_backend.calls --op pingpong --sizes 8,1024,1048576 --rounds 9
 
 Two processes of this host (``--ranks``) init torch.distributed with our backend and make a gloo
 group of the same ranks. Every round times each backend in turn on the same tensor (``--iters``
@@ -110,7 +110,9 @@ def _sizes(text: str) -> list[int]:
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m collective.bench.torch_vs_gloo", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m collective.bench.torch_backend.calls", description=__doc__
+    )
     parser.add_argument("--op", action="append", choices=tuple(_CALLS), help="repeatable; default pingpong")
     parser.add_argument("--dtype", action="append", help="torch dtype name (repeatable; default float32)")
     parser.add_argument(
@@ -151,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": "1",
         }
-        command = [sys.executable, "-m", "collective.bench.torch_vs_gloo", *argv, "--worker"]
+        command = [sys.executable, "-m", "collective.bench.torch_backend.calls", *argv, "--worker"]
         processes.append(subprocess.Popen(command, env=env))
     codes = []
     try:
