@@ -147,6 +147,12 @@ def test_ddp_with_sparse_gradients_trains_as_under_gloo() -> None:
     run_job(2, "sparse")
 
 
+def test_pipeline_parallel_schedules_train_as_one_process_does() -> None:
+    """torch.distributed.pipelining (1F1B, GPipe; stages by hand and the pipeline() frontend, which
+    sends a 0-d tensor into a (1,) buffer as it warms up) on 2 ranks of ours."""
+    run_job(2, "pipelines")
+
+
 def test_a_killed_rank_is_an_error_on_every_other_rank_within_seconds() -> None:
     port = free_port()
     procs = [Proc([sys.executable, WORKER, "kill"], torchrun(rank, 3, port)) for rank in range(3)]

@@ -18,6 +18,7 @@ Rank and world size come from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADD
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import signal
@@ -696,6 +697,56 @@ def sparse() -> None:
     print(f"OK {rank}", flush=True)
 
 
+def pipelines() -> None:
+    """torch.distributed.pipelining on our backend, 2 stages: stages built by hand under 1F1B and
+    GPipe, and the pipeline() frontend (traced, split at a layer) under 1F1B; each trains 3 steps
+    and ends with the parameters of the whole model trained in one process on the same batches."""
+    from torch.distributed import pipelining
+
+    dist.init_process_group("collective")
+    rank = dist.get_rank()
+    width, rows, microbatches = 16, 4, 4
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(4)))
+    data = torch.Generator().manual_seed(1)
+    batches = [torch.randn(rows * microbatches, width, generator=data) for _ in range(3)]
+    reference = copy.deepcopy(whole)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x in batches:
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(reference(x), x.flip(1)).backward()
+        optimizer.step()
+    expected = list(reference[2 * rank : 2 * rank + 2].parameters())
+
+    def train(stage: Any, kind: Any, what: str) -> None:
+        # (every stage names the loss: without it a stage runs the forward passes alone)
+        schedule = kind(stage, microbatches, loss_fn=torch.nn.functional.mse_loss)
+        optimizer = torch.optim.SGD(stage.submod.parameters(), lr=0.1)
+        for x in batches:
+            optimizer.zero_grad()
+            if rank == 0:
+                schedule.step(x)
+            else:
+                schedule.step(target=x.flip(1))
+            optimizer.step()
+        trained = list(stage.submod.parameters())
+        assert len(trained) == len(expected), (what, len(trained))
+        for value, wanted in zip(trained, expected, strict=True):
+            torch.testing.assert_close(value, wanted, rtol=1e-5, atol=1e-6, msg=what)
+
+    for kind in (pipelining.Schedule1F1B, pipelining.ScheduleGPipe):
+        mine = copy.deepcopy(whole)[2 * rank : 2 * rank + 2]
+        train(pipelining.PipelineStage(mine, rank, 2, torch.device("cpu")), kind, f"by hand, {kind.__name__}")
+    pipe = pipelining.pipeline(
+        copy.deepcopy(whole),
+        mb_args=(torch.randn(rows, width),),
+        split_spec={"2": pipelining.SplitPoint.BEGINNING},
+    )
+    train(pipe.build_stage(rank, torch.device("cpu")), pipelining.Schedule1F1B, "pipeline() frontend")
+    dist.destroy_process_group()
+    print(f"OK {rank}", flush=True)
+
+
 def main() -> int:
     scenario = sys.argv[1]
     if scenario == "ops":
@@ -710,6 +761,8 @@ def main() -> int:
         mends()
     elif scenario == "sparse":
         sparse()
+    elif scenario == "pipelines":
+        pipelines()
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     return 0

@@ -10,8 +10,8 @@ send/recv, so the step time is bound by point-to-point latency. Each process mak
 twice with the same weights, on the default group (backend "collective") and on a gloo group of
 the same ranks, and times ``--rounds`` steps of each (after a barrier; one untimed first); the
 table gives the median per step and the ratio, and flags parameters that differ between the two.
-torch's pipelining can hang on gloo (its batched send/recv, torch issue 132644): gloo's group has
-a ``--gloo-timeout`` and, once it timed out, the table says so and times ours alone.
+gloo's group has a ``--gloo-timeout``, so a hang there ends (torch issue 132644 reports some in
+pipelining's batched send/recv on gloo): the table then says so and times ours alone.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def worker(args: argparse.Namespace) -> None:
         for name, group in (("collective", None), ("gloo", gloo)):
             module = copy.deepcopy(mine)
             stage = _stage(pipelining, torch, module, rank, args, group)
-            loss = torch.nn.functional.mse_loss if rank == 1 else None
+            loss = torch.nn.functional.mse_loss  # (every stage names it: else it runs forwards alone)
             schedule = kinds[schedule_name](stage, args.microbatches, loss_fn=loss)
             runs[name] = (module, schedule, torch.optim.SGD(module.parameters(), lr=0.01), group)
         ours = statistics.median(_steps(runs["collective"], rank, args.rounds, inputs, targets, dist))
@@ -103,7 +103,7 @@ def worker(args: argparse.Namespace) -> None:
         if gloo_works:
             try:
                 theirs = statistics.median(_steps(runs["gloo"], rank, args.rounds, inputs, targets, dist))
-            except RuntimeError as exc:  # (its timeout: torch's pipelining hangs on gloo, torch issue 132644)
+            except RuntimeError as exc:  # (its timeout)
                 gloo_works, said = False, f"  gloo: {str(exc).splitlines()[0][:120]}"
         same = gloo_works and all(
             torch.equal(a, b)
