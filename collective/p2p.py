@@ -102,6 +102,14 @@ class Mailbox:
                 message.sender, message.receiver, message.tag, buffer.view(dtype).reshape(message.shape), True
             )
 
+    def abandon(self, origin: int, message: P2PMessage) -> None:
+        """The message ``message.ident`` of node ``origin`` will never be whole (its sender failed
+        while sending its parts): what came of it is dropped, and no longer counted."""
+        with self._cv:
+            found = self._assembling.pop((origin, message.ident), None)
+            if found is not None:
+                self._pending[message.sender] -= found[0].nbytes + MESSAGE_COST
+
     def _keep(self, src: int, dst: int, tag: int, data: Array, remote: bool) -> None:
         """Queue ``data`` (its bytes already counted if ``remote``) and wake receivers (lock held)."""
         self._boxes.setdefault((src, dst, tag), deque()).append((data, remote, next(self._order)))
@@ -145,6 +153,7 @@ class Mailbox:
         ``pump(seconds)`` lets messages from other processes arrive while this waits. A message
         that ``refuse`` finds a problem with stays first in line (InvalidArgumentError).
         """
+        looked_last = False  # (a source is gone: what it sent before may still be on its way in)
         while True:
             with self._cv:
                 key = (src, dst, tag) if src is not None else self._earliest(dst, tag)
@@ -167,7 +176,7 @@ class Mailbox:
                 if dropped is not None:
                     raise MismatchError(self._cut_off[dropped])
                 lost = gone(src)
-                if lost is not None:
+                if lost is not None and (pump is None or looked_last):
                     raise lost
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
@@ -180,7 +189,8 @@ class Mailbox:
                 if pump is None:
                     self._cv.wait(min(remaining, 0.05))
             if pump is not None:
-                pump(min(remaining, PUMP_SLICE))
+                looked_last = lost is not None
+                pump(0 if looked_last else min(remaining, PUMP_SLICE))
 
     def _earliest(self, dst: int, tag: int) -> Key | None:
         """The key of the earliest message waiting for ``dst`` with ``tag``, from any source."""

@@ -378,12 +378,15 @@ def staggered(peer: int, world: int) -> int:
     return 2
 
 
-def remote_finish(peer: int, world: int) -> int:
+def remote_finish(peer: int, world: int, receiving: str = "receiving") -> int:
     """2 nodes x 2 peers: peer 3 finishes while its node stays (peer 2 is busy). Peer 0's receive
-    from it and peer 1's collective on [1, 3] (shared memory) waited their whole timeout."""
+    from it and peer 1's collective on [1, 3] (shared memory) waited their whole timeout.
+    ``quiet``: peer 0 receives nothing (its finish notice must arrive though nobody receives)."""
     col.barrier(peer)
     if peer == 2:
         time.sleep(6)  # (kept: the busy peer under test holds its node in the job)
+    if peer == 0 and receiving == "quiet":
+        return 1
     if peer in (0, 1):
         started = time.monotonic()
         try:
@@ -393,6 +396,23 @@ def remote_finish(peer: int, world: int) -> int:
                 col.all_reduce(peer, np.ones(2), group=col.new_group([1, 3]), timeout=20)
         except col.PeerLostError as exc:
             say(f"LOST {peer} {time.monotonic() - started:.1f} {exc}")
+    return 1
+
+
+def sent_then_left(peer: int, world: int, left: str) -> int:
+    """2 nodes x 1 peer: peer 0 sends a small message (shared memory between processes of a host)
+    and its process exits; peer 1 receives it once the file ``left`` says so (the test writes it
+    when node 0 exited), past the grace a node that left is given: the message is still read."""
+    col.barrier(peer)
+    if peer == 0:
+        col.send(peer, np.arange(4.0), 1, tag=3)
+        return 1
+    deadline = time.monotonic() + 30
+    while not os.path.exists(left) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    time.sleep(1.5)  # (kept: the lateness under test, past LEFT_GRACE)
+    np.testing.assert_array_equal(col.recv(peer, 0, tag=3, timeout=10), np.arange(4.0))
+    say("RECEIVED")
     return 1
 
 
@@ -418,6 +438,7 @@ def byte_order(peer: int, world: int) -> int:
 MODES = {
     "byte_order": byte_order,
     "remote_finish": remote_finish,
+    "sent_then_left": sent_then_left,
     "staggered": staggered,
     "p2p": p2p,
     "matrix": matrix,

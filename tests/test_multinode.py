@@ -85,17 +85,32 @@ def test_local_peers_arriving_apart_share_one_deadline_and_one_outcome(orchestra
     assert sorted(line.split()[:2] for line in lines) == [["TIMEOUT", str(p)] for p in range(4)], lines
 
 
+@pytest.mark.parametrize("receiving", ["receiving", "quiet"])
 @pytest.mark.parametrize("shm", ["1", "0"], ids=["shared-memory", "three-phases"])
-def test_a_peer_of_another_node_that_finished_is_lost_at_once(orchestrator: str, shm: str) -> None:
+def test_a_peer_of_another_node_that_finished_is_lost_at_once(
+    orchestrator: str, shm: str, receiving: str
+) -> None:
     """Its node stays (another peer there is busy): a receive from it, and a collective with it
     (through shared memory, or the three phases between nodes), waited for the whole timeout and
-    raised CollectiveTimeout, not PeerLostError."""
-    nodes = start_nodes(orchestrator, job_name(), 2, 2, "remote_finish", shm=shm)
+    raised CollectiveTimeout, not PeerLostError. ``quiet``: no peer of node 0 receives (the finish
+    notice went through shared memory, where nobody looked)."""
+    nodes = start_nodes(orchestrator, job_name(), 2, 2, "remote_finish", receiving, shm=shm)
     for node, code in zip(nodes, finish_all(nodes, 60), strict=True):
         assert code == 0, node.output()
-    for peer in (0, 1):
+    for peer in (0, 1) if receiving == "receiving" else (1,):
         _, line = nodes[0].wait_for(f"LOST {peer}", 1)
         assert float(line.split()[2]) < 3 and "peer 3 called finish()" in line, line  # (node 1 left at 6 s)
+
+
+def test_a_message_sent_before_its_sender_left_is_received_after(orchestrator: str, tmp_path: Path) -> None:
+    """Posted in shared memory, then the sender's process exited; read past the grace a node that
+    left is given (the receive raised PeerLostError: nobody had looked at the queue)."""
+    left = tmp_path / "left"
+    nodes = start_nodes(orchestrator, job_name(), 2, 1, "sent_then_left", str(left))
+    assert nodes[0].wait(60) == 0, nodes[0].output()
+    left.touch()
+    assert nodes[1].wait(60) == 0, nodes[1].output()
+    nodes[1].wait_for("RECEIVED", 1)
 
 
 def test_the_orchestrator_killed_is_a_peer_lost_error_on_every_node() -> None:

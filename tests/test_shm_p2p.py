@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from collective.node.messages import Messages
-from collective.node.protocol import BELL_TAG, P2PMessage
+from collective.node.protocol import BELL_TAG, PART_BYTES, P2PMessage
 from collective.transport.shm_p2p import MESSAGE_BYTES, QUEUE_BYTES, QUEUES, P2PSegment, Queues
 from collective.transport.shm_ring import RingSegment
+from collective.transport.wire import WireError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -112,6 +113,9 @@ class _Network:
     def pump(self, seconds: float) -> None:
         pass
 
+    def on_idle(self, call: Any) -> None:
+        self.idle = call
+
 
 class _Outbox:
     def __init__(self, network: _Network) -> None:
@@ -179,3 +183,49 @@ def test_a_receiver_that_blocks_is_rung(pair: Any) -> None:
     receiver.arrived(0, P2PMessage.decode(header), b"")  # the bell: it looks at shared memory
     assert delivered == [(0, bytes(_message(4)[1]))]
     receiver._queues.mine.waiting[0] = 0
+
+
+def test_a_source_whose_segment_cannot_be_attached_gets_no_counter() -> None:
+    """A counter says "post here": given only to sources attached, whose queues are then read."""
+    mine = P2PSegment.create()
+    assert mine is not None
+    receiver = Queues(mine, 1, {1: mine.name, 0: "/dev/shm/collective-1-0123456789abcdef"})
+    try:
+        assert P2PSegment._index(mine.readers, 0, assign=False) is None
+    finally:
+        receiver.close()
+        mine.close()
+
+
+def test_a_malformed_record_is_refused_and_the_queue_read_no_more(host: tuple[Queues, Queues]) -> None:
+    sender, receiver = host
+    assert sender.post(1, b"header", np.zeros(8, np.uint8))
+    queue = P2PSegment._index(sender.mine.keys, 1, assign=False)
+    assert queue is not None
+    sender.mine.data[queue][:8].view(np.int64)[0] = 12  # (shorter than its own fields)
+    with pytest.raises(WireError, match="malformed record"):
+        receiver.take(0)
+    assert sender.post(1, b"header", np.zeros(8, np.uint8))
+    assert receiver.take(0) == []
+
+
+class _Failing(_Outbox):
+    """Fails the second part of a message in parts (a peer lost mid-send, Ctrl-C)."""
+
+    def send(self, node: int, header: dict[str, Any], payload: Any) -> None:
+        if header["part"] == 1:
+            raise KeyboardInterrupt
+        super().send(node, header, payload)
+
+
+def test_a_message_whose_sender_failed_midway_gives_its_turn_to_the_next(pair: Any) -> None:
+    sender, receiver, delivered, network = pair
+    sender._outbox = _Failing(network)
+    with pytest.raises(KeyboardInterrupt):
+        sender.send(1, *_message(PART_BYTES + 8))  # part 0 sent, then the failure, then a skip
+    sender._outbox = _Outbox(network)
+    sender.send(1, *_message(MESSAGE_BYTES + 8))
+    for _, header, payload in network.sent:
+        receiver.arrived(0, P2PMessage.decode(header), payload.tobytes())
+    assert [(order, len(chunk)) for order, chunk in delivered] == [(0, PART_BYTES), (1, MESSAGE_BYTES + 8)]
+    assert not receiver._held.get(0)  # (nothing waits for a turn that never comes)

@@ -279,6 +279,27 @@ def test_torch_work_success_failure_and_futures() -> None:
         failed.get_future().wait()  # failed in torch's C++ too (what DDP's reducer sees)
 
 
+def test_a_receive_waited_on_from_a_callback_of_the_one_before_runs_at_once() -> None:
+    """A callback of a receive's future (run by the thread that runs the pair's receives) waits
+    on the pair's next receive: it runs there and then (it waited forever: the pair was busy)."""
+    from collective.torch.work import Receives
+
+    receives, ran = Receives("test"), []
+    drives: dict[str, Any] = {}
+
+    def first_then_its_callback() -> None:
+        ran.append("first")
+        drives["second"](True)  # (what the second's work.wait() does)
+        ran.append("callback done")
+
+    first = receives.submit((1, 0), first_then_its_callback)
+    drives["second"] = receives.submit((1, 0), lambda: ran.append("second"))
+    started = threading.active_count()
+    first(True)
+    assert ran == ["first", "second", "callback done"]
+    assert threading.active_count() == started and not receives._queues and not receives._runners
+
+
 def test_wait_returns_once_the_future_is_complete_and_a_callback_may_wait() -> None:
     """wait() returned while the future was still completing: value() then raised torch's internal
     assert (16 to 193 times in 300 async calls)."""

@@ -137,6 +137,7 @@ class NodeNetwork:
         self._queued: dict[tuple[int, int, int], int] = {}  # (node, channel, step) -> bytes queued
         self._overflowed: dict[tuple[int, int, int], str] = {}  # why a node's messages were dropped
         self._deliver: Callable[[int, dict[str, Any], Any], None] | None = None  # p2p messages
+        self._idle: Callable[[], Any] | None = None  # called by the background drain, every DRAIN_EVERY
         self._refused = Throttle(log)
         self._poller = zmq.Poller()
         self._poller.register(self._router, zmq.POLLIN)
@@ -340,9 +341,19 @@ class NodeNetwork:
             self._queued.pop(key, None)
         return header, payload
 
+    def on_idle(self, call: Callable[[], Any]) -> None:
+        """``call()`` every DRAIN_EVERY on the background drain's thread (outside the network's lock):
+        point to point's other path (shared memory) drained too while nobody receives."""
+        self._idle = call
+
     def _drain_between(self) -> None:
         """Background: empty the ROUTER while no collective does (what strangers send is dropped)."""
         while not self._closing.wait(DRAIN_EVERY):
+            if self._idle is not None:
+                try:
+                    self._idle()
+                except Exception:  # (the drain goes on: a failure here must not end it)
+                    log.exception("data service %s: the idle call failed", self.address)
             if not self._lock.acquire(blocking=False):  # a collective is receiving: it drains
                 continue
             try:

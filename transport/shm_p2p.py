@@ -21,12 +21,16 @@ has two writers.
 
 A message that does not fit (over MESSAGE_BYTES, or the queue full because the receiver has not
 read) is refused here (``post`` returns False) and travels over TCP instead; the caller orders
-the two paths (collective.node.membership numbers each pair's messages). Relies on x86-64 store
-ordering, as transport.shm_ring does: a reader that sees ``head`` sees the record before it.
+the two paths (collective.node.messages numbers each pair's messages). Relies on x86-64 store
+ordering, as transport.shm_ring does: a reader that sees ``head`` sees the record before it (so
+it is used on x86-64 only: ORDERED_STORES). A malformed record (a queue written by something else)
+is a WireError, and the queue is read no more.
 """
 
 from __future__ import annotations
 
+import os
+import platform
 import struct
 import threading
 from typing import Any
@@ -34,8 +38,11 @@ from typing import Any
 import numpy as np
 
 from collective.transport.shm_segment import HEADER, Segment
+from collective.transport.wire import WireError
 
-__all__ = ["MESSAGE_BYTES", "QUEUES", "QUEUE_BYTES", "P2PSegment", "Queues"]
+__all__ = ["MESSAGE_BYTES", "ORDERED_STORES", "QUEUES", "QUEUE_BYTES", "P2PSegment", "Queues"]
+
+ORDERED_STORES = platform.machine() in ("x86_64", "AMD64")  # (elsewhere: messages travel over TCP)
 
 QUEUES = 8  # destination processes of this host a process sends to through shared memory
 QUEUE_BYTES = 2 << 20
@@ -95,10 +102,10 @@ class Queues:
         self._theirs: dict[int, P2PSegment | None] = {}
         self._lock = threading.Lock()  # (attaching)
         self._reading = threading.Lock()  # (each queue has one reader)
-        for other in sorted(self._names)[:QUEUES]:  # a counter per source: then it may post here
-            P2PSegment._index(mine.readers, other, assign=True)
-        for other in self._names:  # attached now, while their processes surely run: what one posts
-            self._segment(other)  # before it exits is still read after
+        self._broken: set[int] = set()  # sources whose queue held a malformed record
+        for other in sorted(self._names):  # attached now, while their processes surely run: what one
+            if self._segment(other) is not None:  # posts before it exits is still read after; then a
+                P2PSegment._index(mine.readers, other, assign=True)  # counter: it may post here
 
     def _segment(self, node: int) -> P2PSegment | None:
         with self._lock:
@@ -115,14 +122,14 @@ class Queues:
         now (too large, the queue full, no queue left, no segment): send it another way."""
         theirs = self._segment(node)
         nbytes = payload.nbytes
-        if theirs is None or nbytes > MESSAGE_BYTES:
-            return False
-        queue = P2PSegment._index(self.mine.keys, node, assign=True)
-        if queue is None:
+        if theirs is None or nbytes > MESSAGE_BYTES or os.getpid() != self.mine.pid:  # (a forked child)
             return False
         counter = P2PSegment._index(theirs.readers, self.node, assign=False)
         if counter is None:
             return False  # it reads no queue of ours (not yet joined, or too many processes)
+        queue = P2PSegment._index(self.mine.keys, node, assign=True)
+        if queue is None:
+            return False
         consumed = int(theirs.consumed[counter])
         head = int(self.mine.heads[queue][0])
         length = _RECORD.size + len(header) + nbytes
@@ -150,7 +157,7 @@ class Queues:
 
     def take(self, node: int) -> list[tuple[bytes, np.ndarray]]:
         """Every message ``node`` posted for this process since the last take: (header, payload copy)."""
-        theirs = self._segment(node) if node in self._names else None
+        theirs = self._segment(node) if node in self._names and node not in self._broken else None
         if theirs is None:
             return []
         queue = P2PSegment._index(theirs.keys, self.node, assign=False)
@@ -171,6 +178,18 @@ class Queues:
                     consumed += QUEUE_BYTES - at
                     continue
                 length, header_length, nbytes = _RECORD.unpack_from(data.data, at)
+                if not (
+                    header_length >= 0
+                    and nbytes >= 0
+                    and _RECORD.size + header_length + nbytes <= length
+                    and length % 8 == 0
+                    and at + length <= QUEUE_BYTES
+                    and consumed + length <= head
+                ):
+                    self._broken.add(node)
+                    raise WireError(
+                        f"node {node}'s shared-memory queue holds a malformed record: read no more"
+                    )
                 start = at + _RECORD.size + header_length
                 header = bytes(data[start - header_length : start])
                 payload = data[start : start + nbytes].copy()

@@ -76,9 +76,11 @@ class NodeJob:
             self._context.destroy(linger=0)
             raise
         self._outbox = Outbox(partial(self._network.send, track=True), self._lost)  # point to point
-        shm = os.environ.get("COLLECTIVE_SHM", "1") != "0"  # 0: never the Shm executor (e.g. to compare)
+        shm = os.environ.get("COLLECTIVE_SHM", "1") != "0"  # 0: no shared memory (the Shm executor, p2p)
         self._p2p_segment = P2PSegment.create() if shm else None
-        self._messages = Messages(self._outbox, self._network, self._accept_p2p, self._p2p_segment)
+        self._messages = Messages(
+            self._outbox, self._network, self._accept_p2p, self._p2p_segment, self._abandon_p2p
+        )
         self.topology: Topology | None = None
         self.world = 0
         self._node_of: dict[int, int] = {}
@@ -145,7 +147,7 @@ class NodeJob:
                 notice = P2PMessage(peer, peers[0], FINISHED_TAG, (0,), "uint8")  # (to any peer there)
                 if node != topology.index:
                     with contextlib.suppress(CollectiveError):  # (a node that is gone needs no notice)
-                        self._messages.send(node, notice, np.empty(0, np.uint8))
+                        self._messages.send(node, notice, np.empty(0, np.uint8), tcp=True)
 
     def _finished_among(self, peers: list[int], step: int) -> CollectiveError | None:
         """The error for a step whose call from ``peers``' node has not come, when one of them
@@ -194,6 +196,10 @@ class NodeJob:
             log.warning("refused a point-to-point message from %s: %s", self._describe(node), exc)
             return
         self._messages.arrived(node, message, payload.buffer if payload is not None else b"")
+
+    def _abandon_p2p(self, node: int, message: P2PMessage, chunk: Any) -> None:
+        if self._mailbox is not None:
+            self._mailbox().abandon(node, message)
 
     def _accept_p2p(self, node: int, message: P2PMessage, chunk: Any) -> None:
         """A message from ``node``, in its turn: into the mailbox. WireError: it does not fit."""

@@ -12,6 +12,7 @@ sender that finds it so rings it with a small TCP message (BELL_TAG) after posti
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -21,10 +22,11 @@ from typing import Any
 
 import numpy as np
 
-from collective.node.protocol import BELL_TAG, PART_BYTES, P2PMessage
+from collective.errors import CollectiveError
+from collective.node.protocol import BELL_TAG, PART_BYTES, SKIP_TAG, P2PMessage
 from collective.transport.network import NodeNetwork
 from collective.transport.outbox import Outbox
-from collective.transport.shm_p2p import P2PSegment, Queues
+from collective.transport.shm_p2p import ORDERED_STORES, P2PSegment, Queues
 from collective.transport.wire import WireError, decode_header, encode_header
 
 __all__ = ["Messages"]
@@ -41,11 +43,17 @@ class Messages:
     """Sends numbered per destination node; delivers each source node's messages in their order."""
 
     def __init__(
-        self, outbox: Outbox, network: NodeNetwork, deliver: Deliver, segment: P2PSegment | None
+        self,
+        outbox: Outbox,
+        network: NodeNetwork,
+        deliver: Deliver,
+        segment: P2PSegment | None,
+        abandon: Deliver = lambda node, message, chunk: None,
     ) -> None:
         self._outbox = outbox
         self._network = network
         self._deliver = deliver  # (node, message, payload): one message, in its turn
+        self._abandon = abandon  # (node, SKIP message, b""): the parts of a message never to be whole
         self._segment = segment
         self._queues: Queues | None = None
         self._sending = threading.Lock()  # (a number and its post, or its parts, go together)
@@ -60,31 +68,49 @@ class Messages:
     def connect(self, segments: dict[int, str], processes_here: int) -> None:
         """This host's nodes and their p2p segments' names: their queues attached now (while their
         processes surely run), so what one posts before it exits is still read after."""
-        if self._segment is not None:
+        if self._segment is not None and ORDERED_STORES:
             self._queues = Queues(self._segment, self._network.index, segments)
+            if self._queues.sources():
+                self._network.on_idle(self._take_all)  # (what nobody receives yet: into the mailbox)
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         self._spin = CROWDED_SPIN_SECONDS if processes_here > cpus else SPIN_SECONDS
 
     # -- sending ------------------------------------------------------------------------------------
 
-    def send(self, node: int, message: P2PMessage, data: np.ndarray) -> None:
-        """Send ``message`` with ``data`` (numpy; the caller no longer touches it) to ``node``."""
+    def send(self, node: int, message: P2PMessage, data: np.ndarray, tcp: bool = False) -> None:
+        """Send ``message`` with ``data`` (numpy; the caller no longer touches it) to ``node``; over
+        TCP (``tcp``) for what every node must see though none of its peers receives (a finish
+        notice: the network's background drain delivers it, shared memory waits for a receiver)."""
         payload = data.reshape(-1).view(np.uint8)
+        fields = (message.sender, message.receiver, message.tag, message.shape, message.dtype)
         with self._sending:
             order = self._next.get(node, 0)
-            self._next[node] = order + 1
-            fields = (message.sender, message.receiver, message.tag, message.shape, message.dtype)
-            whole = P2PMessage(*fields, order=order)
-            if self._queues is not None and self._queues.post(node, self._header(whole), payload):
-                if self._queues.wants_bell(node):
+            queues = None if tcp else self._queues
+            if queues is not None and queues.post(
+                node, self._header(P2PMessage(*fields, order=order)), payload
+            ):
+                self._next[node] = order + 1
+                if queues.wants_bell(node):
                     bell = P2PMessage(message.sender, message.receiver, BELL_TAG, (0,), "uint8")
-                    self._network.send(node, bell.encode(), np.empty(0, np.uint8))
+                    with contextlib.suppress(CollectiveError):  # (it is posted: a receiver finds it)
+                        self._network.send(node, bell.encode(), np.empty(0, np.uint8))
                 return
             parts = max(1, -(-payload.nbytes // PART_BYTES))
             ident, self._ids = self._ids, self._ids + 1
             for part in range(parts):
                 header = P2PMessage(*fields, ident, part, parts, order).encode()
-                self._outbox.send(node, header, payload[part * PART_BYTES : (part + 1) * PART_BYTES])
+                try:
+                    self._outbox.send(node, header, payload[part * PART_BYTES : (part + 1) * PART_BYTES])
+                except BaseException:
+                    if part:  # its number is spent: the receiver skips it, and the parts it has
+                        skip = P2PMessage(
+                            message.sender, message.receiver, SKIP_TAG, (0,), "uint8", ident, 0, 1, order
+                        )
+                        with contextlib.suppress(BaseException):
+                            self._network.send(node, skip.encode(), np.empty(0, np.uint8))
+                        self._next[node] = order + 1
+                    raise
+            self._next[node] = order + 1
 
     def _header(self, message: P2PMessage) -> bytes:
         return encode_header({**message.encode(), "job": self._network.job, "src": self._network.index})
@@ -113,7 +139,10 @@ class Messages:
                 else:
                     log.warning("dropped message %d from node %d: delivered before", message.order, node)
                 return
-            self._hand(node, message, chunk)
+            if message.tag == SKIP_TAG:  # its sender failed in the middle: drop what came of it
+                self._abandon(node, message, b"")
+            else:
+                self._hand(node, message, chunk)
             if message.part + 1 < message.parts:
                 return  # (its next parts follow on the same connection)
             expected += 1
@@ -140,7 +169,11 @@ class Messages:
         queues = self._queues
         if queues is None:
             return False
-        taken = queues.take(node)
+        try:
+            taken = queues.take(node)
+        except WireError as exc:
+            log.warning("refused node %d's shared-memory messages: %s", node, exc)
+            return False
         for header, payload in taken:
             try:
                 fields = decode_header(header)
@@ -165,7 +198,7 @@ class Messages:
     def pump(self, seconds: float) -> None:
         """Let messages arrive for up to ``seconds`` (a receive waiting): from shared memory, looked
         at while spinning and then between waits, and over TCP."""
-        if self._queues is None:
+        if self._queues is None or not self._queues.sources():
             self._network.pump(seconds)
             return
         if self._take_all():

@@ -98,6 +98,7 @@ def decode_call(header: dict[str, Any]) -> CallMessage | VerdictMessage:
 PART_BYTES = CHUNK_BYTES  # an array larger than this travels between processes in parts of this size
 FINISHED_TAG = 1 << 63  # (past every user tag) a p2p message with it says its sender called finish()
 BELL_TAG = FINISHED_TAG + 1  # a p2p message with it wakes a receiver: shared memory has messages for it
+SKIP_TAG = FINISHED_TAG + 2  # one with it takes the turn of a message whose sender failed in its middle
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ class TorchWork(dist.Work):  # type: ignore[misc]
         self._source: Any = None
         self._future: Any = None  # made when first asked for (most calls never are: a blocking one)
         self._value: Any = _PENDING  # what completed it: the outputs, or _Failed
-        self._lock = threading.Lock()  # (between completing and making the future)
+        self._lock = threading.RLock()  # (between completing and making the future)
         self._done = threading.Event()  # set once the future, if made, is complete too
         self._error: BaseException | None = None
         self._completer: int | None = None  # the thread completing the future (running its callbacks)
@@ -178,15 +178,14 @@ class TorchWork(dist.Work):  # type: ignore[misc]
         marks the future failed in torch's C++ (what DDP's reducer checks); ``Future.set_exception``
         would only store the error as a value, which the reducer would read as its result."""
         self._wanted()
-        with self._lock:
-            if self._future is not None:
-                return self._future
-            source = torch.futures.Future()
-            self._future = source.then(_unwrap)
-            value, self._source = self._value, source
-        if value is not _PENDING:  # it completed before anyone asked: complete the future now
-            source.set_result(value)
-        return self._future
+        with self._lock:  # (held while completing it: no other caller gets it before it is complete)
+            if self._future is None:
+                source = torch.futures.Future()
+                self._future = source.then(_unwrap)
+                self._source = source
+                if self._value is not _PENDING:  # it completed before anyone asked
+                    source.set_result(self._value)
+            return self._future
 
     def is_completed(self) -> bool:
         self._wanted()
@@ -228,62 +227,82 @@ class Receives:
     earlier receives (a blocking ``dist.recv`` so costs no thread: gloo's latency). Once anything
     else asks after a work (its future, ``is_completed``), a thread of the pair's runs the pair's
     queue, ending with its last receive; so a pending ``irecv`` holds up nothing else, and a pair
-    is run by one thread at a time, its receives in order. Until then a message waits in the
-    mailbox, as it would for a receive not yet issued.
+    is run by one thread at a time, its receives in order (a receive leaves the queue as it starts:
+    a callback of its future, run by the same thread, may wait on the pair's next ones). Until then
+    a message waits in the mailbox, as it would for a receive not yet issued.
     """
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._lock = threading.Lock()
         self._queues: dict[tuple[int, int], deque[_Receive]] = {}
-        self._running: set[tuple[int, int]] = set()  # pairs a thread runs the queue of now
+        self._runners: dict[
+            tuple[int, int], int | None
+        ] = {}  # pair -> the thread running it (None: starting)
 
     def submit(self, key: tuple[int, int], job: Callable[[], None]) -> Callable[[bool], None]:
         """Queue ``job`` (which handles its own errors) behind the pair's earlier receives; returns
-        what runs it: ``drive(True)`` here and now (unless a thread runs the pair: then it will),
-        ``drive(False)`` on the pair's thread."""
+        what runs it: ``drive(True)`` here and now (unless another thread runs the pair: then it
+        will), ``drive(False)`` on the pair's thread."""
         receive = _Receive(job)
         with self._lock:
             self._queues.setdefault(key, deque()).append(receive)
         return partial(self._drive, key, receive)
 
     def _drive(self, key: tuple[int, int], receive: _Receive, here: bool) -> None:
+        me = threading.get_ident()
         with self._lock:
             queue = self._queues.get(key)
             if queue is None or receive not in queue:
-                return  # it ran
+                return  # it runs or ran
             receive.wanted = True
-            if key in self._running:
-                return  # it will run on the thread that runs the pair now
-            self._running.add(key)
+            if key in self._runners:
+                if self._runners[key] != me:
+                    return  # the thread that runs the pair runs it
+                here = nested = True  # (this thread runs the pair: a callback waits on a later receive)
+            else:
+                nested = False
+                self._runners[key] = me if here else None
         if here:
-            self._run(key, until=receive)
+            self._run(key, until=receive, nested=nested)
         else:
             self._thread(key)
 
     def _thread(self, key: tuple[int, int]) -> None:
-        """Start the pair's thread (the pair is marked running)."""
+        """Start the pair's thread (the pair is marked as run by it)."""
         name = f"{self._name}-{key[0]}-{key[1]}"
         threading.Thread(target=self._run, args=(key,), name=name, daemon=True).start()
 
-    def _run(self, key: tuple[int, int], until: _Receive | None = None) -> None:
+    def _run(self, key: tuple[int, int], until: _Receive | None = None, nested: bool = False) -> None:
         """Run the pair's receives in order: up to ``until`` (on a waiting thread) or all of them
         (on the pair's thread). A waiter leaves the rest to a thread if one of them is wanted."""
-        while True:
+        if until is None:
             with self._lock:
-                queue = self._queues[key]
-                if not queue or (until is not None and until not in queue):
+                self._runners[key] = threading.get_ident()
+        try:
+            while True:
+                with self._lock:
+                    queue = self._queues.get(key)
                     if not queue:
-                        del self._queues[key]
-                    elif any(receive.wanted for receive in queue):
-                        self._thread(key)  # (the pair stays running: the thread has it)
-                        return
-                    self._running.discard(key)
-                    return
-                head = queue[0]
-            head.job()
-            with self._lock:
-                queue.popleft()
+                        break
+                    head = queue.popleft()
+                head.job()
+                if head is until:
+                    break
+        finally:
+            if not nested:
+                self._release(key)
+
+    def _release(self, key: tuple[int, int]) -> None:
+        with self._lock:
+            queue = self._queues.get(key)
+            if queue and any(receive.wanted for receive in queue):
+                self._runners[key] = None
+                self._thread(key)  # (the pair stays run: by the thread)
+                return
+            if not queue:
+                self._queues.pop(key, None)
+            self._runners.pop(key, None)
 
 
 def host(tensor: Any) -> Any:
