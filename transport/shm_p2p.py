@@ -103,6 +103,7 @@ class Queues:
         self._lock = threading.Lock()  # (attaching)
         self._reading = threading.Lock()  # (each queue has one reader)
         self._broken: set[int] = set()  # sources whose queue held a malformed record
+        self._watched: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # source -> (its head, our consumed)
         for other in sorted(self._names):  # attached now, while their processes surely run: what one
             if self._segment(other) is not None:  # posts before it exits is still read after; then a
                 P2PSegment._index(mine.readers, other, assign=True)  # counter: it may post here
@@ -155,6 +156,27 @@ class Queues:
         theirs = self._segment(node)
         return theirs is not None and bool(theirs.waiting[0])
 
+    def posted(self) -> list[int]:
+        """The sources that posted something not yet taken (a look at two words each, no lock: what
+        a waiting receiver spins on)."""
+        found = []
+        for node, (head, consumed) in list(self._watched.items()):  # (other threads may add to it)
+            if head[0] != consumed[0]:
+                found.append(node)
+        if len(self._watched) < len(self._names):  # (a source's queue is found once it posted)
+            found += [node for node in self._names if node not in self._watched and self._watch(node)]
+        return found
+
+    def _watch(self, node: int) -> bool:
+        """Start watching ``node``'s queue for this process, if it has one yet."""
+        theirs = self._segment(node) if node not in self._broken else None
+        queue = P2PSegment._index(theirs.keys, self.node, assign=False) if theirs is not None else None
+        counter = P2PSegment._index(self.mine.readers, node, assign=False)
+        if theirs is None or queue is None or counter is None:
+            return False
+        self._watched[node] = (theirs.heads[queue], self.mine.consumed[counter : counter + 1])
+        return True
+
     def take(self, node: int) -> list[tuple[bytes, np.ndarray]]:
         """Every message ``node`` posted for this process since the last take: (header, payload copy)."""
         theirs = self._segment(node) if node in self._names and node not in self._broken else None
@@ -187,6 +209,7 @@ class Queues:
                     and consumed + length <= head
                 ):
                     self._broken.add(node)
+                    self._watched.pop(node, None)
                     raise WireError(
                         f"node {node}'s shared-memory queue holds a malformed record: read no more"
                     )
@@ -208,3 +231,4 @@ class Queues:
                 if segment is not None:
                     segment.close()
             self._theirs.clear()
+            self._watched.clear()

@@ -191,7 +191,7 @@ class Messages:
         if queues is None:
             return False
         found = False
-        for node in queues.sources():
+        for node in queues.posted():
             found = self._take(node) or found
         return found
 
