@@ -7,6 +7,7 @@ build). The processes run tests/torch_worker.py with torchrun's variables on 127
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -317,6 +318,41 @@ def test_wait_returns_once_the_future_is_complete_and_a_callback_may_wait() -> N
 
 
 # -- the benchmarks ---------------------------------------------------------------------------------
+
+
+def _bench(module: str, *argv: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", f"collective.bench.torch_backend.{module}", *argv],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        env=CLEAN,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+def test_bench_torch_calls_times_round_trips_and_all_reduce_beside_gloo() -> None:
+    out = _bench(
+        "calls", "--op", "pingpong", "--op", "all_reduce", "--dtype", "bfloat16", "--sizes", "8,4096"
+    )
+    out += _bench("calls", "--rounds", "1", "--iters", "3", "--sizes", "8")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["pingpong"], ["all_reduce"])]
+    assert [row[:3] for row in rows] == [
+        ["pingpong", "bfloat16", "8"],
+        ["pingpong", "bfloat16", "4096"],
+        ["all_reduce", "bfloat16", "8"],
+        ["all_reduce", "bfloat16", "4096"],
+        ["pingpong", "float32", "8"],
+    ], out
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in rows), out
+
+
+def test_bench_torch_pipeline_times_both_schedules_beside_gloo_with_the_same_parameters() -> None:
+    out = _bench("pipeline", "--rounds", "2", "--microbatches", "2", "--width", "8")
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split()[:1] in (["1F1B"], ["GPipe"])}
+    assert sorted(rows) == ["1F1B", "GPipe"], out
+    assert not any("DIFFER" in row or "nan" in row for row in rows.values()), out
 
 
 def test_bench_backend_torch_times_ours_beside_gloo(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -26,15 +23,11 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from collective.bench.torch_backend.ranks import run_ranks
+
 __all__ = ["main"]
 
 SIZES = (8, 1024, 65536, 1 << 20)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _time(call: Any, iters: int, dist: Any, group: Any) -> float:
@@ -138,32 +131,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker(args)
         return 0
     argv = list(sys.argv[1:] if argv is None else argv)
-    port = _free_port()
     print(f"# {args.ranks} processes; us per call, median of {args.rounds} rounds (pingpong: a round trip)")
     print(f"{'op':>10} {'dtype':>9} {'bytes':>10} {'collective':>11} {'gloo':>11} {'ratio':>7}", flush=True)
-    processes = []
-    for rank in range(args.ranks):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(args.ranks),
-            "LOCAL_WORLD_SIZE": str(args.ranks),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        command = [sys.executable, "-m", "collective.bench.torch_backend.calls", *argv, "--worker"]
-        processes.append(subprocess.Popen(command, env=env))
-    codes = []
-    try:
-        codes = [process.wait() for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return max(codes, default=1)
+    return run_ranks("collective.bench.torch_backend.calls", argv, args.ranks)
 
 
 if __name__ == "__main__":

@@ -18,25 +18,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+from collective.bench.torch_backend.ranks import run_ranks
+
 __all__ = ["main"]
 
 SCHEDULES = ("1F1B", "GPipe")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _stage(pipelining: Any, torch: Any, module: Any, rank: int, args: argparse.Namespace, group: Any) -> Any:
@@ -137,35 +130,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def _launch(argv: list[str], schedule: str) -> int:
-    """One schedule's two processes (a pair of its own: what a schedule leaves behind, say gloo's
-    group after its timeout, never meets the next)."""
-    port = _free_port()
-    processes = []
-    for rank in range(2):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": "2",
-            "LOCAL_WORLD_SIZE": "2",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-        }
-        command = [sys.executable, "-m", "collective.bench.torch_backend.pipeline", *argv]
-        processes.append(subprocess.Popen([*command, "--schedule", schedule, "--worker"], env=env))
-    codes = []
-    try:
-        codes = [process.wait() for process in processes]
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    return max(codes, default=1)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     if args.worker:
@@ -176,7 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     shape = f"{args.microbatches} micro-batches of {args.rows} x {args.width}"
     print(f"# 2 stages, {shape}; median of {args.rounds} steps", flush=True)
     print(f"{'schedule':>9} {'collective ms':>14} {'gloo ms':>9} {'ratio':>7}", flush=True)
-    return max(_launch(rest, schedule) for schedule in args.schedule)
+    module = "collective.bench.torch_backend.pipeline"  # (each schedule in a pair of processes of its own:
+    # what one leaves behind, say gloo's group after its timeout, never meets the next)
+    return max(run_ranks(module, [*rest, "--schedule", schedule], 2) for schedule in args.schedule)
 
 
 if __name__ == "__main__":
