@@ -394,8 +394,10 @@ def test_launch_whose_output_reader_left_stops_its_nodes_as_a_pipeline_does() ->
         launched.wait(10)
 
 
-def test_launch_whose_reader_leaves_after_its_nodes_ended_says_so() -> None:
+def test_launch_whose_reader_leaves_after_its_nodes_ended_says_so(tmp_path: Path) -> None:
     """The nodes' last output was still on its way when the reader left: launch exited 0."""
+    marker = f"open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w')"
+    node = f"import os; print('x' * 200_000, flush=True); {marker}"
     argv = [
         sys.executable,
         "-m",
@@ -407,18 +409,14 @@ def test_launch_whose_reader_leaves_after_its_nodes_ended_says_so() -> None:
         "30",
         sys.executable,
         "-c",
-        "print('x' * 200_000)",
+        node,
     ]
     launched = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=CLEAN)
     try:
-        nodes: set[int] = set()  # seen so far (launch reaps them as they end)
 
-        def nodes_ended() -> bool:
-            for pid in _children_of(launched.pid):
-                with contextlib.suppress(OSError):
-                    if b"print(" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                        nodes.add(pid)
-            return len(nodes) == 2 and not any(map(_running, nodes))
+        def nodes_ended() -> bool:  # (each node names itself once its output is out: then it ends)
+            pids = [int(name) for name in os.listdir(tmp_path)]
+            return len(pids) == 2 and not any(map(_running, pids))
 
         wait_until(nodes_ended, 30, "the nodes ending")  # meanwhile: launch's pump waits on the full pipe
         assert launched.stdout is not None and launched.stdout.read(10)

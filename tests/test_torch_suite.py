@@ -20,7 +20,6 @@ import pytest
 from tests.torch_suite.run import error_summary, exception_lines, selected
 
 pytest.importorskip("torch")
-pytest.importorskip("torch.testing._internal.common_distributed")
 
 pytestmark = pytest.mark.timeout(400)
 
