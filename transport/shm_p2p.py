@@ -104,6 +104,7 @@ class Queues:
         self._reading = threading.Lock()  # (each queue has one reader)
         self._broken: set[int] = set()  # sources whose queue held a malformed record
         self._watched: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # source -> (its head, our consumed)
+        self._routes: dict[int, tuple[int, np.ndarray]] = {}  # destination -> (our queue, its consumed)
         for other in sorted(self._names):  # attached now, while their processes surely run: what one
             if self._segment(other) is not None:  # posts before it exits is still read after; then a
                 P2PSegment._index(mine.readers, other, assign=True)  # counter: it may post here
@@ -121,17 +122,12 @@ class Queues:
     def post(self, node: int, header: bytes, payload: np.ndarray) -> bool:
         """Write one message for ``node`` (callers serialise their posts); False if it does not fit
         now (too large, the queue full, no queue left, no segment): send it another way."""
-        theirs = self._segment(node)
         nbytes = payload.nbytes
-        if theirs is None or nbytes > MESSAGE_BYTES or os.getpid() != self.mine.pid:  # (a forked child)
+        route = self._routes.get(node) or self._route(node)
+        if route is None or nbytes > MESSAGE_BYTES or os.getpid() != self.mine.pid:  # (a forked child)
             return False
-        counter = P2PSegment._index(theirs.readers, self.node, assign=False)
-        if counter is None:
-            return False  # it reads no queue of ours (not yet joined, or too many processes)
-        queue = P2PSegment._index(self.mine.keys, node, assign=True)
-        if queue is None:
-            return False
-        consumed = int(theirs.consumed[counter])
+        queue, consumed_word = route
+        consumed = int(consumed_word[0])
         head = int(self.mine.heads[queue][0])
         length = _RECORD.size + len(header) + nbytes
         length += -length % 8
@@ -151,9 +147,22 @@ class Queues:
         self.mine.heads[queue][0] = head + skip + length  # last: the record is complete
         return True
 
+    def _route(self, node: int) -> tuple[int, np.ndarray] | None:
+        """(our queue for ``node``, its counter of what it read of it), found once ``node`` keeps a
+        counter for us (it joined; not too many processes): None until then."""
+        theirs = self._segment(node)
+        counter = P2PSegment._index(theirs.readers, self.node, assign=False) if theirs is not None else None
+        if theirs is None or counter is None:
+            return None  # it reads no queue of ours (yet)
+        queue = P2PSegment._index(self.mine.keys, node, assign=True)
+        if queue is None:
+            return None
+        self._routes[node] = (queue, theirs.consumed[counter : counter + 1])
+        return self._routes[node]
+
     def wants_bell(self, node: int) -> bool:
         """Whether ``node`` blocks in a receive (so a message posted for it needs a bell over TCP)."""
-        theirs = self._segment(node)
+        theirs = self._theirs.get(node)
         return theirs is not None and bool(theirs.waiting[0])
 
     def posted(self) -> list[int]:
@@ -232,3 +241,4 @@ class Queues:
                     segment.close()
             self._theirs.clear()
             self._watched.clear()
+            self._routes.clear()

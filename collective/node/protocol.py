@@ -144,8 +144,15 @@ class P2PMessage:
         order = header.get("order", -1)
         if not counted(order, minimum=-1):
             raise WireError(f"invalid p2p order {order!r}")
-        dtype = str(dtype_from_name(header.get("dtype")))
+        name = header.get("dtype")
+        dtype = _DTYPE_NAMES.get(name) if isinstance(name, str) else None
+        if dtype is None:  # (once per name: numpy's dtype names cost microseconds, a message's budget)
+            dtype = str(dtype_from_name(name))  # (WireError unless it is one)
+            _DTYPE_NAMES[str(name)] = dtype
         return cls(sender, receiver, tag, shape_of(header.get("shape")), dtype, ident, part, parts, order)
+
+
+_DTYPE_NAMES: dict[str, str] = {}  # a dtype's name on the wire -> numpy's name of it (checked)
 
 
 def verdict_error(

@@ -12,10 +12,9 @@ seconds (heartbeats), not the end of the timeout.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from collective.errors import CollectiveError, CollectiveTimeout
@@ -70,10 +69,12 @@ class PointToPoint:
 
         def body() -> None:
             buffer = host(tensor)
-            with _named(wire, tag):
+            try:
                 self.runtime.recv(
                     self.peer, source, wire, timeout=self.timeout, out=array(buffer).reshape(-1)
                 )
+            except CollectiveTimeout as exc:
+                raise _named(exc, wire, tag) from None
             store_back(buffer, tensor)
 
         work = self.launch("recv", body, [tensor], _ASYNC, (source, wire))
@@ -89,9 +90,11 @@ class PointToPoint:
 
         def body() -> None:
             buffer = host(tensor)
-            with _named(wire, tag):
+            try:
                 flat = array(buffer).reshape(-1)
                 source, _ = self.runtime.recv_any(self.peer, wire, timeout=self.timeout, out=flat)
+            except CollectiveTimeout as exc:
+                raise _named(exc, wire, tag) from None
             store_back(buffer, tensor)
             sender.append(source)
 
@@ -100,13 +103,9 @@ class PointToPoint:
         return work
 
 
-@contextlib.contextmanager
-def _named(wire: int, tag: int) -> Iterator[None]:
-    """A receive's timeout names torch's tag, not the one with its group's key."""
-    try:
-        yield
-    except CollectiveTimeout as exc:
-        raise CollectiveTimeout(str(exc).replace(str(wire), str(tag)), exc.missing) from None
+def _named(exc: CollectiveTimeout, wire: int, tag: int) -> CollectiveTimeout:
+    """A receive's timeout naming torch's tag, not the one with its group's key."""
+    return CollectiveTimeout(str(exc).replace(str(wire), str(tag)), exc.missing)
 
 
 class _Async:
