@@ -229,3 +229,27 @@ def test_a_message_whose_sender_failed_midway_gives_its_turn_to_the_next(pair: A
         receiver.arrived(0, P2PMessage.decode(header), payload.tobytes())
     assert [(order, len(chunk)) for order, chunk in delivered] == [(0, PART_BYTES), (1, MESSAGE_BYTES + 8)]
     assert not receiver._held.get(0)  # (nothing waits for a turn that never comes)
+
+
+def test_a_skip_that_waited_for_its_turn_is_no_message(pair: Any) -> None:
+    """A small message in shared memory (number 0) is late; a send in parts (number 1) fails after
+    its first part and its skip arrives before number 0 is read: once 0 is in, 1 is skipped (its
+    part dropped, not delivered as a message) and 2 follows."""
+    sender, receiver, delivered, network = pair
+    receiver._queues, queues = None, receiver._queues  # (number 0 not visible yet)
+    sender.send(1, *_message(5))
+    sender._outbox = _Failing(network)
+    with pytest.raises(KeyboardInterrupt):
+        sender.send(1, *_message(PART_BYTES + 8))
+    sender._outbox = _Outbox(network)
+    sender.send(1, *_message(MESSAGE_BYTES + 8))
+    for _, header, payload in network.sent:  # part 0 of 1, the skip of 1, then 2: all held
+        receiver.arrived(0, P2PMessage.decode(header), payload.tobytes())
+    assert delivered == []
+    receiver._queues = queues
+    receiver.pump(0)  # number 0 read: the rest in turn
+    assert [(order, len(chunk)) for order, chunk in delivered] == [
+        (0, 5),
+        (1, PART_BYTES),
+        (2, MESSAGE_BYTES + 8),
+    ]

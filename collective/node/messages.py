@@ -139,10 +139,7 @@ class Messages:
                 else:
                     log.warning("dropped message %d from node %d: delivered before", message.order, node)
                 return
-            if message.tag == SKIP_TAG:  # its sender failed in the middle: drop what came of it
-                self._abandon(node, message, b"")
-            else:
-                self._hand(node, message, chunk)
+            self._hand(node, message, chunk)
             if message.part + 1 < message.parts:
                 return  # (its next parts follow on the same connection)
             expected += 1
@@ -159,7 +156,11 @@ class Messages:
             self._expected[node] = expected
 
     def _hand(self, node: int, message: P2PMessage, chunk: Any) -> None:
+        """One message (or part) in its turn: to the mailbox; a skip drops what came of its message."""
         try:
+            if message.tag == SKIP_TAG:  # (its sender failed in the middle of it)
+                self._abandon(node, message, b"")
+                return
             self._deliver(node, message, chunk)
         except WireError as exc:
             log.warning("refused a point-to-point message from node %d: %s", node, exc)
