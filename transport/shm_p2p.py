@@ -103,7 +103,8 @@ class Queues:
         self._lock = threading.Lock()  # (attaching)
         self._reading = threading.Lock()  # (each queue has one reader)
         self._broken: set[int] = set()  # sources whose queue held a malformed record
-        self._watched: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # source -> (its head, our consumed)
+        self._watched: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # source -> (its queue's
+        # bytes, its head, our counter of what we read of it)
         self._routes: dict[int, tuple[int, np.ndarray]] = {}  # destination -> (our queue, its consumed)
         for other in sorted(self._names):  # attached now, while their processes surely run: what one
             if self._segment(other) is not None:  # posts before it exits is still read after; then a
@@ -169,7 +170,7 @@ class Queues:
         """The sources that posted something not yet taken (a look at two words each, no lock: what
         a waiting receiver spins on)."""
         found = []
-        for node, (head, consumed) in list(self._watched.items()):  # (other threads may add to it)
+        for node, (_, head, consumed) in list(self._watched.items()):  # (other threads may add to it)
             if head[0] != consumed[0]:
                 found.append(node)
         if len(self._watched) < len(self._names):  # (a source's queue is found once it posted)
@@ -177,30 +178,30 @@ class Queues:
         return found
 
     def _watch(self, node: int) -> bool:
-        """Start watching ``node``'s queue for this process, if it has one yet."""
-        theirs = self._segment(node) if node not in self._broken else None
+        """Start watching ``node``'s queue for this process, if it has one yet (found once: the
+        queue and our counter of it never move)."""
+        theirs = self._segment(node) if node in self._names and node not in self._broken else None
         queue = P2PSegment._index(theirs.keys, self.node, assign=False) if theirs is not None else None
         counter = P2PSegment._index(self.mine.readers, node, assign=False)
         if theirs is None or queue is None or counter is None:
-            return False
-        self._watched[node] = (theirs.heads[queue], self.mine.consumed[counter : counter + 1])
+            return False  # (no counter: more sources than counters, so its sender posts nothing)
+        self._watched[node] = (
+            theirs.data[queue],
+            theirs.heads[queue],
+            self.mine.consumed[counter : counter + 1],
+        )
         return True
 
     def take(self, node: int) -> list[tuple[bytes, np.ndarray]]:
         """Every message ``node`` posted for this process since the last take: (header, payload copy)."""
-        theirs = self._segment(node) if node in self._names and node not in self._broken else None
-        if theirs is None:
-            return []
-        queue = P2PSegment._index(theirs.keys, self.node, assign=False)
-        if queue is None:
+        if node not in self._watched and not self._watch(node):
             return []
         with self._reading:
-            head = int(theirs.heads[queue][0])
-            counter = P2PSegment._index(self.mine.readers, node, assign=False)
-            if counter is None:  # (more sources than counters: its sender found none, so posted nothing)
+            watched = self._watched.get(node)
+            if watched is None:  # (its queue was found malformed meanwhile)
                 return []
-            consumed = int(self.mine.consumed[counter])
-            data = theirs.data[queue]
+            data, head_word, consumed_word = watched
+            head, consumed = int(head_word[0]), int(consumed_word[0])
             taken: list[tuple[bytes, np.ndarray]] = []
             while consumed < head:
                 at = consumed % QUEUE_BYTES
@@ -227,7 +228,7 @@ class Queues:
                 payload = data[start : start + nbytes].copy()
                 taken.append((header, payload))
                 consumed += length
-            self.mine.consumed[counter] = consumed
+            consumed_word[0] = consumed
             return taken
 
     def sources(self) -> list[int]:
