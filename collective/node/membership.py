@@ -48,7 +48,6 @@ Host = tuple[Any, Any]  # a host identity and a user: processes sharing both sha
 
 log = logging.getLogger(__name__)
 
-_DTYPE_NAMES: dict[Any, str] = {}  # a dtype -> its name (numpy makes it anew each time: microseconds)
 LEFT_GRACE = 1.0  # a node that left cleanly may still have data in flight: wait this long for it
 
 
@@ -182,8 +181,7 @@ class NodeJob:
     def send_p2p(self, src: int, dst: int, tag: int, data: Any) -> None:
         """Send ``data`` (a numpy copy the caller no longer touches) from peer ``src`` to ``dst``:
         through shared memory or over TCP, delivered in the order sent (collective.node.messages)."""
-        name = _DTYPE_NAMES.get(data.dtype) or _DTYPE_NAMES.setdefault(data.dtype, str(data.dtype))
-        self._messages.send(self._node_of[dst], P2PMessage(src, dst, tag, tuple(data.shape), name), data)
+        self._messages.send(self._node_of[dst], P2PMessage.of(src, dst, tag, data), data)
 
     def pump(self, seconds: float) -> None:
         """Let messages arrive for up to ``seconds`` (a receive that waits outside any collective)."""

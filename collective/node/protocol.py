@@ -118,6 +118,12 @@ class P2PMessage:
     parts: int = 1
     order: int = -1
 
+    @classmethod
+    def of(cls, sender: int, receiver: int, tag: int, data: Any) -> P2PMessage:
+        """The message that carries the array ``data`` whole."""
+        name = _NAMES.get(data.dtype) or _NAMES.setdefault(data.dtype, str(data.dtype))
+        return cls(sender, receiver, tag, tuple(data.shape), name)
+
     def encode(self) -> dict[str, Any]:
         return {
             "t": "p2p",
@@ -146,12 +152,14 @@ class P2PMessage:
             raise WireError(f"invalid p2p order {order!r}")
         name = header.get("dtype")
         dtype = _DTYPE_NAMES.get(name) if isinstance(name, str) else None
-        if dtype is None:  # (once per name: numpy's dtype names cost microseconds, a message's budget)
+        if dtype is None:
             dtype = str(dtype_from_name(name))  # (WireError unless it is one)
             _DTYPE_NAMES[str(name)] = dtype
         return cls(sender, receiver, tag, shape_of(header.get("shape")), dtype, ident, part, parts, order)
 
 
+# dtype names, each made once (numpy makes them anew each time: microseconds, a message's budget)
+_NAMES: dict[Any, str] = {}  # a dtype -> its name on the wire
 _DTYPE_NAMES: dict[str, str] = {}  # a dtype's name on the wire -> numpy's name of it (checked)
 
 
