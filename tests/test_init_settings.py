@@ -159,21 +159,13 @@ def test_mpirun_inside_a_slurm_job_is_read_from_its_own_variables() -> None:
     assert (launched.source, launched.rank, launched.world) == ("Open MPI", 3, 4)
 
 
+def launch_argv(nodes: int, *program: str) -> list[str]:
+    """``python -m collective launch --nodes NODES --timeout 30 PROGRAM...``"""
+    return [sys.executable, "-m", "collective", "launch", "--nodes", str(nodes), "--timeout", "30", *program]
+
+
 def test_launch_takes_a_separator_before_the_program() -> None:
-    argv = [
-        sys.executable,
-        "-m",
-        "collective",
-        "launch",
-        "--nodes",
-        "1",
-        "--timeout",
-        "30",
-        "--",
-        "sh",
-        "-c",
-        "echo rank=$RANK",
-    ]
+    argv = launch_argv(1, "--", "sh", "-c", "echo rank=$RANK")
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=CLEAN)
     assert done.returncode == 0, done.stderr
     assert "rank=0" in done.stdout
@@ -185,20 +177,7 @@ def test_launch_passes_on_output_that_is_no_utf8() -> None:
     program = "import sys; sys.stdout.buffer.write(b'caf\\xe9\\n'); sys.stdout.flush(); " + (
         "[print(i) for i in range(100000)]"
     )
-    argv = [
-        sys.executable,
-        "-m",
-        "collective",
-        "launch",
-        "--nodes",
-        "2",
-        "--timeout",
-        "30",
-        "--",
-        sys.executable,
-        "-c",
-        program,
-    ]
+    argv = launch_argv(2, "--", sys.executable, "-c", program)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=CLEAN)
     assert done.returncode == 0 and "UnicodeDecodeError" not in done.stderr, done.stderr[-2000:]
     for node in (0, 1):
@@ -215,7 +194,7 @@ def test_launch_killed_outright_leaves_no_orchestrator_behind(tmp_path: Path) ->
         "    col.barrier(peer)\n    time.sleep(0.05)\n"
     )
     launch = subprocess.Popen(
-        [sys.executable, "-m", "collective", "launch", "--nodes", "2", "--timeout", "30", str(script)],
+        launch_argv(2, str(script)),
         env=CLEAN,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -258,23 +237,7 @@ def _running(pid: int) -> bool:
 def test_launch_gives_everything_after_m_module_to_the_module(tmp_path: Path) -> None:
     """``-m mod --nodes 3`` started 3 nodes and gave the module no arguments (launch took them)."""
     (tmp_path / "echo_args.py").write_text("import os, sys\nprint(os.environ['WORLD_SIZE'], sys.argv[1:])\n")
-    argv = [
-        sys.executable,
-        "-m",
-        "collective",
-        "launch",
-        "--nodes",
-        "1",
-        "--timeout",
-        "30",
-        "-m",
-        "echo_args",
-        "--nodes",
-        "3",
-        "--job",
-        "x",
-        "--help",
-    ]
+    argv = launch_argv(1, "-m", "echo_args", "--nodes", "3", "--job", "x", "--help")
     env = {**CLEAN, "PYTHONPATH": str(tmp_path)}
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert done.returncode == 0, done.stderr
@@ -349,19 +312,7 @@ def test_a_named_orchestrator_without_master_addr_gives_the_address_reaching_it(
 @pytest.mark.parametrize(("signal_number", "status"), [(9, 137), (15, 143)])
 def test_launch_reports_a_node_killed_by_a_signal_as_a_shell_does(signal_number: int, status: int) -> None:
     kill = f"import os; os.kill(os.getpid(), {signal_number})"
-    argv = [
-        sys.executable,
-        "-m",
-        "collective",
-        "launch",
-        "--nodes",
-        "1",
-        "--timeout",
-        "30",
-        sys.executable,
-        "-c",
-        kill,
-    ]
+    argv = launch_argv(1, sys.executable, "-c", kill)
     done = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=CLEAN)
     assert done.returncode == status, done.stderr
     assert f"node 0 was killed by signal {signal_number}" in done.stderr
@@ -370,19 +321,10 @@ def test_launch_reports_a_node_killed_by_a_signal_as_a_shell_does(signal_number:
 def test_launch_whose_output_reader_left_stops_its_nodes_as_a_pipeline_does() -> None:
     """``collective launch ... | head -1``: the pump wrote into a closed pipe (BrokenPipeError),
     the nodes blocked on their full pipes, and launch waited for them forever."""
-    argv = [
-        sys.executable,
-        "-m",
-        "collective",
-        "launch",
-        "--nodes",
-        "2",
-        "--timeout",
-        "30",
-        sys.executable,
-        "-c",
-        "import time\nfor i in range(10**6): print(i, flush=True)\ntime.sleep(60)",  # (holds: not an order)
-    ]
+    program = (
+        "import time\nfor i in range(10**6): print(i, flush=True)\ntime.sleep(60)"  # (holds: not an order)
+    )
+    argv = launch_argv(2, sys.executable, "-c", program)
     launched = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=CLEAN)
     try:
         assert launched.stdout is not None and launched.stdout.readline().startswith("[node ")
@@ -398,19 +340,7 @@ def test_launch_whose_reader_leaves_after_its_nodes_ended_says_so(tmp_path: Path
     """The nodes' last output was still on its way when the reader left: launch exited 0."""
     marker = f"open(os.path.join({str(tmp_path)!r}, str(os.getpid())), 'w')"
     node = f"import os; print('x' * 200_000, flush=True); {marker}"
-    argv = [
-        sys.executable,
-        "-m",
-        "collective",
-        "launch",
-        "--nodes",
-        "2",
-        "--timeout",
-        "30",
-        sys.executable,
-        "-c",
-        node,
-    ]
+    argv = launch_argv(2, sys.executable, "-c", node)
     launched = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=CLEAN)
     try:
 
