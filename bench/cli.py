@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import sys
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from typing import IO
 
 from collective.algorithms.strategies import parse_strategy
+from collective.bench.hosts import EmulatedHosts, link_bytes_per_second, unavailable
 from collective.bench.multinode import run_gloo, run_nodes, torch_available
 from collective.bench.ops import OPS, ROOTED, TRIVIAL_OPS, moved_bytes
 from collective.bench.plot import MISSING as PLOT_MISSING
@@ -59,6 +61,14 @@ def _strategy(text: str) -> str:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _rate(text: str) -> str:
+    try:
+        link_bytes_per_second(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip().lower()
+
+
 def _size(text: str) -> int:
     try:
         return parse_size(text)
@@ -103,6 +113,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive,
         default=1,
         help="nodes (processes on this machine, with an orchestrator); default 1",
+    )
+    parser.add_argument(
+        "--hosts",
+        type=_positive,
+        help="emulated hosts (network namespaces on a bridge; needs root): --nodes processes in each, "
+        "--peers local peers per process (default 1)",
+    )
+    parser.add_argument(
+        "--link",
+        metavar="RATE",
+        type=_rate,
+        help="with --hosts: every host's link, both ways, at RATE (e.g. 100mbit, 1gbit; default unshaped)",
     )
     parser.add_argument(
         "-b", "--minbytes", type=_size, default=8, help="smallest size per peer, e.g. 8, 1K (default 8)"
@@ -226,10 +248,16 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
     for option, path in (("--json", args.json), ("--plot", args.plot)):  # (not once the sweep is over)
         if path and (problem := _unwritable(path)) is not None:
             parser.error(f"argument {option}: {problem}")
+    if args.link is not None and args.hosts is None:
+        parser.error("argument --link: shapes the links of emulated hosts: give --hosts too")
+    if args.hosts is not None and args.backend == "torch":
+        parser.error("argument --hosts: runs our API beside --compare gloo; --backend torch does not apply")
+    if args.hosts is not None and (reason := unavailable()) is not None:
+        parser.error(f"argument --hosts: {reason}")
     if args.backend == "torch":
         return run_torch(args, parser, argv, out)
-    args.peers = 4 if args.peers is None else args.peers
-    if args.compare == "trivial" and args.nodes > 1:
+    args.peers = (4 if args.hosts is None else 1) if args.peers is None else args.peers
+    if args.compare == "trivial" and (args.nodes > 1 or args.hosts):
         parser.error(
             "argument --compare: the trivial baseline runs in one process; with --nodes use --compare gloo"
         )
@@ -255,7 +283,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
         itemsize = resolve_dtype(args.dtype).itemsize
     except ImportError:
         parser.error("argument --dtype: bfloat16 needs ml_dtypes (pip install ml_dtypes)")
-    world = args.peers * args.nodes
+    world = args.peers * args.nodes * (args.hosts or 1)
     sizes = sweep_sizes(args, itemsize)
     roots = _roots(parser, args.root, world)
     systems = ([args.compare] if args.compare else []) + strategies
@@ -280,6 +308,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
     where = (
         f"{args.peers} local peers" if args.nodes == 1 else f"{args.nodes} nodes x {args.peers} local peers"
     )
+    if args.hosts:
+        link = f"links shaped to {args.link}" if args.link else "unshaped links"
+        where = f"{args.hosts} emulated hosts x {args.nodes} processes x {args.peers} local peers, {link}"
     print(
         f"# collective bench: {where}, {args.dtype}, sizes {format_size(sizes[0])} .. "
         f"{format_size(sizes[-1])}, {args.warmup} warm-up + {args.iters} timed iterations per row",
@@ -290,11 +321,13 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
     order = {case: i for i, case in enumerate(cases)}
     rows.sort(key=lambda row: order[row.case])
     baseline = {(r.case.op, r.case.size, r.case.root): r for r in rows if r.case.system == args.compare}
+    link = link_bytes_per_second(args.link) if args.link else None
     for _, block in _blocks(rows):
-        print_table(block, baseline if args.compare and block[0].case.system != args.compare else None, out)
+        versus = baseline if args.compare and block[0].case.system != args.compare else None
+        print_table(block, versus, out, link)
     if interrupted:
         print("\n# interrupted: the rows above are what was measured", file=out)
-    print_summary(rows, out, DEFAULT_SHARE_BELOW if args.nodes == 1 else SMALL_BYTES)
+    print_summary(rows, out, DEFAULT_SHARE_BELOW if args.nodes == 1 and not args.hosts else SMALL_BYTES)
     wrong = sum(row.wrong for row in rows)
     print(f"\n# {len(rows)} rows in {time.monotonic() - started:.1f} s; wrong elements: {wrong}", file=out)
     if args.json:
@@ -375,7 +408,7 @@ def run_torch(
 def _measure(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tuple[list[Row], int]:
     """Rows for every case (as many as were measured before a stop) and the stop's exit status (0: none)."""
     rows: list[Row] = []
-    local = [c for c in cases if c.system != "gloo" and args.nodes == 1]
+    local = [c for c in cases if c.system != "gloo" and args.nodes == 1 and not args.hosts]
     batches = [c for c in cases if c not in local]
     progress = Progress(len(local) + (1 if batches else 0), stream)
     try:
@@ -386,10 +419,16 @@ def _measure(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tu
         gloo_cases = [c for c in batches if c.system == "gloo"]
         if nodes_cases or gloo_cases:
             progress.step(f"{len(batches)} rows in child processes")
-        if nodes_cases:
-            rows.extend(run_nodes(nodes_cases, args.nodes, args.peers, args.warmup, args.iters, args.timeout))
-        if gloo_cases:
-            rows.extend(run_gloo(gloo_cases, args.nodes * args.peers, args.warmup, args.iters, args.timeout))
+        with EmulatedHosts(args.hosts, args.link) if args.hosts else contextlib.nullcontext() as hosts:
+            if nodes_cases:
+                rows.extend(
+                    run_nodes(
+                        nodes_cases, args.nodes, args.peers, args.warmup, args.iters, args.timeout, hosts
+                    )
+                )
+            if gloo_cases:
+                world = args.nodes * args.peers * (args.hosts or 1)
+                rows.extend(run_gloo(gloo_cases, world, args.warmup, args.iters, args.timeout, hosts=hosts))
     except KeyboardInterrupt as stop:
         progress.close()
         return rows, stop_status(stop)

@@ -1,8 +1,10 @@
 """Running benchmark cases in child processes: our nodes (``--nodes M``) and gloo (``--compare gloo``).
 
-Both start their processes on this machine, pass the cases as a JSON file (a command line cannot
-hold thousands of cases), read ``ROW <json>`` lines from the first process and always reap every
-process (also on errors and Ctrl-C).
+Both start their processes on this machine, or inside emulated hosts (``--hosts H``,
+collective.bench.hosts: ``per_host`` processes in each, the orchestrator and gloo's master on host
+0), pass the cases as a JSON file (a command line cannot hold thousands of cases), read
+``ROW <json>`` lines from the first process and always reap every process (also on errors and
+Ctrl-C).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import IO, Any
 
+from collective.bench.hosts import INTERFACE, EmulatedHosts
 from collective.bench.sweep import Case, Row
 from collective.launch import free_port, node_environment, start_orchestrator, stop_processes
 
@@ -31,18 +34,23 @@ def torch_available() -> bool:
 
 
 def _run_workers(
-    module: str, envs: list[dict[str, str]], plan: dict[str, Any], what: str, timeout: float
+    module: str,
+    envs: list[dict[str, str]],
+    plan: dict[str, Any],
+    what: str,
+    timeout: float,
+    wraps: Sequence[Sequence[str]] = (),
 ) -> list[Row]:
-    """``python -m module PLAN`` once per environment, the plan in a file they read; the first
-    one's rows. Every worker is stopped whatever happens."""
+    """``python -m module PLAN`` once per environment (prefixed by its ``wraps`` entry, if any), the
+    plan in a file they read; the first one's rows. Every worker is stopped whatever happens."""
     processes: list[subprocess.Popen[str]] = []
     with tempfile.TemporaryDirectory(prefix="collective-bench-") as scratch:
         path = os.path.join(scratch, "plan.json")
         with open(path, "w", encoding="utf-8") as handle:
             json.dump(plan, handle)
         try:
-            for env in envs:
-                argv = [sys.executable, "-m", module, path]
+            for rank, env in enumerate(envs):
+                argv = [*(wraps[rank] if wraps else ()), sys.executable, "-m", module, path]
                 pipe = subprocess.PIPE
                 processes.append(  # (its own session: Ctrl-C reaches the bench, which stops it first)
                     subprocess.Popen(
@@ -99,30 +107,64 @@ def _collect(processes: list[subprocess.Popen[str]], what: str, timeout: float) 
     return [Row.from_dict(json.loads(line[4:])) for line in lines if line.startswith("ROW ")]
 
 
+def _host_of(rank: int, per_host: int) -> int:
+    return rank // per_host
+
+
 def run_nodes(
-    cases: Sequence[Case], nodes: int, devices: int, warmup: int, iters: int, timeout: float
+    cases: Sequence[Case],
+    nodes: int,
+    devices: int,
+    warmup: int,
+    iters: int,
+    timeout: float,
+    hosts: EmulatedHosts | None = None,
 ) -> list[Row]:
-    """Time ``cases`` on ``nodes`` node processes of ``devices`` local peers each, on this machine."""
-    orchestrator, address = start_orchestrator()
+    """Time ``cases`` on ``nodes`` node processes of ``devices`` local peers each, on this machine,
+    or ``nodes`` in each of the emulated ``hosts``."""
+    if hosts is None:
+        orchestrator, address = start_orchestrator()
+    else:
+        orchestrator, address = start_orchestrator(hosts.address(0), hosts.command(0, []))
     job = f"bench-{os.getpid()}-{int(time.time() * 1000)}"
+    world = nodes * (1 if hosts is None else hosts.count)
     try:
-        envs = [node_environment(address, job, rank, nodes, devices) for rank in range(nodes)]
+        envs = [node_environment(address, job, rank, world, devices) for rank in range(world)]
+        wraps: list[list[str]] = []
+        if hosts is not None:
+            for rank, env in enumerate(envs):
+                host = _host_of(rank, nodes)
+                env.update(
+                    COLLECTIVE_HOST_ID=f"host{host}",
+                    COLLECTIVE_NODE_ADDRESS=f"{hosts.address(host)}:0",
+                    MASTER_ADDR=hosts.address(0),
+                )
+                wraps.append(hosts.command(host, []))
         plan = _plan(cases, warmup, iters, timeout)
-        return _run_workers("collective.bench.node_worker", envs, plan, "node", timeout * max(1, len(cases)))
+        return _run_workers(
+            "collective.bench.node_worker", envs, plan, "node", timeout * max(1, len(cases)), wraps
+        )
     finally:
         stop_processes([orchestrator])
 
 
 def run_gloo(
-    cases: Sequence[Case], world: int, warmup: int, iters: int, timeout: float, backend: str = "gloo"
+    cases: Sequence[Case],
+    world: int,
+    warmup: int,
+    iters: int,
+    timeout: float,
+    backend: str = "gloo",
+    hosts: EmulatedHosts | None = None,
 ) -> list[Row]:
     """Time ``cases`` through torch.distributed, one process per peer: its gloo backend, or ours
-    (``backend="collective"``)."""
+    (``backend="collective"``); with ``hosts``, ``world // hosts.count`` processes in each."""
     port = free_port()
+    master = "127.0.0.1" if hosts is None else hosts.address(0)
     envs = [
         dict(
             os.environ,
-            MASTER_ADDR="127.0.0.1",
+            MASTER_ADDR=master,
             MASTER_PORT=str(port),
             RANK=str(rank),
             WORLD_SIZE=str(world),
@@ -130,5 +172,14 @@ def run_gloo(
         )
         for rank in range(world)
     ]
+    wraps: list[list[str]] = []
+    if hosts is not None:
+        per_host = world // hosts.count
+        for rank, env in enumerate(envs):
+            host = _host_of(rank, per_host)
+            env.update(GLOO_SOCKET_IFNAME=INTERFACE, COLLECTIVE_HOST_ID=f"host{host}")
+            wraps.append(hosts.command(host, []))
     plan = _plan(cases, warmup, iters, timeout, backend)
-    return _run_workers("collective.bench.gloo_worker", envs, plan, backend, timeout * max(1, len(cases)))
+    return _run_workers(
+        "collective.bench.gloo_worker", envs, plan, backend, timeout * max(1, len(cases)), wraps
+    )

@@ -41,8 +41,14 @@ HEADER = (
 )
 
 
-def print_table(rows: Sequence[Row], baseline: dict[tuple[str, int, int], Row] | None, out: IO[str]) -> None:
-    """One table (rows of one op x strategy); ``baseline`` adds a speedup column (baseline time / ours)."""
+def print_table(
+    rows: Sequence[Row],
+    baseline: dict[tuple[str, int, int], Row] | None,
+    out: IO[str],
+    link: float | None = None,
+) -> None:
+    """One table (rows of one op x strategy); ``baseline`` adds a speedup column (baseline time /
+    ours), ``link`` (bytes per second) a ``link %`` column: bus bandwidth over the link's rate."""
     if not rows:
         return
     case = rows[0].case
@@ -54,7 +60,8 @@ def print_table(rows: Sequence[Row], baseline: dict[tuple[str, int, int], Row] |
     result = "new result per call" if case.alloc else "out= buffer"
     print(f"\n# {case.op}  {what}  peers={case.peers}  dtype={case.dtype}  ({result})", file=out)
     versus = next(iter(baseline.values())).case.system if baseline else ""
-    print(HEADER + (f"  speedup vs {versus}" if baseline else ""), file=out)
+    extra = (f" {'link %':>7}" if link else "") + (f"  speedup vs {versus}" if baseline else "")
+    print(HEADER + extra, file=out)
     for row in rows:
         c = row.case
         redop = c.redop if c.op in REDUCING else "-"
@@ -63,6 +70,8 @@ def print_table(rows: Sequence[Row], baseline: dict[tuple[str, int, int], Row] |
             f"{c.size:>12} {row.count:>11} {c.dtype:>9} {redop:>6} {root:>5} {row.time_us:>11.1f} "
             f"{row.algbw:>13.3f} {row.busbw:>13.3f} {row.wrong:>7}"
         )
+        if link:
+            line += f" {100 * row.busbw * 1e9 / link:>7.1f}"
         if baseline:
             base = baseline.get((c.op, c.size, c.root))
             line += f"  {base.time_us / row.time_us:>18.2f}x" if base and row.time_us > 0 else f"  {'-':>19}"

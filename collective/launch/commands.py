@@ -115,10 +115,13 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_orchestrator() -> tuple[subprocess.Popen[str], str]:
-    """An orchestrator daemon on a free loopback port: (the process, its address)."""
+def start_orchestrator(
+    host: str = "127.0.0.1", wrap: Sequence[str] = ()
+) -> tuple[subprocess.Popen[str], str]:
+    """An orchestrator daemon on a free port of ``host``: (the process, its address). ``wrap``
+    prefixes its command (``ip netns exec NS``: it runs inside an emulated host)."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "collective", "orchestrator", "--port", "0"],
+        [*wrap, sys.executable, "-m", "collective", "orchestrator", "--host", host, "--port", "0"],
         stdout=subprocess.PIPE,
         text=True,
         start_new_session=True,  # Ctrl-C reaches launch alone
