@@ -321,10 +321,10 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
     order = {case: i for i, case in enumerate(cases)}
     rows.sort(key=lambda row: order[row.case])
     baseline = {(r.case.op, r.case.size, r.case.root): r for r in rows if r.case.system == args.compare}
-    link = link_bytes_per_second(args.link) if args.link else None
+    rate = link_bytes_per_second(args.link) if args.link else None
     for _, block in _blocks(rows):
         versus = baseline if args.compare and block[0].case.system != args.compare else None
-        print_table(block, versus, out, link)
+        print_table(block, versus, out, rate)
     if interrupted:
         print("\n# interrupted: the rows above are what was measured", file=out)
     print_summary(rows, out, DEFAULT_SHARE_BELOW if args.nodes == 1 and not args.hosts else SMALL_BYTES)

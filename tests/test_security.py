@@ -128,7 +128,7 @@ def test_every_port_of_a_token_job_is_curve_and_a_stranger_injects_nothing(tmp_p
 def test_a_data_service_with_a_token_names_the_address_it_refused(
     token: str | None, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="collective.transport.auth")  # (the connections it accepts)
+    caplog.set_level(logging.DEBUG, logger="collective.transport.sockets")  # (the connections it accepts)
     context: zmq.Context[Any] = zmq.Context()
     server = NodeNetwork(context, "mesh", "127.0.0.1", 0, lambda src: None, token="t0k3n")
     client = NodeNetwork(context, "mesh", "127.0.0.1", 0, lambda src: None, token=token)

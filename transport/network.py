@@ -24,6 +24,10 @@ Steps are counted per channel: every group of peers has its own (``ch`` in the h
 whole job), so the steps of different groups never mix. Point-to-point messages (``t`` = "p2p")
 belong to no step: they are handed to the ``on_message`` callback as they arrive.
 
+A node whose connection to this data service closes (its process exited, crashed or was killed:
+the kernel closes its sockets; a socket monitor tells) is ``closed``: whoever waits for it learns
+at once, once every message it sent before has been sorted.
+
 The ROUTER, the queues and the slots of the send segment are used under one lock: by whichever
 local peer leads the current collective, or by the drain in between. ``lost`` is polled while
 waiting so a node or orchestrator failure noticed by the heartbeat thread ends every wait within
@@ -50,10 +54,9 @@ from collective.errors import (
     PeerLostError,
     RegistrationError,
 )
-from collective.transport.auth import watch_refusals
 from collective.transport.logs import Throttle
 from collective.transport.shm import SendSegment, host_identity
-from collective.transport.sockets import make_socket
+from collective.transport.sockets import connection_of, make_socket, watch_connections
 from collective.transport.wire import (
     MAX_HEADER_BYTES,
     MAX_MESSAGE_BYTES,
@@ -119,7 +122,13 @@ class NodeNetwork:
             reason = "address already in use" if exc.errno == errno.EADDRINUSE else str(exc)
             raise RegistrationError(f"the data service cannot listen on {host}:{port}: {reason}") from exc
         self.address = f"{host}:{self.port}"
-        self._watch = watch_refusals(self._router, f"data service {self.address}") if token else None
+        self._fds: dict[int, int] = {}  # connection (its descriptor) -> the node that sends on it
+        self._fd_known: set[int] = set()
+        self._closed: dict[int, float] = {}  # node -> when its connection closed
+        self._emptied = 0.0  # when the ROUTER was last found empty (everything before was sorted)
+        self._watch = watch_connections(
+            self._router, f"data service {self.address}", token is not None, self._connection_closed
+        )
         self.index = -1
         self._segment = SendSegment.create()
         self.info = {"host": host_identity(), "shm": self._segment.path if self._segment else None}
@@ -301,8 +310,7 @@ class NodeNetwork:
             if remaining <= 0:
                 raise CollectiveTimeout(f"node {self.index} timed out waiting for {waiting_for}", ())
             with self._lock:
-                if self._poller.poll(int(1000 * min(remaining, POLL_SLICE))):
-                    self._drain()
+                self._sort(int(1000 * min(remaining, POLL_SLICE)))
 
     def pump(self, seconds: float) -> None:
         """Wait up to ``seconds`` for messages and sort them (for a receive outside any collective;
@@ -310,8 +318,7 @@ class NodeNetwork:
         if not self._lock.acquire(timeout=seconds):
             return
         try:
-            if self._poller.poll(int(1000 * seconds)):
-                self._drain()
+            self._sort(int(1000 * seconds))
         finally:
             self._lock.release()
 
@@ -322,8 +329,8 @@ class NodeNetwork:
         are here now, without waiting (e.g. a verdict behind a call): (node, header) each. Without
         ``drain``, only those already sorted (the background drain sorts them every 50 ms)."""
         with self._lock:
-            if drain and self._router.poll(0):
-                self._drain()
+            if drain:
+                self._sort(0)
             return [
                 (src, header)
                 for src in sources
@@ -357,11 +364,17 @@ class NodeNetwork:
             if not self._lock.acquire(blocking=False):  # a collective is receiving: it drains
                 continue
             try:
-                if self._router.poll(0):
-                    self._drain()
+                self._sort(0)
             finally:
                 self._lock.release()
             self._refused.flush()
+
+    def _sort(self, wait_ms: int) -> None:
+        """Wait up to ``wait_ms`` for messages, then sort what came (lock held)."""
+        if self._poller.poll(wait_ms):
+            self._drain()
+        else:
+            self._emptied = time.monotonic()
 
     def _drain(self) -> None:
         """Move the messages waiting on the ROUTER (DRAIN_TURN at most) into the per-node queues."""
@@ -369,12 +382,31 @@ class NodeNetwork:
             try:
                 frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
+                self._emptied = time.monotonic()
                 return
             self._accept(frames)
+
+    def _connection_closed(self, fd: int) -> None:
+        """(The watch's thread) the connection ``fd`` closed: its node sends nothing more."""
+        node = self._fds.get(fd)
+        if node is not None:
+            self._closed.setdefault(node, time.monotonic())
+
+    def closed(self, node: int) -> bool:
+        """Whether ``node``'s connection to this data service closed (it sends nothing more) and
+        everything that was waiting since has been sorted: a waiter that is told so has looked at
+        all its node sent before the close."""
+        when = self._closed.get(node)
+        return when is not None and self._emptied > when
 
     def _accept(self, frames: list[Any]) -> None:
         identity = bytes(frames[0].buffer)
         source = self._sources.get(identity)
+        if source is not None and source not in self._fd_known:  # (each node connects once)
+            self._fd_known.add(source)
+            fd = connection_of(frames[0])
+            if fd is not None:
+                self._fds[fd] = source
         try:
             if source is None:
                 raise WireError(f"unknown sender {identity[:32]!r}")
@@ -440,8 +472,7 @@ class NodeNetwork:
         self._closing.set()
         if self._drainer is not None:
             self._drainer.join(5)
-        if self._watch is not None:
-            self._watch.stop()
+        self._watch.stop()
         for segment in self._peer_segments.values():
             segment.close()
         if self._segment is not None:

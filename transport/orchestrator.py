@@ -23,6 +23,9 @@ state (who registered, which registrations were refused and why, who went silent
 waiting nodes log and put in their timeout error. A node that sends nothing for ``lost_after``
 seconds is declared lost and the other nodes of its job are told (before the job forms it is
 just removed); a node that stops hearing answers declares the orchestrator lost the same way.
+A node whose connection closes without a ``leave`` (its process exited, crashed or was killed:
+the kernel closes its sockets) is declared lost at once (a socket monitor reports the close), not
+after ``lost_after``; a partitioned or stopped node closes nothing and is found by its silence.
 Jobs are told apart by name; one orchestrator serves many, at the same time and one after another.
 """
 
@@ -40,9 +43,8 @@ import msgpack
 import zmq
 
 from collective.errors import RegistrationError, describe_peers
-from collective.transport.auth import UNKNOWN_ADDRESS, watch_refusals
 from collective.transport.logs import Throttle
-from collective.transport.sockets import make_socket
+from collective.transport.sockets import UNKNOWN_ADDRESS, connection_of, make_socket, watch_connections
 from collective.transport.wire import WireError, decode_map
 
 __all__ = [
@@ -170,7 +172,11 @@ class Orchestrator:
             self._context.destroy(linger=0)
             raise RegistrationError(f"the orchestrator cannot listen on {host}:{port}: {exc}") from exc
         self.address = f"{host}:{self.port}"
-        self._watch = watch_refusals(self._socket, f"orchestrator {self.address}") if token else None
+        self._fds: dict[int, bytes] = {}  # connection (its descriptor) -> the routing id it sent from
+        self._closed: deque[int] = deque()  # connections that closed, from the watch's thread
+        self._watch = watch_connections(
+            self._socket, f"orchestrator {self.address}", token is not None, self._closed.append
+        )
         self._lost_after = lost_after
         self._jobs: dict[str, _Job] = {}
         self._departed: OrderedDict[bytes, str] = OrderedDict()  # routing id -> why it left (latest last)
@@ -204,12 +210,10 @@ class Orchestrator:
         try:
             while not self._stopping.is_set():
                 if self._socket.poll(50):
-                    while True:
-                        try:
-                            identity, *frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        self._handle(identity, frames)
+                    self._receive()
+                if self._closed:
+                    self._receive()  # (what a node sent before its connection closed comes first)
+                    self._check_closed()
                 self._check_heartbeats()
                 for throttle in (self._malformed, self._ignored, self._refusals):
                     throttle.flush()
@@ -218,11 +222,22 @@ class Orchestrator:
         finally:
             for throttle in (self._malformed, self._ignored, self._refusals):
                 throttle.flush(force=True)
-            if self._watch is not None:
-                self._watch.stop()
+            self._watch.stop()
             self._socket.close(0)
             self._context.destroy(linger=0)
             log.info("orchestrator on %s stopped", self.address)
+
+    def _receive(self) -> None:
+        """Handle every message waiting now."""
+        while True:
+            try:
+                identity, *frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            fd = connection_of(identity)
+            if fd is not None:
+                self._fds[fd] = identity.bytes
+            self._handle(identity, frames)
 
     def _send(self, identity: bytes, message: dict[str, Any]) -> None:
         try:
@@ -271,7 +286,7 @@ class Orchestrator:
         reply: dict[str, Any]
         if job is not None and node is not None and node.gone is None:
             reply = {"t": "pong", "job": name} if job.formed else job.waiting()
-            if not job.formed and self._watch is not None:
+            if not job.formed:
                 _, recent = self._watch.refused()  # (those before this job's first registration: not its)
                 recent = [(when, peer) for when, peer in recent if when >= job.since]
                 if recent:  # (the latest whose address was read: a refused connection may be gone first)
@@ -401,6 +416,30 @@ class Orchestrator:
                 )
         if all(n.gone is not None for n in job.nodes.values()):
             del self._jobs[job.name]
+
+    def _check_closed(self) -> None:
+        """Nodes whose connection closed since the last turn (what they sent before is handled)."""
+        while self._closed:
+            identity = self._fds.pop(self._closed.popleft(), None)
+            if identity is not None:
+                self._disconnected(identity)
+
+    def _disconnected(self, identity: bytes) -> None:
+        """The node of ``identity`` closed its connection: lost, unless it left first."""
+        for job in list(self._jobs.values()):
+            node = job.nodes.get(identity)
+            if node is None or node.gone is not None:
+                continue
+            if job.formed:
+                self._gone(job, node, "closed its connection (its process exited, crashed or was killed)")
+            else:  # gave up waiting without a word: its peer ids and address are free again
+                job.silent.append(
+                    f"node at {node.address} ({describe_peers(node.peers)}) registered, then its "
+                    f"connection closed (its process exited?)"
+                )
+                del job.nodes[identity]
+                if not job.nodes:
+                    del self._jobs[job.name]
 
     def _check_heartbeats(self) -> None:
         """Nodes silent for ``lost_after``: lost (formed job) or removed from the waiting list (not formed).

@@ -254,6 +254,13 @@ class NodeJob:
         if left is not None and time.monotonic() - left[1] > LEFT_GRACE:
             assert self.topology is not None
             return PeerLostError(f"{self.topology.describe(src)} {left[0]}", self.topology.peers[src])
+        if self._network.closed(src):  # (what it sent before was handed over first: it sends no more)
+            assert self.topology is not None
+            why = "left the job" if left is not None else "its process exited, crashed or was killed"
+            return PeerLostError(
+                f"{self.topology.describe(src)} closed its connection to this node ({why})",
+                self.topology.peers[src],
+            )
         return None
 
     def _describe(self, node: int) -> str:
