@@ -87,6 +87,19 @@ def loop(peer: int, world: int) -> int:
     return 0
 
 
+def slow(peer: int, world: int, rounds: str, short: str) -> int:
+    """``rounds`` checked 1 MiB all_reduces, "ROUND <i> <seconds>" after each, then one with a
+    timeout of ``short`` seconds (too short for the link: it raises)."""
+    x = data(peer, 1 << 17)
+    everyone = [data(p, 1 << 17) for p in range(world)]
+    for i in range(int(rounds)):
+        started = time.monotonic()
+        np.testing.assert_array_equal(col.all_reduce(peer, x), reference(everyone, "sum"))
+        say(f"ROUND {i} {time.monotonic() - started:.2f}")
+    col.all_reduce(peer, x, timeout=float(short))
+    return int(rounds)
+
+
 def mismatch(peer: int, world: int, how: str) -> int:
     """One collective where node 0's peers call differently from the others, then a good one."""
     odd = peer < world // 2  # the first node's peers
@@ -443,6 +456,7 @@ MODES = {
     "p2p": p2p,
     "matrix": matrix,
     "loop": loop,
+    "slow": slow,
     "mismatch": mismatch,
     "group_mismatch": group_mismatch,
     "crash": crash,

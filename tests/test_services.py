@@ -317,8 +317,14 @@ def test_an_abort_carries_the_senders_error_record_and_a_malformed_one_is_refuse
     a.abort(1, ErrorRecord.of(CollectiveTimeout("waited for peer 3", [3])))
     with pytest.raises(CollectiveTimeout, match="timed out waiting for step 0"):  # (that abort was refused)
         b.receive(0, 0, time.monotonic() + 0.3, "step 0")
-    with pytest.raises(PeerLostError, match="node 0 gave up step 1: CollectiveTimeout: waited for peer 3"):
-        b.receive(0, 1, time.monotonic() + 5, "step 1")
+    with pytest.raises(
+        CollectiveTimeout, match="node 0 gave up step 1: CollectiveTimeout: waited for peer 3"
+    ) as timed:
+        b.receive(0, 1, time.monotonic() + 5, "step 1")  # (the step timed out there: no peer was lost)
+    assert timed.value.missing == (3,)
+    a.abort(2, ErrorRecord.of(MemoryError("simulated")))
+    with pytest.raises(PeerLostError, match="node 0 gave up step 2: MemoryError: simulated"):
+        b.receive(0, 2, time.monotonic() + 5, "step 2")
     assert "invalid peers of an error" in caplog.text
 
 

@@ -82,6 +82,15 @@ Received = tuple[dict[str, Any], Any]  # (header, payload zmq.Frame or None)
 Step = tuple[int, int]  # (channel, step): every group has its own channel and counts its own steps
 
 
+def _gave_up(seq: int, node: int, why: ErrorRecord) -> CollectiveError:
+    """The error of a wait that node ``node`` ended by giving up step ``seq``: a timeout where the
+    step timed out there (slow data is no lost peer), else a lost peer."""
+    text = f"node {node} gave up step {seq}: {why}"
+    if why.name == CollectiveTimeout.__name__:
+        return CollectiveTimeout(text, why.peers)
+    return PeerLostError(text, ())
+
+
 def _identity(index: int) -> bytes:
     return f"node-{index}".encode()
 
@@ -297,7 +306,7 @@ class NodeNetwork:
                     return header, payload
                 overflow = self._overflowed.get((src, channel, seq))
             if aborted is not None:
-                raise PeerLostError(f"node {aborted[0]} gave up step {seq}: {aborted[1]}", ())
+                raise _gave_up(seq, *aborted)
             if overflow is not None:
                 raise MismatchError(overflow)
             error = self.lost(src) or dead
@@ -305,7 +314,7 @@ class NodeNetwork:
                 raise error
             aborted = self._aborted.get((channel, seq))  # written by the drain thread too
             if aborted is not None:
-                raise PeerLostError(f"node {aborted[0]} gave up step {seq}: {aborted[1]}", ())
+                raise _gave_up(seq, *aborted)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise CollectiveTimeout(f"node {self.index} timed out waiting for {waiting_for}", ())
