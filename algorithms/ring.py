@@ -23,7 +23,8 @@ Block collectives (one block per peer, ordered by peer index; blocks may differ 
 each message carries exactly one block, whatever its size, empty ones included)::
 
     all_gather, step s:      peer r sends block (r-s) mod n right, receives block (r-s-1) mod n
-                             (its own block first; after n-1 steps it holds all n)
+                             (its own block first; after n-1 steps it holds all n), in segments
+                             of 4 MiB, each relayed on as soon as it arrived
     reduce_scatter, step s:  peer r sends its partial block (r-s-1) mod n right, receives the
                              partial block (r-s-2) mod n and combines its own block into it;
                              the last step brings block r: shifted by one against all_reduce,
@@ -83,6 +84,7 @@ __all__ = [
 ]
 
 DEFAULT_SEGMENT_BYTES = 1 << 20
+RELAY_SEGMENT_BYTES = 4 << 20  # all_gather's relayed pieces: few messages, yet no idle link between steps
 
 
 def segments(array: Array, segment_bytes: int) -> list[slice]:
@@ -157,18 +159,33 @@ def broadcast(link: Link, root: int, buf: Array, segment_bytes: int = DEFAULT_SE
             link.send(following, buf[piece])
 
 
-def all_gather(link: Link, src: Array, dst: Array, blocks: Blocks | None = None) -> None:
+def all_gather(
+    link: Link, src: Array, dst: Array, blocks: Blocks | None = None, segment_bytes: int = RELAY_SEGMENT_BYTES
+) -> None:
     """Block i of ``dst`` = ``src`` of peer i on every peer: each block travels n-1 hops to the right.
 
     ``blocks``: where each peer's block lies in ``dst`` (None: every block the size of ``src``).
+    Blocks travel in segments of about ``segment_bytes``, each relayed as soon as it arrived, so a
+    peer's link never waits for a whole block between steps.
     """
     n, r = link.size, link.rank
     blocks = Blocks.equal(n, src.size) if blocks is None else blocks
-    copy_into(dst[blocks.of(r)], src)
     right, left = (r + 1) % n, (r - 1) % n
+    if n > 1:  # its own block leaves first, from src: copying it into dst overlaps the sending
+        for piece in _pieces(src, segment_bytes):
+            link.send(right, src[piece])
+    copy_into(dst[blocks.of(r)], src)
     for step in range(n - 1):
-        link.send(right, dst[blocks.of((r - step) % n)])
-        link.recv_into(left, dst[blocks.of((r - step - 1) % n)])
+        block = dst[blocks.of((r - step - 1) % n)]
+        for piece in _pieces(block, segment_bytes):
+            link.recv_into(left, block[piece])
+            if step < n - 2:
+                link.send(right, block[piece])
+
+
+def _pieces(block: Array, segment_bytes: int) -> list[slice]:
+    """The segments a block travels in: at least one message, an empty block's included."""
+    return segments(block, segment_bytes) or [slice(0, 0)]
 
 
 def reduce_scatter(link: Link, src: Array, dst: Array, op: ReduceOp, blocks: Blocks | None = None) -> None:

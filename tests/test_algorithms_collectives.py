@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from collective.algorithms import strategies, tree
+from collective.algorithms import ring, strategies, tree
 from collective.algorithms.ops import BITWISE, Blocks, ReduceOp
 from collective.algorithms.strategies import Centralized, Direct, Ring, Strategy, Tree
 from collective.errors import InvalidArgumentError
@@ -93,6 +93,23 @@ def test_all_gather_in_place(strategy: Strategy, n: int) -> None:
         ),
     )
     assert all(d.tobytes() == np.concatenate(blocks).tobytes() for d in dst)
+
+
+@pytest.mark.parametrize("sizes", [[5, 0, 9, 3], [8, 8, 8, 8], [0, 0, 1, 0]])
+def test_ring_all_gather_relays_its_blocks_in_segments(sizes: list[int]) -> None:
+    """Each block travels in pieces of at most ``segment_bytes`` (an empty one as one empty
+    message), every piece relayed as soon as it arrived: the same result, more messages."""
+    n, segment = len(sizes), 3 * 4  # 3 float32 elements per piece
+    blocks = Blocks(sizes)
+    src = [peer_input(peer, (sizes[peer],), "float32") for peer in range(n)]
+    dst = [np.full(sum(sizes), 7, np.float32) for _ in range(n)]
+    network = run(n, lambda link: ring.all_gather(link, src[link.rank], dst[link.rank], blocks, segment))
+    assert all(d.tobytes() == np.concatenate(src).tobytes() for d in dst)
+    pieces = [max(1, -(-size // 3)) for size in sizes]
+    for rank, traffic in enumerate(network.traffic):  # blocks rank, rank-1, ..., rank-(n-2) leave it
+        relayed = [(rank - step) % n for step in range(n - 1)]
+        assert traffic.sent_messages == sum(pieces[b] for b in relayed)
+        assert traffic.sent_bytes == 4 * sum(sizes[b] for b in relayed)
 
 
 # -- reduce_scatter -------------------------------------------------------------------------
