@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from typing import IO
 
 from collective.algorithms.strategies import parse_strategy
-from collective.bench.hosts import EmulatedHosts, link_bytes_per_second, unavailable
-from collective.bench.multinode import run_gloo, run_nodes, torch_available
+from collective.bench.jobs.hosts import EmulatedHosts, link_bytes_per_second, unavailable
+from collective.bench.jobs.multinode import run_gloo, run_nodes, torch_available
 from collective.bench.ops import OPS, ROOTED, TRIVIAL_OPS, moved_bytes
 from collective.bench.plot import MISSING as PLOT_MISSING
 from collective.bench.plot import plot_rows

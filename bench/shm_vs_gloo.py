@@ -28,7 +28,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from collective.bench.multinode import collect_lines
+from collective.bench.jobs.multinode import collect_lines
 from collective.bench.report import format_size, parse_size
 from collective.launch import free_port, node_environment, start_orchestrator, stop_processes
 

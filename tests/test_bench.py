@@ -630,7 +630,7 @@ def test_groups_bench_times_our_groups_and_the_bare_least_side_by_side() -> None
 def test_thousands_of_cases_reach_the_node_processes() -> None:
     """The plan went on the command line: past 128 KiB (about 1000 cases, e.g. `--op all` with every
     strategy and size) starting the nodes failed with "Argument list too long"."""
-    from collective.bench.multinode import run_nodes
+    from collective.bench.jobs.multinode import run_nodes
     from collective.bench.sweep import Case
 
     cases = [Case("collective", "barrier", "ring", 1, 8 + i, "float32", "sum", 0) for i in range(1200)]

@@ -1,4 +1,4 @@
-"""Jobs across emulated hosts (collective.bench.hosts): each host a network namespace whose link
+"""Jobs across emulated hosts (collective.bench.jobs.hosts): each host a network namespace whose link
 can be shaped, taken down or slowed, and what every survivor hears when a host fails.
 
 A process killed outright closes its connections (the kernel does): every survivor names it
@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from collective.bench import cli
-from collective.bench.hosts import EmulatedHosts, link_bytes_per_second, unavailable
+from collective.bench.jobs.hosts import EmulatedHosts, link_bytes_per_second, unavailable
 from tests.processes import READY, WORKER, Proc, expect_peer_lost, node_env
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))

@@ -1,4 +1,4 @@
-"""One node of ``collective bench --nodes M`` (started by bench.multinode; not run by hand).
+"""One node of ``collective bench --nodes M`` (started by bench.jobs.multinode; not run by hand).
 
 argv[1] is the path of a JSON plan: {"cases": [Case fields], "warmup": W, "iters": N, "timeout": T}. The
 job comes from COLLECTIVE_* variables; each strategy runs as its own job (named after it), since

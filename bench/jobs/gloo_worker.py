@@ -1,4 +1,4 @@
-"""One rank of a torch.distributed benchmark (started by bench.multinode.run_gloo; not run by hand).
+"""One rank of a torch.distributed benchmark (started by bench.jobs.multinode.run_gloo; not run by hand).
 
 The plan's ``backend`` is ``gloo`` (the ``--compare gloo`` baseline) or ``collective`` (our
 backend through torch.distributed, ``--backend torch``): the same code times both. The same

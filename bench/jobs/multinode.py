@@ -1,7 +1,7 @@
 """Running benchmark cases in child processes: our nodes (``--nodes M``) and gloo (``--compare gloo``).
 
 Both start their processes on this machine, or inside emulated hosts (``--hosts H``,
-collective.bench.hosts: ``per_host`` processes in each, the orchestrator and gloo's master on host
+collective.bench.jobs.hosts: ``per_host`` processes in each, the orchestrator and gloo's master on host
 0), pass the cases as a JSON file (a command line cannot hold thousands of cases), read
 ``ROW <json>`` lines from the first process and always reap every process (also on errors and
 Ctrl-C).
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import IO, Any
 
-from collective.bench.hosts import INTERFACE, EmulatedHosts
+from collective.bench.jobs.hosts import INTERFACE, EmulatedHosts
 from collective.bench.sweep import Case, Row
 from collective.launch import free_port, node_environment, start_orchestrator, stop_processes
 
@@ -142,7 +142,7 @@ def run_nodes(
                 wraps.append(hosts.command(host, []))
         plan = _plan(cases, warmup, iters, timeout)
         return _run_workers(
-            "collective.bench.node_worker", envs, plan, "node", timeout * max(1, len(cases)), wraps
+            "collective.bench.jobs.node_worker", envs, plan, "node", timeout * max(1, len(cases)), wraps
         )
     finally:
         stop_processes([orchestrator])
@@ -181,5 +181,5 @@ def run_gloo(
             wraps.append(hosts.command(host, []))
     plan = _plan(cases, warmup, iters, timeout, backend)
     return _run_workers(
-        "collective.bench.gloo_worker", envs, plan, backend, timeout * max(1, len(cases)), wraps
+        "collective.bench.jobs.gloo_worker", envs, plan, backend, timeout * max(1, len(cases)), wraps
     )
