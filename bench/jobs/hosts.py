@@ -21,6 +21,7 @@ It needs root and ``ip``/``tc`` (iproute2): ``unavailable()`` says why not, in o
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -58,6 +59,22 @@ def unavailable() -> str | None:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return f"emulated hosts need {' and '.join(missing)} (iproute2): install it, or run without --hosts"
+    return _refused()
+
+
+@functools.cache
+def _refused() -> str | None:
+    """Why this machine refuses a network namespace or a veth pair (a container without the
+    capability, say), found by making one of each and removing them; None when it does not."""
+    probe = f"{_PREFIX}pb{os.getpid()}"  # (at most 15 characters with its veth peer's "p")
+    try:
+        _ip("netns", "add", probe)
+        _ip("netns", "del", probe)
+        _ip("link", "add", probe, "type", "veth", "peer", "name", f"{probe}p")
+        _ip("link", "del", probe)
+    except HostsError as exc:
+        _ip("netns", "del", probe, check=False)
+        return f"emulated hosts cannot be made here ({exc}): run without --hosts"
     return None
 
 
