@@ -89,6 +89,42 @@ def test_an_orchestrator_whose_stderr_nobody_reads_keeps_serving_through_garbage
     assert "more like" in logged, logged
 
 
+def test_jobs_one_after_another_from_the_same_processes_lose_nobody(context: zmq.Context[Any]) -> None:
+    """A node that leaves and registers again at once (a job per benchmark strategy) gets a new
+    connection, often on the descriptor its old one had: the old one's close, reported a moment
+    later, is not the new one's (it once was: the new node was declared lost)."""
+    orch = Orchestrator("127.0.0.1", 0)
+    thread = threading.Thread(target=orch.serve, daemon=True)
+    thread.start()
+    try:
+        for _ in range(12):
+            job = f"again-{next(_jobs)}"
+            clients = [OrchestratorClient(context, orch.address, job) for _ in range(2)]
+            results: list[Any] = [None, None]
+
+            def run(
+                i: int, clients: list[OrchestratorClient] = clients, results: list[Any] = results
+            ) -> None:
+                try:
+                    results[i] = clients[i].register(2, f"127.0.0.1:{7001 + i}", [i], time.monotonic() + 10)
+                except Exception as exc:
+                    results[i] = exc
+
+            threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(20)
+            assert not [r for r in results if isinstance(r, Exception)], results
+            time.sleep(0.15)  # (a false loss is told within a heartbeat: this is the window looked at)
+            assert [client.lost() for client in clients] == [None, None]
+            for client in clients:
+                client.close()
+    finally:
+        orch.stop()
+        thread.join(5)
+
+
 @pytest.fixture
 def orchestrator() -> Iterator[Orchestrator]:
     """An orchestrator in a thread that loses silent nodes after 1 s; a token for jobs named "secret-*"."""

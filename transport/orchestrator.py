@@ -174,6 +174,7 @@ class Orchestrator:
         self.address = f"{host}:{self.port}"
         self._fds: dict[int, bytes] = {}  # connection (its descriptor) -> the routing id it sent from
         self._closed: deque[int] = deque()  # connections that closed, from the watch's thread
+        self._reused: dict[int, int] = {}  # closes already handled: their descriptor came back first
         self._watch = watch_connections(
             self._socket, f"orchestrator {self.address}", token is not None, self._closed.append
         )
@@ -235,7 +236,11 @@ class Orchestrator:
             except zmq.Again:
                 return
             fd = connection_of(identity)
-            if fd is not None:
+            if fd is not None and self._fds.get(fd) != identity.bytes:
+                held = self._fds.get(fd)
+                if held is not None:  # a new connection has its descriptor: the old one closed (its
+                    self._reused[fd] = self._reused.get(fd, 0) + 1  # report is still on the way)
+                    self._disconnected(held)
                 self._fds[fd] = identity.bytes
             self._handle(identity, frames)
 
@@ -420,7 +425,11 @@ class Orchestrator:
     def _check_closed(self) -> None:
         """Nodes whose connection closed since the last turn (what they sent before is handled)."""
         while self._closed:
-            identity = self._fds.pop(self._closed.popleft(), None)
+            fd = self._closed.popleft()
+            if self._reused.get(fd):  # (that close was handled when its descriptor came back)
+                self._reused[fd] -= 1
+                continue
+            identity = self._fds.pop(fd, None)
             if identity is not None:
                 self._disconnected(identity)
 
