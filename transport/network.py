@@ -132,7 +132,7 @@ class NodeNetwork:
             raise RegistrationError(f"the data service cannot listen on {host}:{port}: {reason}") from exc
         self.address = f"{host}:{self.port}"
         self._fds: dict[int, int] = {}  # connection (its descriptor) -> the node that sends on it
-        self._fd_known: set[int] = set()
+        self._placed: set[int] = set()  # nodes whose connection is in _fds
         self._closed: dict[int, float] = {}  # node -> when its connection closed
         self._emptied = 0.0  # when the ROUTER was last found empty (everything before was sorted)
         self._watch = watch_connections(
@@ -411,8 +411,8 @@ class NodeNetwork:
     def _accept(self, frames: list[Any]) -> None:
         identity = bytes(frames[0].buffer)
         source = self._sources.get(identity)
-        if source is not None and source not in self._fd_known:  # (each node connects once)
-            self._fd_known.add(source)
+        if source is not None and source not in self._placed:  # (each node connects once)
+            self._placed.add(source)
             fd = connection_of(frames[0])
             if fd is not None:
                 self._fds[fd] = source
