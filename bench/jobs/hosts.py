@@ -115,7 +115,7 @@ class EmulatedHosts:
             link_bytes_per_second(link)  # (a bad rate is refused before anything is made)
         self.count = count
         self.link = link
-        self.run = self._free_run()
+        self.run = -1  # chosen when the hosts are made (another run may be made meanwhile)
         self._made: list[tuple[str, ...]] = []  # undo commands, in the order of making
 
     # -- names -----------------------------------------------------------------------------------
@@ -125,6 +125,8 @@ class EmulatedHosts:
         """A run number (0..9999) no other live run uses: the owner's pid is in a marker file."""
         _remove_orphans()
         taken = {int(m.group(1)) for ns in _namespaces() if (m := re.match(rf"^{_PREFIX}(\d+)h", ns))}
+        if os.path.isdir(_MARKERS):
+            taken |= {int(name) for name in os.listdir(_MARKERS) if name.isdecimal()}
         start = os.getpid() % 10000
         return next((start + i) % 10000 for i in range(10000) if (start + i) % 10000 not in taken)
 
@@ -159,6 +161,7 @@ class EmulatedHosts:
         self.close()
 
     def _make(self) -> None:
+        self.run = self._free_run()
         _marker_write(self.run)
         self._made.append(("marker",))
         _ip("link", "add", self.bridge, "type", "bridge")
