@@ -283,7 +283,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
         itemsize = resolve_dtype(args.dtype).itemsize
     except ImportError:
         parser.error("argument --dtype: bfloat16 needs ml_dtypes (pip install ml_dtypes)")
-    world = args.peers * args.nodes * (args.hosts or 1)
+    world = _world(args)
     sizes = sweep_sizes(args, itemsize)
     roots = _roots(parser, args.root, world)
     systems = ([args.compare] if args.compare else []) + strategies
@@ -327,7 +327,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
         print_table(block, versus, out, rate)
     if interrupted:
         print("\n# interrupted: the rows above are what was measured", file=out)
-    print_summary(rows, out, DEFAULT_SHARE_BELOW if args.nodes == 1 and not args.hosts else SMALL_BYTES)
+    print_summary(rows, out, DEFAULT_SHARE_BELOW if _in_process(args) else SMALL_BYTES)
     wrong = sum(row.wrong for row in rows)
     print(f"\n# {len(rows)} rows in {time.monotonic() - started:.1f} s; wrong elements: {wrong}", file=out)
     if args.json:
@@ -405,10 +405,20 @@ def run_torch(
     return 1 if wrong else 0
 
 
+def _world(args: argparse.Namespace) -> int:
+    """Peers of the sweep: local peers x processes (per host) x emulated hosts."""
+    return int(args.peers * args.nodes * (args.hosts or 1))
+
+
+def _in_process(args: argparse.Namespace) -> bool:
+    """Whether our cases run in this process (no nodes, no emulated hosts)."""
+    return bool(args.nodes == 1 and not args.hosts)
+
+
 def _measure(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tuple[list[Row], int]:
     """Rows for every case (as many as were measured before a stop) and the stop's exit status (0: none)."""
     rows: list[Row] = []
-    local = [c for c in cases if c.system != "gloo" and args.nodes == 1 and not args.hosts]
+    local = [c for c in cases if c.system != "gloo" and _in_process(args)]
     batches = [c for c in cases if c not in local]
     progress = Progress(len(local) + (1 if batches else 0), stream)
     try:
@@ -427,7 +437,7 @@ def _measure(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tu
                     )
                 )
             if gloo_cases:
-                world = args.nodes * args.peers * (args.hosts or 1)
+                world = _world(args)
                 rows.extend(run_gloo(gloo_cases, world, args.warmup, args.iters, args.timeout, hosts=hosts))
     except KeyboardInterrupt as stop:
         progress.close()

@@ -437,18 +437,21 @@ class Orchestrator:
         """The node of ``identity`` closed its connection: lost, unless it left first."""
         for job in list(self._jobs.values()):
             node = job.nodes.get(identity)
-            if node is None or node.gone is not None:
-                continue
-            if job.formed:
-                self._gone(job, node, "closed its connection (its process exited, crashed or was killed)")
-            else:  # gave up waiting without a word: its peer ids and address are free again
-                job.silent.append(
-                    f"node at {node.address} ({describe_peers(node.peers)}) registered, then its "
-                    f"connection closed (its process exited?)"
-                )
-                del job.nodes[identity]
-                if not job.nodes:
-                    del self._jobs[job.name]
+            if node is not None and node.gone is None:
+                self._out(job, node, "closed its connection (its process exited, crashed or was killed)")
+
+    def _out(self, job: _Job, node: _Node, why: str) -> None:
+        """``node`` went away without leaving (``why``): lost (formed job), or removed from the
+        waiting list, its peer ids and address free again, the others told it went silent."""
+        if job.formed:
+            self._gone(job, node, why)
+            return
+        text = f"node at {node.address} ({describe_peers(node.peers)}) registered, then {why}"
+        log.warning("job %r: %s", job.name, text)
+        job.silent.append(text)
+        del job.nodes[node.identity]
+        if not job.nodes:
+            del self._jobs[job.name]
 
     def _check_heartbeats(self) -> None:
         """Nodes silent for ``lost_after``: lost (formed job) or removed from the waiting list (not formed).
@@ -461,18 +464,6 @@ class Orchestrator:
             for node in list(job.nodes.values()):
                 if node.gone is not None or now - node.last_seen <= self._lost_after:
                     continue
-                if job.formed:
-                    self._gone(job, node, f"stopped sending heartbeats ({self._lost_after:g}s)")
-                    if job.name not in self._jobs:
-                        break
-                    continue
-                text = (
-                    f"node at {node.address} ({describe_peers(node.peers)}) registered, then stopped "
-                    f"sending heartbeats ({self._lost_after:g}s)"
-                )
-                log.warning("job %r: %s", job.name, text)
-                job.silent.append(text)
-                del job.nodes[node.identity]
-                if not job.nodes:
-                    del self._jobs[job.name]
+                self._out(job, node, f"stopped sending heartbeats ({self._lost_after:g}s)")
+                if job.name not in self._jobs:
                     break

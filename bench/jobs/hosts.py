@@ -133,6 +133,10 @@ class EmulatedHosts:
     def namespace(self, host: int) -> str:
         return f"{_PREFIX}{self.run}h{host}"
 
+    def _veth(self, host: int) -> str:
+        """The outer end of host ``host``'s link (its inner end is the host's ``eth0``)."""
+        return f"{_PREFIX}{self.run}v{host}"
+
     @property
     def bridge(self) -> str:
         return f"{_PREFIX}{self.run}br"
@@ -168,7 +172,7 @@ class EmulatedHosts:
         self._made.append(("link", "del", self.bridge))
         _ip("link", "set", self.bridge, "up")
         for host in range(self.count):
-            ns, outside = self.namespace(host), f"{_PREFIX}{self.run}v{host}"
+            ns, outside = self.namespace(host), self._veth(host)
             _ip("netns", "add", ns)
             self._made.append(("netns", "del", ns))
             _ip("link", "add", outside, "type", "veth", "peer", "name", f"{outside}p")
@@ -181,17 +185,16 @@ class EmulatedHosts:
             _ip("link", "set", outside, "master", self.bridge)
             _ip("link", "set", outside, "up")
             if self.link is not None:
-                self._shape(outside, ns)
+                self._shape(host, self.link)
 
-    def _shape(self, outside: str, ns: str) -> None:
-        """A token bucket at the link rate on both ends: into the host and out of it. The bucket
-        holds 4 ms of the rate (at least 64 KiB, a GSO segment), so the kernel's timer granularity
-        does not cap the rate; the queue holds 20 ms."""
-        assert self.link is not None
-        burst = max(64 * 1024, int(link_bytes_per_second(self.link) * 0.004))
-        shape = ("root", "tbf", "rate", self.link, "burst", str(burst), "latency", "20ms")
-        _tc("qdisc", "add", "dev", outside, *shape)
-        _ip("netns", "exec", ns, "tc", "qdisc", "add", "dev", INTERFACE, *shape)
+    def _shape(self, host: int, rate: str, verb: str = "add") -> None:
+        """A token bucket at ``rate`` on both ends of host ``host``'s link: into the host and out
+        of it. The bucket holds 4 ms of the rate (at least 64 KiB, a GSO segment), so the kernel's
+        timer granularity does not cap the rate; the queue holds 20 ms."""
+        burst = max(64 * 1024, int(link_bytes_per_second(rate) * 0.004))
+        shape = ("root", "tbf", "rate", rate, "burst", str(burst), "latency", "20ms")
+        _tc("qdisc", verb, "dev", self._veth(host), *shape)
+        _ip("netns", "exec", self.namespace(host), "tc", "qdisc", verb, "dev", INTERFACE, *shape)
 
     def close(self) -> None:
         """Remove what was made, newest first (each step whatever the others did)."""
@@ -204,15 +207,11 @@ class EmulatedHosts:
 
     def set_link(self, host: int, up: bool) -> None:
         """Take host ``host``'s link down (a pulled cable, a failed switch port) or up again."""
-        _ip("link", "set", f"{_PREFIX}{self.run}v{host}", "up" if up else "down")
+        _ip("link", "set", self._veth(host), "up" if up else "down")
 
     def reshape(self, host: int, rate: str) -> None:
         """Set host ``host``'s link rate, both ways, to ``rate`` (e.g. ``10mbit``) from now on."""
-        link_bytes_per_second(rate)
-        burst = str(max(64 * 1024, int(link_bytes_per_second(rate) * 0.004)))
-        shape = ("root", "tbf", "rate", rate, "burst", burst, "latency", "20ms")
-        _tc("qdisc", "replace", "dev", f"{_PREFIX}{self.run}v{host}", *shape)
-        _ip("netns", "exec", self.namespace(host), "tc", "qdisc", "replace", "dev", INTERFACE, *shape)
+        self._shape(host, rate, "replace")
 
 
 # -- runs whose process is gone ------------------------------------------------------------------

@@ -39,10 +39,12 @@ def _run_workers(
     plan: dict[str, Any],
     what: str,
     timeout: float,
-    wraps: Sequence[Sequence[str]] = (),
+    hosts: EmulatedHosts | None = None,
+    per_host: int = 1,
 ) -> list[Row]:
-    """``python -m module PLAN`` once per environment (prefixed by its ``wraps`` entry, if any), the
-    plan in a file they read; the first one's rows. Every worker is stopped whatever happens."""
+    """``python -m module PLAN`` once per environment (inside host ``rank // per_host`` of
+    ``hosts``, if given), the plan in a file they read; the first one's rows. Every worker is
+    stopped whatever happens."""
     processes: list[subprocess.Popen[str]] = []
     with tempfile.TemporaryDirectory(prefix="collective-bench-") as scratch:
         path = os.path.join(scratch, "plan.json")
@@ -50,7 +52,9 @@ def _run_workers(
             json.dump(plan, handle)
         try:
             for rank, env in enumerate(envs):
-                argv = [*(wraps[rank] if wraps else ()), sys.executable, "-m", module, path]
+                argv = [sys.executable, "-m", module, path]
+                if hosts is not None:
+                    argv = hosts.command(rank // per_host, argv)
                 pipe = subprocess.PIPE
                 processes.append(  # (its own session: Ctrl-C reaches the bench, which stops it first)
                     subprocess.Popen(
@@ -107,10 +111,6 @@ def _collect(processes: list[subprocess.Popen[str]], what: str, timeout: float) 
     return [Row.from_dict(json.loads(line[4:])) for line in lines if line.startswith("ROW ")]
 
 
-def _host_of(rank: int, per_host: int) -> int:
-    return rank // per_host
-
-
 def run_nodes(
     cases: Sequence[Case],
     nodes: int,
@@ -130,20 +130,17 @@ def run_nodes(
     world = nodes * (1 if hosts is None else hosts.count)
     try:
         envs = [node_environment(address, job, rank, world, devices) for rank in range(world)]
-        wraps: list[list[str]] = []
         if hosts is not None:
             for rank, env in enumerate(envs):
-                host = _host_of(rank, nodes)
+                host = rank // nodes
                 env.update(
                     COLLECTIVE_HOST_ID=f"host{host}",
                     COLLECTIVE_NODE_ADDRESS=f"{hosts.address(host)}:0",
                     MASTER_ADDR=hosts.address(0),
                 )
-                wraps.append(hosts.command(host, []))
         plan = _plan(cases, warmup, iters, timeout)
-        return _run_workers(
-            "collective.bench.jobs.node_worker", envs, plan, "node", timeout * max(1, len(cases)), wraps
-        )
+        module, limit = "collective.bench.jobs.node_worker", timeout * max(1, len(cases))
+        return _run_workers(module, envs, plan, "node", limit, hosts, nodes)
     finally:
         stop_processes([orchestrator])
 
@@ -172,14 +169,10 @@ def run_gloo(
         )
         for rank in range(world)
     ]
-    wraps: list[list[str]] = []
+    per_host = world // (1 if hosts is None else hosts.count)
     if hosts is not None:
-        per_host = world // hosts.count
         for rank, env in enumerate(envs):
-            host = _host_of(rank, per_host)
-            env.update(GLOO_SOCKET_IFNAME=INTERFACE, COLLECTIVE_HOST_ID=f"host{host}")
-            wraps.append(hosts.command(host, []))
+            env.update(GLOO_SOCKET_IFNAME=INTERFACE, COLLECTIVE_HOST_ID=f"host{rank // per_host}")
     plan = _plan(cases, warmup, iters, timeout, backend)
-    return _run_workers(
-        "collective.bench.jobs.gloo_worker", envs, plan, backend, timeout * max(1, len(cases)), wraps
-    )
+    module, limit = "collective.bench.jobs.gloo_worker", timeout * max(1, len(cases))
+    return _run_workers(module, envs, plan, backend, limit, hosts, per_host)
