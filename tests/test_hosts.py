@@ -134,6 +134,32 @@ def test_bench_refuses_a_link_without_hosts(capsys: Any) -> None:
     assert "give --hosts too" in capsys.readouterr().err
 
 
+def test_a_machine_that_refuses_namespaces_is_named_and_the_bench_exits_2(
+    monkeypatch: pytest.MonkeyPatch, capsys: Any
+) -> None:
+    """A container without the capability refuses ``ip netns add``: unavailable() says so (found by
+    trying), and ``collective bench --hosts`` refuses with it, exit status 2."""
+    from collective.bench.jobs import hosts
+
+    def refuse(*args: str, check: bool = True) -> Any:
+        if check:
+            raise hosts.HostsError("'ip netns add' failed: Operation not permitted")
+        return subprocess.CompletedProcess(args, 1, "", "")
+
+    hosts._refused.cache_clear()
+    monkeypatch.setattr(hosts, "_ip", refuse)
+    try:
+        reason = hosts.unavailable()
+        assert reason is not None and "cannot be made here" in reason and "Operation not permitted" in reason
+        with pytest.raises(SystemExit) as stop:
+            cli.main(["--hosts", "2", "--op", "all_reduce"])
+        assert stop.value.code == 2
+        assert "argument --hosts: emulated hosts cannot be made here" in capsys.readouterr().err
+    finally:
+        monkeypatch.undo()
+        hosts._refused.cache_clear()
+
+
 # -- host faults ---------------------------------------------------------------------------------
 
 
