@@ -2,7 +2,9 @@
 
 ``Centralized()``, ``Tree(k)``, ``Ring()`` and ``Direct()`` are frozen dataclasses. They also parse
 from the strings used by the CLI and environment variables: ``"centralized"``, ``"tree:k"``
-(``"tree"`` is ``tree:2``), ``"ring"`` and ``"direct"``. Ring all_reduce and every Direct
+(``"tree"`` is ``tree:2``), ``"ring"`` and ``"direct"``. ``Auto()`` (``"auto"``) asks for the one
+with the least predicted time: collective.tuning resolves it into one of the others before any
+schedule runs (the dispatchers here refuse it). Ring all_reduce and every Direct
 collective need at least one element per peer: below that the dispatcher falls back to Tree(2)
 (for all_reduce it logs it at DEBUG level and reports it: ``resolve_all_reduce``).
 
@@ -44,10 +46,12 @@ from collective.algorithms.ops import Array, Counts, ReduceOp
 from collective.errors import ConfigError
 
 __all__ = [
+    "Auto",
     "BlockSizes",
     "Centralized",
     "Direct",
     "Ring",
+    "Schedule",
     "Strategy",
     "Tree",
     "all_gather",
@@ -104,18 +108,30 @@ class Direct:
         return "direct"
 
 
-Strategy = Centralized | Tree | Ring | Direct
+@dataclass(frozen=True)
+class Auto:
+    """The schedule with the least predicted time for each call (collective.tuning chooses it)."""
+
+    def __str__(self) -> str:
+        return "auto"
+
+
+Strategy = Centralized | Tree | Ring | Direct | Auto
+Schedule = Centralized | Tree | Ring | Direct  # a strategy that names one schedule
 
 
 def parse_strategy(value: Strategy | str) -> Strategy:
-    """A strategy value, or one of "centralized", "tree:K", "tree", "ring"; raises ConfigError."""
-    if isinstance(value, Centralized | Tree | Ring | Direct):
+    """A strategy value, or one of "auto", "centralized", "tree:K", "tree", "ring", "direct";
+    raises ConfigError."""
+    if isinstance(value, Centralized | Tree | Ring | Direct | Auto):
         return value
     if not isinstance(value, str):
         raise ConfigError(
-            f"a strategy must be Centralized(), Tree(k), Ring(), Direct() or a string, got {value!r}"
+            f"a strategy must be Auto(), Centralized(), Tree(k), Ring(), Direct() or a string, got {value!r}"
         )
     text = value.strip().lower()
+    if text == "auto":
+        return Auto()
     if text == "centralized":
         return Centralized()
     if text == "ring":
@@ -133,11 +149,19 @@ def parse_strategy(value: Strategy | str) -> Strategy:
             ) from None
         return Tree(arity)
     raise ConfigError(
-        f"unknown strategy {value!r}: expected 'centralized', 'tree:K' (K >= 1), 'ring' or 'direct'"
+        f"unknown strategy {value!r}: expected 'auto', 'centralized', 'tree:K' (K >= 1), 'ring' or 'direct'"
     )
 
 
-def resolve_all_reduce(strategy: Strategy, length: int, peers: int) -> Strategy:
+def _schedule(strategy: Strategy | str) -> Schedule:
+    """The schedule ``strategy`` names; ``auto`` must have been resolved (collective.tuning)."""
+    chosen = parse_strategy(strategy)
+    if isinstance(chosen, Auto):
+        raise ConfigError("'auto' names no schedule: collective.tuning resolves it before a schedule runs")
+    return chosen
+
+
+def resolve_all_reduce(strategy: Schedule, length: int, peers: int) -> Schedule:
     """The strategy all_reduce runs: Ring and Direct fall back to Tree(2) below one element per peer."""
     if isinstance(strategy, Ring | Direct) and length < peers:
         log.debug("%s all_reduce of %d elements on %d peers: falling back to tree:2", strategy, length, peers)
@@ -147,7 +171,7 @@ def resolve_all_reduce(strategy: Strategy, length: int, peers: int) -> Strategy:
 
 def all_reduce(strategy: Strategy | str, link: Link, src: Array, dst: Array, op: ReduceOp) -> None:
     """Run all_reduce with ``strategy`` (after the Ring fallback) on this peer of ``link``."""
-    match resolve_all_reduce(parse_strategy(strategy), src.size, link.size):
+    match resolve_all_reduce(_schedule(strategy), src.size, link.size):
         case Centralized():
             centralized.all_reduce(link, src, dst, op)
         case Tree(arity):
@@ -162,7 +186,7 @@ def reduce(
     strategy: Strategy | str, link: Link, root: int, src: Array, dst: Array | None, op: ReduceOp
 ) -> None:
     """Run reduce onto ``root`` with ``strategy``; ``dst`` is needed on the root only."""
-    chosen = parse_strategy(strategy)
+    chosen = _schedule(strategy)
     if isinstance(chosen, Direct) and src.size < link.size:
         chosen = Tree(2)  # too few elements to give every peer a chunk
     match chosen:
@@ -178,7 +202,7 @@ def reduce(
 
 def broadcast(strategy: Strategy | str, link: Link, root: int, buf: Array) -> None:
     """Run broadcast from ``root`` with ``strategy``."""
-    chosen = parse_strategy(strategy)
+    chosen = _schedule(strategy)
     if isinstance(chosen, Direct) and buf.size < link.size:
         chosen = Tree(2)
     match chosen:
@@ -200,7 +224,7 @@ def all_gather(
     ``blocks``: where each peer's block lies in ``dst`` (None: each the size of ``src``).
     """
     layout = check_blocks("all_gather", link, blocks, ("src", src), ("dst", dst))
-    match parse_strategy(strategy):
+    match _schedule(strategy):
         case Centralized():
             centralized.all_gather(link, src, dst, layout)
         case Tree(arity):
@@ -224,7 +248,7 @@ def reduce_scatter(
     ``blocks``: where each peer's block lies in ``src`` (None: each the size of ``dst``).
     """
     layout = check_blocks("reduce_scatter", link, blocks, ("dst", dst), ("src", src))
-    match parse_strategy(strategy):
+    match _schedule(strategy):
         case Centralized():
             centralized.reduce_scatter(link, src, dst, op, layout)
         case Tree(arity):
@@ -243,7 +267,7 @@ def all_to_all(
     ``counts[i][j]``: the elements peer i sends to peer j (None: ``src.size // n`` each).
     """
     matrix = check_counts(link, counts, src, dst)
-    match parse_strategy(strategy):
+    match _schedule(strategy):
         case Centralized():
             centralized.all_to_all(link, src, dst, matrix)
         case Tree(arity):
@@ -268,7 +292,7 @@ def gather(
     """
     check_root("gather", link, root)
     layout = check_blocks("gather", link, blocks, ("src", src), ("dst", dst) if link.rank == root else None)
-    match parse_strategy(strategy):
+    match _schedule(strategy):
         case Centralized() | Direct():  # Direct's schedule is Centralized's: every peer to the root
             centralized.gather(link, root, src, dst, layout)
         case Tree(arity):
@@ -291,7 +315,7 @@ def scatter(
     """
     check_root("scatter", link, root)
     layout = check_blocks("scatter", link, blocks, ("dst", dst), ("src", src) if link.rank == root else None)
-    match parse_strategy(strategy):
+    match _schedule(strategy):
         case Centralized() | Direct():  # Direct's schedule is Centralized's: the root to every peer
             centralized.scatter(link, root, src, dst, layout)
         case Tree(arity):
@@ -302,7 +326,7 @@ def scatter(
 
 def barrier(strategy: Strategy | str, link: Link) -> None:
     """Return on every peer only after every peer of ``link`` has entered the barrier."""
-    match parse_strategy(strategy):
+    match _schedule(strategy):
         case Centralized():
             centralized.barrier(link)
         case Tree(arity):

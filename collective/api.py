@@ -6,6 +6,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from collective.algorithms.ops import Array, ReduceOp
+from collective.algorithms.strategies import Strategy
 from collective.arrays import Device
 from collective.config import CollectiveConfig
 from collective.groups import Group
@@ -92,10 +93,13 @@ def all_reduce(
     group: Group | None = None,
     timeout: float | None = None,
     async_op: bool = False,
+    strategy: Strategy | str | None = None,
     out: Array | None = None,
 ) -> Any:
     """``op`` over ``x`` of every peer, on every peer (see Runtime.all_reduce)."""
-    return _default.all_reduce(peer_id, x, op, group=group, timeout=timeout, async_op=async_op, out=out)
+    return _default.all_reduce(
+        peer_id, x, op, group=group, timeout=timeout, async_op=async_op, strategy=strategy, out=out
+    )
 
 
 def reduce(
@@ -107,10 +111,13 @@ def reduce(
     group: Group | None = None,
     timeout: float | None = None,
     async_op: bool = False,
+    strategy: Strategy | str | None = None,
     out: Array | None = None,
 ) -> Any:
     """``op`` over ``x`` of every peer, on ``root`` only; None elsewhere."""
-    return _default.reduce(peer_id, x, op, root, group=group, timeout=timeout, async_op=async_op, out=out)
+    return _default.reduce(
+        peer_id, x, op, root, group=group, timeout=timeout, async_op=async_op, strategy=strategy, out=out
+    )
 
 
 def broadcast(
@@ -120,10 +127,13 @@ def broadcast(
     group: Group | None = None,
     timeout: float | None = None,
     async_op: bool = False,
+    strategy: Strategy | str | None = None,
     out: Array | None = None,
 ) -> Any:
     """The array of the one peer that passes one, on every peer."""
-    return _default.broadcast(peer_id, x, group=group, timeout=timeout, async_op=async_op, out=out)
+    return _default.broadcast(
+        peer_id, x, group=group, timeout=timeout, async_op=async_op, strategy=strategy, out=out
+    )
 
 
 def all_gather(
@@ -133,10 +143,13 @@ def all_gather(
     group: Group | None = None,
     timeout: float | None = None,
     async_op: bool = False,
+    strategy: Strategy | str | None = None,
     out: Array | None = None,
 ) -> Any:
     """Every peer's ``x``, stacked in group-rank order: shape (group size, *x.shape)."""
-    return _default.all_gather(peer_id, x, group=group, timeout=timeout, async_op=async_op, out=out)
+    return _default.all_gather(
+        peer_id, x, group=group, timeout=timeout, async_op=async_op, strategy=strategy, out=out
+    )
 
 
 def reduce_scatter(
@@ -147,10 +160,13 @@ def reduce_scatter(
     group: Group | None = None,
     timeout: float | None = None,
     async_op: bool = False,
+    strategy: Strategy | str | None = None,
     out: Array | None = None,
 ) -> Any:
     """x.shape[0] = size*k: rank i gets ``op`` over every peer's rows i*k..(i+1)*k-1."""
-    return _default.reduce_scatter(peer_id, x, op, group=group, timeout=timeout, async_op=async_op, out=out)
+    return _default.reduce_scatter(
+        peer_id, x, op, group=group, timeout=timeout, async_op=async_op, strategy=strategy, out=out
+    )
 
 
 def all_to_all(
@@ -160,10 +176,13 @@ def all_to_all(
     group: Group | None = None,
     timeout: float | None = None,
     async_op: bool = False,
+    strategy: Strategy | str | None = None,
     out: Array | None = None,
 ) -> Any:
     """x.shape[0] = size*k: block i goes to rank i; block j of the result came from rank j."""
-    return _default.all_to_all(peer_id, x, group=group, timeout=timeout, async_op=async_op, out=out)
+    return _default.all_to_all(
+        peer_id, x, group=group, timeout=timeout, async_op=async_op, strategy=strategy, out=out
+    )
 
 
 def gather(
@@ -174,10 +193,13 @@ def gather(
     group: Group | None = None,
     timeout: float | None = None,
     async_op: bool = False,
+    strategy: Strategy | str | None = None,
     out: Array | None = None,
 ) -> Any:
     """Every peer's ``x`` stacked on ``root``; None elsewhere."""
-    return _default.gather(peer_id, x, root, group=group, timeout=timeout, async_op=async_op, out=out)
+    return _default.gather(
+        peer_id, x, root, group=group, timeout=timeout, async_op=async_op, strategy=strategy, out=out
+    )
 
 
 def scatter(
@@ -188,10 +210,13 @@ def scatter(
     group: Group | None = None,
     timeout: float | None = None,
     async_op: bool = False,
+    strategy: Strategy | str | None = None,
     out: Array | None = None,
 ) -> Any:
     """The root passes (group size, ...); each peer gets its row."""
-    return _default.scatter(peer_id, x, root, group=group, timeout=timeout, async_op=async_op, out=out)
+    return _default.scatter(
+        peer_id, x, root, group=group, timeout=timeout, async_op=async_op, strategy=strategy, out=out
+    )
 
 
 def all_gather_v(
@@ -202,11 +227,19 @@ def all_gather_v(
     group: Group | None = None,
     timeout: float | None = None,
     async_op: bool = False,
+    strategy: Strategy | str | None = None,
     out: Array | None = None,
 ) -> Any:
     """Every peer's ``x`` (rows may differ between peers), a list in group-rank order."""
     return _default.all_gather_v(
-        peer_id, x, recv_sizes=recv_sizes, group=group, timeout=timeout, async_op=async_op, out=out
+        peer_id,
+        x,
+        recv_sizes=recv_sizes,
+        group=group,
+        timeout=timeout,
+        async_op=async_op,
+        strategy=strategy,
+        out=out,
     )
 
 
@@ -219,11 +252,12 @@ def reduce_scatter_v(
     group: Group | None = None,
     timeout: float | None = None,
     async_op: bool = False,
+    strategy: Strategy | str | None = None,
     out: Array | None = None,
 ) -> Any:
     """``op`` over every peer's ``x``; rank i gets its ``sizes[i]`` rows of the result."""
     return _default.reduce_scatter_v(
-        peer_id, x, sizes, op, group=group, timeout=timeout, async_op=async_op, out=out
+        peer_id, x, sizes, op, group=group, timeout=timeout, async_op=async_op, strategy=strategy, out=out
     )
 
 
@@ -236,6 +270,7 @@ def all_to_all_v(
     group: Group | None = None,
     timeout: float | None = None,
     async_op: bool = False,
+    strategy: Strategy | str | None = None,
     out: Array | None = None,
 ) -> Any:
     """``send_sizes[j]`` rows of ``x`` to rank j; a list back of the rows each peer sent this one."""
@@ -247,15 +282,21 @@ def all_to_all_v(
         group=group,
         timeout=timeout,
         async_op=async_op,
+        strategy=strategy,
         out=out,
     )
 
 
 def barrier(
-    peer_id: int, *, group: Group | None = None, timeout: float | None = None, async_op: bool = False
+    peer_id: int,
+    *,
+    group: Group | None = None,
+    timeout: float | None = None,
+    async_op: bool = False,
+    strategy: Strategy | str | None = None,
 ) -> Any:
     """Return once every peer of the group has entered the barrier."""
-    return _default.barrier(peer_id, group=group, timeout=timeout, async_op=async_op)
+    return _default.barrier(peer_id, group=group, timeout=timeout, async_op=async_op, strategy=strategy)
 
 
 def send(peer_id: int, x: Array, dst: int, tag: int = 0, *, timeout: float | None = None) -> None:
@@ -285,9 +326,10 @@ def all_reduce_coalesced(
     group: Group | None = None,
     timeout: float | None = None,
     async_op: bool = False,
+    strategy: Strategy | str | None = None,
     out: Sequence[Array] | None = None,
 ) -> Any:
     """One all_reduce over many arrays; a list of results in the same order."""
     return _default.all_reduce_coalesced(
-        peer_id, xs, op, group=group, timeout=timeout, async_op=async_op, out=out
+        peer_id, xs, op, group=group, timeout=timeout, async_op=async_op, strategy=strategy, out=out
     )

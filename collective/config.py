@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from collective.algorithms.strategies import Direct, Ring, Strategy, Tree, parse_strategy
+from collective.algorithms.strategies import Auto, Strategy, parse_strategy
 from collective.arrays import real
 from collective.errors import ConfigError
 
@@ -41,15 +41,14 @@ class CollectiveConfig:
     """The configuration every peer of a job registers with (all peers of a process pass equal ones).
 
     num_devices: local peers (threads) in this process, >= 1.
-    local_<kind>_strategy: algorithm among the local peers, per collective kind (all_reduce,
-        reduce, broadcast, gather, scatter: Tree(2); all_gather, reduce_scatter: Ring();
-        all_to_all: Direct()). A barrier follows all_reduce's.
+    local_<kind>_strategy: algorithm among the local peers, per collective kind (default
+        Auto(): the one with the least predicted time, collective.tuning). A barrier follows
+        all_reduce's. COLLECTIVE_ALGO, read at registration, pins them per kind.
     num_nodes, global_address, node_address, data_service_port: multi-node fields, all set or
         all unset. global_address is the orchestrator's "host:port". The data service listens on
         node_address's host at data_service_port (0: a free port) and other nodes are told that
         host and the port it got; node_address's port must be 0 or equal data_service_port.
-    global_<kind>_strategy: algorithm among node leaders (all_reduce, all_gather, reduce_scatter:
-        Ring(); all_to_all: Direct(); the others Tree(2)).
+    global_<kind>_strategy: algorithm among node leaders (default Auto()).
     timeout: seconds one collective (and registration) may take before CollectiveTimeout.
     job: the job's name: an orchestrator serves many jobs, told apart by name.
     token: a shared secret; when set, the orchestrator and every data service refuse
@@ -57,27 +56,27 @@ class CollectiveConfig:
     """
 
     num_devices: int = 1
-    # Given as a value or a string; always a value (Centralized / Tree / Ring) once constructed.
-    local_all_reduce_strategy: Strategy | str = field(default_factory=Tree)
-    local_reduce_strategy: Strategy | str = field(default_factory=Tree)
-    local_broadcast_strategy: Strategy | str = field(default_factory=Tree)
+    # Given as a value or a string; always a value (Auto(), Centralized(), ...) once constructed.
+    local_all_reduce_strategy: Strategy | str = field(default_factory=Auto)
+    local_reduce_strategy: Strategy | str = field(default_factory=Auto)
+    local_broadcast_strategy: Strategy | str = field(default_factory=Auto)
     num_nodes: int | None = None
     global_address: str | None = None
     node_address: str | None = None
     data_service_port: int | None = None
-    global_all_reduce_strategy: Strategy | str = field(default_factory=Ring)
-    global_reduce_strategy: Strategy | str = field(default_factory=Tree)
-    global_broadcast_strategy: Strategy | str = field(default_factory=Tree)
-    local_all_gather_strategy: Strategy | str = field(default_factory=Ring)
-    local_reduce_scatter_strategy: Strategy | str = field(default_factory=Ring)
-    local_all_to_all_strategy: Strategy | str = field(default_factory=Direct)
-    local_gather_strategy: Strategy | str = field(default_factory=Tree)
-    local_scatter_strategy: Strategy | str = field(default_factory=Tree)
-    global_all_gather_strategy: Strategy | str = field(default_factory=Ring)
-    global_reduce_scatter_strategy: Strategy | str = field(default_factory=Ring)
-    global_all_to_all_strategy: Strategy | str = field(default_factory=Direct)
-    global_gather_strategy: Strategy | str = field(default_factory=Tree)
-    global_scatter_strategy: Strategy | str = field(default_factory=Tree)
+    global_all_reduce_strategy: Strategy | str = field(default_factory=Auto)
+    global_reduce_strategy: Strategy | str = field(default_factory=Auto)
+    global_broadcast_strategy: Strategy | str = field(default_factory=Auto)
+    local_all_gather_strategy: Strategy | str = field(default_factory=Auto)
+    local_reduce_scatter_strategy: Strategy | str = field(default_factory=Auto)
+    local_all_to_all_strategy: Strategy | str = field(default_factory=Auto)
+    local_gather_strategy: Strategy | str = field(default_factory=Auto)
+    local_scatter_strategy: Strategy | str = field(default_factory=Auto)
+    global_all_gather_strategy: Strategy | str = field(default_factory=Auto)
+    global_reduce_scatter_strategy: Strategy | str = field(default_factory=Auto)
+    global_all_to_all_strategy: Strategy | str = field(default_factory=Auto)
+    global_gather_strategy: Strategy | str = field(default_factory=Auto)
+    global_scatter_strategy: Strategy | str = field(default_factory=Auto)
     timeout: float = DEFAULT_TIMEOUT
     job: str = "default"
     token: str | None = field(default=None, repr=False)

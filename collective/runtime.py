@@ -21,6 +21,7 @@ from typing import Any
 
 from collective import p2p
 from collective.algorithms.ops import Array, ReduceOp
+from collective.algorithms.strategies import Strategy, parse_strategy
 from collective.arrays import Device, integer, real
 from collective.calls import (
     AllGather,
@@ -51,6 +52,7 @@ from collective.executors.rendezvous import Rendezvous
 from collective.groups import Group, as_group
 from collective.job import LocalJob
 from collective.p2p import Mailbox
+from collective.tuning.overrides import pinned
 from collective.work import Sequencer
 
 __all__ = ["Runtime"]
@@ -109,6 +111,7 @@ class Runtime:
         """
         if not isinstance(config, CollectiveConfig):
             raise ConfigError(f"config must be a CollectiveConfig, got {type(config).__name__}")
+        config = pinned(config)  # COLLECTIVE_ALGO's strategies (a bad value: ConfigError)
         parsed = Device.parse(device)
         number = integer(peer_id)  # (a numpy integer is an id too)
         if config.is_multi_node and (number is None or number < 0):
@@ -272,6 +275,7 @@ class Runtime:
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        strategy: Strategy | str | None = None,
         out: Array | None = None,
     ) -> Any:
         """Combine ``x`` of every peer with ``op``; every peer gets the same bits.
@@ -280,7 +284,7 @@ class Runtime:
         Raises RegistrationError, InvalidArgumentError, MismatchError, CollectiveTimeout,
         PeerLostError, JobClosedError (see docs/api.md).
         """
-        return self.start(peer_id, AllReduce(x, op, out=out), group, timeout, async_op)
+        return self.start(peer_id, AllReduce(x, op, out=out), group, timeout, async_op, strategy)
 
     def reduce(
         self,
@@ -292,10 +296,11 @@ class Runtime:
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        strategy: Strategy | str | None = None,
         out: Array | None = None,
     ) -> Any:
         """Combine ``x`` of every peer with ``op`` onto ``root``: the result there, None elsewhere."""
-        return self.start(peer_id, Reduce(x, op, root, out), group, timeout, async_op)
+        return self.start(peer_id, Reduce(x, op, root, out), group, timeout, async_op, strategy)
 
     def broadcast(
         self,
@@ -305,6 +310,7 @@ class Runtime:
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        strategy: Strategy | str | None = None,
         out: Array | None = None,
     ) -> Any:
         """Copy the array of the one peer that passes one (the root) to every peer.
@@ -312,7 +318,7 @@ class Runtime:
         Other peers pass None (and optionally ``out`` to receive into). No array or several is a
         MismatchError on every peer.
         """
-        return self.start(peer_id, Broadcast(x, out=out), group, timeout, async_op)
+        return self.start(peer_id, Broadcast(x, out=out), group, timeout, async_op, strategy)
 
     def all_gather(
         self,
@@ -322,10 +328,11 @@ class Runtime:
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        strategy: Strategy | str | None = None,
         out: Array | None = None,
     ) -> Any:
         """Every peer's ``x`` on every peer: shape (group size, *x.shape), in group-rank order."""
-        return self.start(peer_id, AllGather(x, out=out), group, timeout, async_op)
+        return self.start(peer_id, AllGather(x, out=out), group, timeout, async_op, strategy)
 
     def reduce_scatter(
         self,
@@ -336,10 +343,11 @@ class Runtime:
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        strategy: Strategy | str | None = None,
         out: Array | None = None,
     ) -> Any:
         """``op`` over every peer's ``x`` (x.shape[0] = size*k); rank i gets rows i*k..(i+1)*k-1."""
-        return self.start(peer_id, ReduceScatter(x, op, out=out), group, timeout, async_op)
+        return self.start(peer_id, ReduceScatter(x, op, out=out), group, timeout, async_op, strategy)
 
     def all_to_all(
         self,
@@ -349,10 +357,11 @@ class Runtime:
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        strategy: Strategy | str | None = None,
         out: Array | None = None,
     ) -> Any:
         """x.shape[0] = size*k: block i of x goes to rank i; block j of the result came from rank j."""
-        return self.start(peer_id, AllToAll(x, out=out), group, timeout, async_op)
+        return self.start(peer_id, AllToAll(x, out=out), group, timeout, async_op, strategy)
 
     def gather(
         self,
@@ -363,10 +372,11 @@ class Runtime:
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        strategy: Strategy | str | None = None,
         out: Array | None = None,
     ) -> Any:
         """Every peer's ``x`` stacked (group size, *x.shape) on ``root``; None elsewhere."""
-        return self.start(peer_id, Gather(x, root=root, out=out), group, timeout, async_op)
+        return self.start(peer_id, Gather(x, root=root, out=out), group, timeout, async_op, strategy)
 
     def scatter(
         self,
@@ -377,10 +387,11 @@ class Runtime:
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        strategy: Strategy | str | None = None,
         out: Array | None = None,
     ) -> Any:
         """The root passes (group size, ...); rank i gets row i. The other peers pass None."""
-        return self.start(peer_id, Scatter(x, root=root, out=out), group, timeout, async_op)
+        return self.start(peer_id, Scatter(x, root=root, out=out), group, timeout, async_op, strategy)
 
     def all_gather_v(
         self,
@@ -391,12 +402,15 @@ class Runtime:
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        strategy: Strategy | str | None = None,
         out: Array | None = None,
     ) -> Any:
         """Every peer's ``x`` on every peer, a list in group-rank order; x.shape[0] may differ between
         peers (the rest of the shape and the dtype agree). ``out``: one array of every peer's rows.
         ``recv_sizes``: the rows expected from each rank, checked (on every peer) before data moves."""
-        return self.start(peer_id, AllGatherV(x, out=out, recv_sizes=recv_sizes), group, timeout, async_op)
+        return self.start(
+            peer_id, AllGatherV(x, out=out, recv_sizes=recv_sizes), group, timeout, async_op, strategy
+        )
 
     def reduce_scatter_v(
         self,
@@ -408,11 +422,12 @@ class Runtime:
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        strategy: Strategy | str | None = None,
         out: Array | None = None,
     ) -> Any:
         """``op`` over every peer's ``x``; rank i gets block i, its ``sizes[i]`` rows (every peer passes
         the same ``sizes``, summing to x.shape[0])."""
-        return self.start(peer_id, ReduceScatterV(x, sizes, op, out=out), group, timeout, async_op)
+        return self.start(peer_id, ReduceScatterV(x, sizes, op, out=out), group, timeout, async_op, strategy)
 
     def all_to_all_v(
         self,
@@ -424,13 +439,14 @@ class Runtime:
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        strategy: Strategy | str | None = None,
         out: Array | None = None,
     ) -> Any:
         """Rows of ``x``, ``send_sizes[j]`` of them for rank j in rank order, go to rank j; a list back,
         in source rank order, of the rows each peer sent this one. ``out``: one array of them all.
         ``recv_sizes``: the rows expected from each rank, checked (on every peer) before data moves."""
         call = AllToAllV(x, send_sizes, out=out, recv_sizes=recv_sizes)
-        return self.start(peer_id, call, group, timeout, async_op)
+        return self.start(peer_id, call, group, timeout, async_op, strategy)
 
     def barrier(
         self,
@@ -439,9 +455,10 @@ class Runtime:
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        strategy: Strategy | str | None = None,
     ) -> Any:
         """Return once every peer of the group has entered the barrier."""
-        return self.start(peer_id, Barrier(), group, timeout, async_op)
+        return self.start(peer_id, Barrier(), group, timeout, async_op, strategy)
 
     def all_reduce_coalesced(
         self,
@@ -452,14 +469,16 @@ class Runtime:
         group: Group | None = None,
         timeout: float | None = None,
         async_op: bool = False,
+        strategy: Strategy | str | None = None,
         out: Sequence[Array] | None = None,
     ) -> Any:
         """One all_reduce over many arrays (one agreement, one schedule per dtype): a list back."""
         member, (rendezvous, sequencer), seconds, problem = self._road(peer_id, group, timeout)
 
         def execute(call: Call) -> Any:
-            if problem is not None:
-                call.refuse(problem)
+            named = _name_strategy(call, strategy) if strategy is not None else None
+            if (named or problem) is not None:
+                call.refuse(named or problem)  # type: ignore[arg-type]
             return rendezvous.run(member.peer, member.device, seconds, call)
 
         label = "all_reduce_coalesced"
@@ -500,10 +519,21 @@ class Runtime:
     # -- the one road ---------------------------------------------------------------------------
 
     def start(
-        self, peer_id: int, call: Call, group: Group | None, timeout: float | None, async_op: bool
+        self,
+        peer_id: int,
+        call: Call,
+        group: Group | None,
+        timeout: float | None,
+        async_op: bool,
+        strategy: Strategy | str | None = None,
     ) -> Any:
-        """Run any call object (the road of every collective; a refused call fails on every peer)."""
+        """Run any call object (the road of every collective; a refused call fails on every peer).
+
+        ``strategy``: the schedule this call runs with ("auto", "ring", Tree(4), ...), over the
+        config's and COLLECTIVE_ALGO's; every peer of the group must name the same."""
         member, (rendezvous, sequencer), seconds, problem = self._road(peer_id, group, timeout)
+        if strategy is not None:
+            problem = _name_strategy(call, strategy) or problem
         if problem is not None:
             call.refuse(problem)
         if async_op:
@@ -557,6 +587,15 @@ class Runtime:
                 job.check_member(peer_id)  # raises the precise RegistrationError
             raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
         return member
+
+
+def _name_strategy(call: Call, strategy: Any) -> str | None:
+    """Set the strategy ``call`` names; why it names none (a bad strategy fails it on every peer)."""
+    try:
+        call.strategy = str(parse_strategy(strategy))
+    except ConfigError as exc:
+        return f"strategy: {exc}"
+    return None
 
 
 def _seconds(timeout: Any) -> float:

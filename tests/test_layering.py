@@ -8,6 +8,7 @@ above nor a package beside it in its layer)::
     collective.algorithms                   schedules over the Link protocol
     collective.transport                    moving bytes; knows nothing of calls
     basics (arrays, tensors, pool, config, groups, work)
+    collective.tuning                       what "auto" runs: the cost model, profiles, the probe
     collective.calls                        one class per collective, signatures, movement families
     collective.shm                          shared memory among a host's processes
     collective.node                         a process's membership of a multi-node job
@@ -45,6 +46,7 @@ LAYERS: list[tuple[tuple[str, ...], bool]] = [
     (("collective.algorithms",), False),
     (("collective.transport",), False),
     (tuple(f"collective.{name}" for name in BASICS), True),
+    (("collective.tuning",), False),
     (("collective.calls",), False),
     (("collective.shm",), False),
     (("collective.node",), False),

@@ -70,6 +70,7 @@ class Call:
         "root_peer",
         "signature",
         "src",
+        "strategy",
         "x",
     )
 
@@ -101,6 +102,7 @@ class Call:
         self.problem: str | None = problem  # set by refuse(): found before this call was made
         self.op: ReduceOp | None = None  # parsed from ``op`` by prepare()
         self.signature: Signature  # set by prepare()
+        self.strategy: str | None = None  # the strategy it names ("auto", "ring", ...; None: the config's)
 
     # -- before the rendezvous: this peer's own checks ------------------------------------------
 
@@ -130,6 +132,8 @@ class Call:
         if problem is None:
             problem = self.problem or self.check(device, len(members), rank)
         self.signature = self.describe(op, problem)
+        if self.strategy is not None:
+            self.signature = self.signature._replace(strategy=self.strategy)
         if problem is None and self.x is not None:
             self.src = flat(self.x)
         return self.signature

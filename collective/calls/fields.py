@@ -9,8 +9,10 @@ import hashlib
 from typing import Any, TypeGuard
 
 from collective.algorithms.ops import ReduceOp
+from collective.algorithms.strategies import parse_strategy
 from collective.calls import CALLS
 from collective.calls.signature import Signature
+from collective.errors import ConfigError
 from collective.transport.wire import WireError, dtype_from_name
 
 __all__ = [
@@ -64,7 +66,7 @@ def as_sent(signature: Signature) -> Signature:
 
 
 def signature_fields(spec: Signature) -> dict[str, Any]:
-    return {
+    fields = {
         "kind": spec.kind,
         "op": spec.op.value if spec.op is not None else None,
         "root": spec.root,
@@ -76,6 +78,9 @@ def signature_fields(spec: Signature) -> dict[str, Any]:
         "sizes": list(spec.sizes),
         "table": [[rank, list(values)] for rank, values in spec.table],
     }
+    if spec.strategy is not None:
+        fields["strategy"] = spec.strategy
+    return fields
 
 
 def check_fields(spec: Signature) -> dict[str, Any]:
@@ -108,6 +113,12 @@ def signature_from_fields(header: dict[str, Any]) -> Signature:
         raise WireError("invalid table field")
     if not all(counted(rank) for rank, _ in table):
         raise WireError("invalid table field")
+    strategy = header.get("strategy")
+    if strategy is not None:
+        try:
+            strategy = str(parse_strategy(strategy))
+        except ConfigError:
+            raise WireError(f"invalid strategy {strategy!r}") from None
     return Signature(
         kind,
         op,
@@ -119,4 +130,5 @@ def signature_from_fields(header: dict[str, Any]) -> Signature:
         tuple((shape_of(shape), str(dtype_from_name(name))) for shape, name in parts),
         _ints(header.get("sizes") or [], "sizes"),
         tuple((rank, _ints(values, "table")) for rank, values in table),
+        strategy,
     )

@@ -26,7 +26,8 @@ class Signature(NamedTuple):
     sizes every peer passes alike (reduce_scatter_v). ``table`` holds what each rank states for
     itself alone (all_gather_v's rows, all_to_all_v's send sizes) as (rank, values) pairs: one
     pair in a peer's own call, every rank's in the agreed call (``agree`` merges them; a node's
-    locally agreed call holds its own ranks').
+    locally agreed call holds its own ranks'). ``strategy`` is the strategy the call names (every
+    peer must name the same); between nodes, the one each leader's call would run with.
     """
 
     kind: str
@@ -39,6 +40,7 @@ class Signature(NamedTuple):
     parts: tuple[tuple[tuple[int, ...], str], ...] = ()
     sizes: tuple[int, ...] = ()
     table: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    strategy: str | None = None  # the strategy asked for ("auto", "ring", ...; None: the config's)
 
     def rows(self, n: int) -> list[tuple[int, ...]]:
         """Every rank's values of ``table`` by rank (a complete table: an agreed call's)."""
@@ -111,7 +113,8 @@ def agree(
     kinds = _disagreement(specs, "kind", str, who)
     if kinds:
         raise MismatchError(f"{label}: peers called different collectives: {kinds.removeprefix('kind: ')}")
-    problems = [text for name in kind_rules.compared if (text := _disagreement(specs, name, _show, who))]
+    compared = (*kind_rules.compared, "strategy")
+    problems = [text for name in compared if (text := _disagreement(specs, name, _show, who))]
     if kind_rules.sourced and not problems:
         first = _source(specs, label, who, source_elsewhere)
         # Receivers without an ``out`` buffer state no shape or dtype: compare the others only.

@@ -5,8 +5,8 @@
 * ``Shared``: mid-size numpy arrays in one process. Every peer reads the others' inputs directly
   and does its share (``Movement.part``: e.g. its slice of a reduction), all meet at one barrier,
   then each finishes (``Movement.after``: e.g. copies the shared result out).
-* ``Linked``: anything else in one process (large arrays, CuPy): the configured strategy's
-  schedule (collective.algorithms) over the in-process Link.
+* ``Linked``: anything else in one process (large arrays, CuPy): the call's strategy's schedule
+  (collective.algorithms) over the in-process Link, ``auto`` resolved by collective.tuning.
 * ``ShmExecutor`` (collective.shm.group): peers each in their own process, all on this host.
 * ``ThreePhase`` (collective.executors.three_phase): peers on several nodes; with a ``HostTier``
   (collective.executors.host_tier) when hosts run several of the group's processes.
@@ -18,7 +18,8 @@ Centralized and Direct schedules combine inputs in rank order ((x0 op x1) op x2 
 given input they agree with each other bit for bit; Tree and Ring combine in their own fixed
 order (docs/algorithms), which float rounding may tell apart. ``choose`` is the one place that
 picks the executor: every rule of eligibility is here, from facts the node gives (host identities
-of the topology), the same on every process of a group.
+of the topology), the same on every process of a group. ``schedule_key`` says where a group's
+schedule runs (collective.tuning.Key), ``requested`` which strategy a call asks for.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import logging
 from collective.calls.base import Call
 from collective.calls.layout import Layout
 from collective.calls.signature import Signature
+from collective.executors.choice import call_size, leaders_key, requested
 from collective.executors.host_tier import HostTier
 from collective.executors.local import Fused, Linked, Shared, numpy_within
 from collective.executors.shm import ShmExecutor
@@ -35,8 +37,20 @@ from collective.executors.step import Executor, Site
 from collective.executors.three_phase import ThreePhase
 from collective.shm.group import ShmGroup
 from collective.transport.inproc import Exchange
+from collective.tuning import Key, resolve
 
-__all__ = ["DEFAULT_FUSE_BELOW", "DEFAULT_SHARE_BELOW", "Fused", "Linked", "Shared", "choose"]
+__all__ = [
+    "DEFAULT_FUSE_BELOW",
+    "DEFAULT_SHARE_BELOW",
+    "Fused",
+    "Linked",
+    "Shared",
+    "call_size",
+    "choose",
+    "leaders_key",
+    "requested",
+    "schedule_key",
+]
 
 log = logging.getLogger("collective.executors")  # DEBUG: the path every step takes
 
@@ -70,10 +84,31 @@ def choose(
             if site.share_below and numpy_within(calls, inputs, site.share_below):
                 executor = Shared(exchange, inputs, movement, movement.shared(inputs))
             else:
-                executor = Linked(exchange, site.config.local_strategy(calls[0].strategy_kind), movement)
+                kind = calls[0].strategy_kind
+                key = Key("inproc", kind, len(members))
+                nbytes, elements = call_size(agreed)
+                schedule = resolve(
+                    requested(agreed, site.config.local_strategy(kind)), site.chooser, key, nbytes, elements
+                )
+                executor = Linked(exchange, schedule, movement)
     if log.isEnabledFor(logging.DEBUG):
         log.debug("%s of group %s: %s", label, members, executor.path)
     return executor
+
+
+def schedule_key(site: Site, members: tuple[int, ...], kind: str) -> tuple[str, Key | None]:
+    """(the path, where its schedule runs) of a call of ``kind`` by the group ``members``: a path
+    with no schedule to choose (shared memory) has no key. Fused and Shared, taken by small numpy
+    arrays in one process, are decided per call (``choose``)."""
+    if site.node is None:
+        return "linked", Key("inproc", kind, len(members))
+    place = site.once(members, _placed, site, members)
+    if isinstance(place, ShmExecutor):
+        return place.path, None
+    if isinstance(place, HostTier):
+        return "host tier", leaders_key(place.layout, place.layout.size, kind)
+    hosts = len({site.node.host_of(node) for node in place.nodes})
+    return "three phases", leaders_key(place, hosts, kind)
 
 
 def _across_processes(site: Site, members: tuple[int, ...], local: tuple[int, ...], label: str) -> Executor:

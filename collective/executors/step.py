@@ -20,6 +20,7 @@ from collective.calls.signature import Signature
 from collective.config import CollectiveConfig
 from collective.errors import CollectiveError, PeerLostError
 from collective.transport.inproc import Exchange
+from collective.tuning import Chooser
 
 if TYPE_CHECKING:
     from collective.calls.base import Call
@@ -56,6 +57,7 @@ class Site:
     share_below: int = 0  # numpy arrays up to this many bytes: Shared
     node: NodeJob | None = None  # multi-node: this process's membership of the global job
     exchanges: weakref.WeakSet[Exchange] = field(default_factory=weakref.WeakSet)  # aborted on close
+    chooser: Chooser = field(default_factory=Chooser)  # what "auto" runs (collective.tuning)
     _kept: dict[Any, Any] = field(default_factory=dict)  # what executors keep per group (``once``)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 

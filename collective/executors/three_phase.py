@@ -7,7 +7,8 @@ As burn-collective does it, in three phases, for every collective:
    movement says (``Movement.contribution``: reduced, stacked, the root's array, ...);
 2. the leaders exchange their calls (every leader checks every call, so a mismatch is the same
    error everywhere), then run the same movement among themselves, node by node
-   (``Movement.between``), with the global strategy over ZeroMQ; contributions of at most
+   (``Movement.between``), with the call's strategy (else the global one; ``auto`` resolved by
+   collective.tuning, from the agreed call) over ZeroMQ; contributions of at most
    SMALL_BYTES travel with the calls instead and every leader combines them itself (one round);
 3. the leader announces the node's product and each local peer takes its result from it
    (``Movement.take``).
@@ -24,13 +25,16 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from collective.algorithms.ops import Array
+from collective.algorithms.strategies import Auto
 from collective.arrays import CPU, flat
 from collective.calls.layout import Layout
 from collective.calls.signature import Signature
 from collective.errors import CollectiveError, MismatchError, PeerLostError
+from collective.executors.choice import call_size, leaders_key, requested
 from collective.node.protocol import VERDICT_GRACE
 from collective.transport.inproc import Exchange
 from collective.transport.wire import SMALL_BYTES
+from collective.tuning import resolve
 
 if TYPE_CHECKING:
     from collective.executors.host_tier import HostTier
@@ -59,6 +63,8 @@ class ThreePhase:
         self.local = local  # the group's peers in this process
         self.layout = layout  # where the group's ranks live: nodes, or hosts with a tier
         self.tier = tier  # hosts as nodes: this host's processes of the group
+        self.chooser = site.chooser
+        self.hosts = layout.size if tier is not None else len({self.node.host_of(n) for n in layout.nodes})
         self.exchange = Exchange(local, label) if len(local) > 1 else None
         if self.exchange is not None:
             site.exchanges.add(self.exchange)
@@ -136,6 +142,9 @@ class ThreePhase:
         this peer's result when the product was written straight into it)."""
         plan, call, node, layout = step.plan, step.call, self.node, self.layout
         n = plan.size
+        kind = call.strategy_kind
+        # Every leader states the strategy it runs with: nodes configured apart fail alike, not hang.
+        local = local._replace(strategy=str(requested(local, self.config.global_strategy(kind))))
         with node.giving_up(self.members, layout, plan.number):
             contribution = call.movement(local, n).contribution(layout, srcs, ranks)
             attach = contribution if contribution is not None and contribution.nbytes <= SMALL_BYTES else None
@@ -159,7 +168,8 @@ class ThreePhase:
             else:
                 product = np.empty(size, agreed.dtype)
             link = node.link(self.members, layout, plan.number, agreed, step.deadline)
-            strategy = self.config.global_strategy(call.strategy_kind)
+            key = leaders_key(layout, self.hosts, kind)
+            strategy = resolve(requested(agreed, Auto()), self.chooser, key, *call_size(agreed))
             nodes.run_link(strategy, link, contribution, product)
             link.flush()
         return agreed, product, result

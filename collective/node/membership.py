@@ -124,7 +124,7 @@ class NodeJob:
             self._node_of = {peer: node for node, peers in enumerate(topology.peers) for peer in peers}
             self.world = topology.world
             self.topology = topology
-            here = [node for node in range(len(topology.infos)) if self._host_of(node) == self.host]
+            here = [node for node in range(len(topology.infos)) if self.host_of(node) == self.host]
             names = {node: topology.infos[node].get("p2p") for node in here}
             self._messages.connect({n: name for n, name in names.items() if isinstance(name, str)}, len(here))
             log.info(
@@ -282,7 +282,7 @@ class NodeJob:
     def host(self) -> Host:
         """This process's host: its identity and user (processes that share both share /dev/shm)."""
         assert self.topology is not None
-        return self._host_of(self.topology.index)
+        return self.host_of(self.topology.index)
 
     def nodes_of(self, members: tuple[int, ...]) -> list[int]:
         """The node of each member."""
@@ -300,7 +300,7 @@ class NodeJob:
         nodes = self.nodes_of(members)
         if not self._one_process_each(nodes) or self.topology.index not in nodes:
             return None
-        return [self._host_of(node) for node in nodes]
+        return [self.host_of(node) for node in nodes]
 
     def layout_of(self, members: tuple[int, ...]) -> Layout:
         """Where the group's ranks live, node by node."""
@@ -317,7 +317,7 @@ class NodeJob:
             and all(node < len(infos) and isinstance(infos[node].get("ring"), str) for node in nodes)
         )
 
-    def _host_of(self, node: int) -> Host:
+    def host_of(self, node: int) -> Host:
         """What tells node ``node``'s host: its host identity and user (one /dev/shm to share)."""
         assert self.topology is not None
         info = self.topology.infos[node] if node < len(self.topology.infos) else {}
@@ -330,7 +330,7 @@ class NodeJob:
             if self._ring is None:
                 infos, mine = self.topology.infos, self.host
                 rings = {node: info.get("ring") for node, info in enumerate(infos)}
-                here = sum(self._host_of(node) == mine for node in range(len(infos)))
+                here = sum(self.host_of(node) == mine for node in range(len(infos)))
                 watched = partial(self.lost_peer, orchestrator=False)
                 self._ring = HostRing(self._ring_segment, rings, self._node_of, watched, here)  # type: ignore[arg-type]
         return self._ring
