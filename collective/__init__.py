@@ -2,7 +2,8 @@
 
 Peers are threads of one process (coordinated in process) or of several processes and machines
 (coordinated by an orchestrator, exchanging arrays over ZeroMQ); each collective runs one of the
-algorithms Centralized, Tree(k), Ring or Direct. See docs/api.md for the full contract.
+algorithms Centralized, Tree(k), Ring or Direct, by default the one with the least predicted time
+(Auto; ``explain`` says which and why). See docs/api.md for the full contract.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # (what type checkers see; at run time each name loads on first use: __getattr__)
     from collective.algorithms.ops import ReduceOp
-    from collective.algorithms.strategies import Centralized, Direct, Ring, Tree
+    from collective.algorithms.strategies import Auto, Centralized, Direct, Ring, Tree
     from collective.api import (
         all_gather,
         all_gather_v,
@@ -23,6 +24,7 @@ if TYPE_CHECKING:  # (what type checkers see; at run time each name loads on fir
         barrier,
         broadcast,
         default_runtime,
+        explain,
         finish,
         gather,
         init,
@@ -52,18 +54,21 @@ if TYPE_CHECKING:  # (what type checkers see; at run time each name loads on fir
     from collective.groups import Group
     from collective.launch import peer_ids_from_env
     from collective.runtime import Runtime
+    from collective.tuning import Explanation
     from collective.work import Work
 
 
 __version__ = "0.2.0"
 
 __all__ = [
+    "Auto",
     "Centralized",
     "CollectiveConfig",
     "CollectiveError",
     "CollectiveTimeout",
     "ConfigError",
     "Direct",
+    "Explanation",
     "Group",
     "InvalidArgumentError",
     "JobClosedError",
@@ -84,6 +89,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "default_runtime",
+    "explain",
     "finish",
     "gather",
     "init",
@@ -107,16 +113,17 @@ _LAZY: dict[str, str] = {
     name: module
     for module, names in {
         "collective.algorithms.ops": "ReduceOp",
-        "collective.algorithms.strategies": "Centralized Direct Ring Tree",
+        "collective.algorithms.strategies": "Auto Centralized Direct Ring Tree",
         "collective.api": "all_gather all_gather_v all_reduce all_reduce_coalesced all_to_all all_to_all_v "
-        "barrier broadcast default_runtime finish gather init new_group recv recv_any reduce reduce_scatter "
-        "reduce_scatter_v register reset scatter send world_size",
+        "barrier broadcast default_runtime explain finish gather init new_group recv recv_any reduce "
+        "reduce_scatter reduce_scatter_v register reset scatter send world_size",
         "collective.config": "CollectiveConfig",
         "collective.errors": "CollectiveError CollectiveTimeout ConfigError InvalidArgumentError "
         "JobClosedError MismatchError PeerLostError RegistrationError",
         "collective.groups": "Group",
         "collective.launch": "peer_ids_from_env",
         "collective.runtime": "Runtime",
+        "collective.tuning": "Explanation",
         "collective.work": "Work",
     }.items()
     for name in names.split()

@@ -12,6 +12,7 @@ from collective.config import CollectiveConfig
 from collective.groups import Group
 from collective.groups import new_group as _new_group
 from collective.runtime import Runtime
+from collective.tuning import Explanation
 
 __all__ = [
     "all_gather",
@@ -23,6 +24,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "default_runtime",
+    "explain",
     "finish",
     "gather",
     "init",
@@ -74,6 +76,12 @@ def reset() -> None:
 def world_size(group: Group | None = None) -> int:
     """The number of peers in the job, or in ``group``."""
     return _default.world_size(group)
+
+
+def explain(kind: str, nbytes: int, group: Group | None = None, *, dtype: Any = "float32") -> Explanation:
+    """What a call of ``kind`` with ``nbytes`` per peer by ``group`` would run, and why: the path,
+    the schedule, its predicted time and every alternative's, the figures' source."""
+    return _default.explain(kind, nbytes, group, dtype=dtype)
 
 
 def new_group(ranks: Iterable[int]) -> Group:

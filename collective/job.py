@@ -19,6 +19,7 @@ from collective.errors import CollectiveTimeout, JobClosedError, PeerLostError, 
 from collective.executors.rendezvous import Rendezvous
 from collective.executors.step import Site
 from collective.transport.inproc import Doorbell, Exchange, claim_armed, clone_error, ring_claimed
+from collective.tuning.probe import Intent
 
 if TYPE_CHECKING:
     from collective.node import NodeJob
@@ -67,6 +68,7 @@ class LocalJob:
         self.node = node  # multi-node: this process's membership of the global job
         self.exchanges: weakref.WeakSet[Exchange] = weakref.WeakSet()  # live ones, aborted by close()
         self.site = Site(config, fuse_below, share_below, node, self.exchanges)
+        self.intent = Intent(None, None, "auto")  # what this process brings to the choice of figures
         self.guard = self._guard = _Guard()  # ``with guard:`` holds ``lock``, rings claimed bells after
         self.lock = self._guard.lock
         self._bells: dict[int, Doorbell] = {}

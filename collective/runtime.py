@@ -19,6 +19,8 @@ from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
+import numpy as np
+
 from collective import p2p
 from collective.algorithms.ops import Array, ReduceOp
 from collective.algorithms.strategies import Strategy, parse_strategy
@@ -39,7 +41,7 @@ from collective.calls import (
 )
 from collective.calls.base import Call
 from collective.calls.coalesced import coalesced_all_reduce
-from collective.config import CollectiveConfig
+from collective.config import KINDS, CollectiveConfig
 from collective.errors import (
     CollectiveError,
     ConfigError,
@@ -47,12 +49,14 @@ from collective.errors import (
     JobClosedError,
     RegistrationError,
 )
-from collective.executors import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW
+from collective.executors import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW, explain, schedule_key
 from collective.executors.rendezvous import Rendezvous
 from collective.groups import Group, as_group
 from collective.job import LocalJob
 from collective.p2p import Mailbox
+from collective.tuning import Explanation
 from collective.tuning.overrides import pinned
+from collective.tuning.probe import decide, intent, measure
 from collective.work import Sequencer
 
 __all__ = ["Runtime"]
@@ -147,9 +151,30 @@ class Runtime:
             job.wait_joined(peer_id, deadline)
             if job.node is not None:
                 job.node.join(job.peer_ids, deadline)
+            self._adopt_figures(job, peer_id)
         except CollectiveError:
             self._drop(job)  # registration failed for every waiting peer: the job is dead
             raise
+
+    def _adopt_figures(self, job: LocalJob, peer_id: int) -> None:
+        """Give the job the figures ``auto`` chooses from, the same on every peer (tuning.probe):
+        its profile's, a probe's (every peer runs it here, as the job starts) or the built-in."""
+        site = job.site
+        key = schedule_key(site, job.members, "all_reduce")[1]
+        if key is None:  # shared memory: no schedule to choose
+            return
+        wanted = job.intent
+        if job.node is None:  # (threads: no probe; they would measure the fast paths)
+            infos = [{**wanted.info(), "probe": "never"}]
+        else:
+            assert job.node.topology is not None
+            infos = job.node.topology.infos
+        decision = site.once("tuning", decide, infos, key, wanted)
+        if decision == "profile":
+            site.chooser.adopt(wanted.figures)
+        elif decision == "probe":
+            probing = _Probing(self, peer_id, job.world)
+            site.chooser.adopt(measure(probing, lambda kind: schedule_key(site, job.members, kind)[1]))
 
     def _drop(self, job: LocalJob) -> None:
         """Forget a job whose registration failed (its waiting peers raise that failure themselves)."""
@@ -160,17 +185,21 @@ class Runtime:
             job.node.close()
 
     def _new_job(self, config: CollectiveConfig) -> LocalJob:
+        wanted = intent()  # COLLECTIVE_PROFILE and COLLECTIVE_PROBE (tuning.probe)
         if not config.is_multi_node:
-            return LocalJob(
+            job = LocalJob(
                 config,
                 config.num_devices,
                 self._fuse_below,
                 self._share_below,
                 expected=tuple(range(config.num_devices)),
             )
-        from collective.node import NodeJob
+        else:
+            from collective.node import NodeJob
 
-        return LocalJob(config, config.num_devices, node=NodeJob(config, self._mailbox_of))
+            job = LocalJob(config, config.num_devices, node=NodeJob(config, self._mailbox_of, wanted.info()))
+        job.intent = wanted
+        return job
 
     def _mailbox_of(self) -> Mailbox:
         return self._mailbox
@@ -263,6 +292,32 @@ class Runtime:
         if not job.world:
             raise RegistrationError("world_size(): the job is forming: its size is known once its nodes join")
         return job.world
+
+    def explain(
+        self, kind: str, nbytes: int, group: Group | None = None, *, dtype: Any = "float32"
+    ) -> Explanation:
+        """What a call of ``kind`` with ``nbytes`` per peer (of ``dtype``) by ``group`` (default:
+        the whole job) would run: the path, the schedule, its predicted time and every
+        alternative's, and where the figures came from (collective.tuning.Explanation)."""
+        job = self._job
+        if job is None:
+            raise RegistrationError("explain(): no job: register a peer (or call init()) first")
+        if kind not in KINDS and kind != "barrier":
+            raise InvalidArgumentError(
+                f"explain(): unknown collective {kind!r}; use one of {', '.join(KINDS)}"
+            )
+        count = integer(nbytes)
+        if count is None or count < 0:
+            raise InvalidArgumentError(f"explain(): nbytes must be an integer >= 0, got {nbytes!r}")
+        try:
+            itemsize = np.dtype(dtype).itemsize
+        except TypeError:
+            raise InvalidArgumentError(f"explain(): {dtype!r} is not a dtype") from None
+        chosen = as_group(group)
+        members = job.members if chosen is None else chosen.members
+        if chosen is not None:
+            chosen.check_within(job.world)
+        return explain(job.site, members, kind, count, count // max(itemsize, 1))
 
     # -- collectives --------------------------------------------------------------------------
 
@@ -587,6 +642,37 @@ class Runtime:
                 job.check_member(peer_id)  # raises the precise RegistrationError
             raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
         return member
+
+
+class _Probing:
+    """The probe's collectives as one peer of the whole job (tuning.probe.Probing)."""
+
+    def __init__(self, runtime: Runtime, peer: int, world: int) -> None:
+        self.runtime, self.peer, self.world = runtime, peer, world
+        self._arrays: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def run(self, kind: str, nbytes: int, strategy: str) -> None:
+        x, out = self._buffers(kind, nbytes)
+        runtime, peer = self.runtime, self.peer
+        if kind == "broadcast":
+            runtime.broadcast(
+                peer, x if peer == 0 else None, strategy=strategy, out=None if peer == 0 else out
+            )
+        else:
+            getattr(runtime, kind)(peer, x, strategy=strategy, out=out)
+
+    def _buffers(self, kind: str, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+        found = self._arrays.get((kind, nbytes))
+        if found is None:
+            count = max(nbytes // 4, self.world)
+            count -= count % self.world
+            x = np.ones(count, np.float32)
+            shapes = {"all_gather": (self.world, count), "reduce_scatter": (count // self.world,)}
+            found = self._arrays[(kind, nbytes)] = (x, np.empty(shapes.get(kind, (count,)), np.float32))
+        return found
+
+    def agree_max(self, values: np.ndarray) -> np.ndarray:
+        return np.asarray(self.runtime.all_reduce(self.peer, values, "max"))
 
 
 def _name_strategy(call: Call, strategy: Any) -> str | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,9 @@ import pytest
 import collective as col
 
 JOIN_TIMEOUT = 30.0
+# A job spanning several hosts measures its links as it starts (collective.tuning.probe); the
+# tests that fake hosts on this one machine would pay for it in every job: test_tuning tests it.
+os.environ.setdefault("COLLECTIVE_PROBE", "never")
 # Runtime limits: "fused" is the default (small numpy arrays complete at the rendezvous, mid-size
 # ones on the shared path, large ones over the strategy's schedule); "shared" turns fusing off;
 # "linked" runs the configured strategy's schedule at every size.

@@ -25,10 +25,13 @@ schedule runs (collective.tuning.Key), ``requested`` which strategy a call asks 
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
+from collective.algorithms.strategies import Auto
 from collective.calls.base import Call
 from collective.calls.layout import Layout
 from collective.calls.signature import Signature
+from collective.config import KINDS
 from collective.executors.choice import call_size, leaders_key, requested
 from collective.executors.host_tier import HostTier
 from collective.executors.local import Fused, Linked, Shared, numpy_within
@@ -37,7 +40,8 @@ from collective.executors.step import Executor, Site
 from collective.executors.three_phase import ThreePhase
 from collective.shm.group import ShmGroup
 from collective.transport.inproc import Exchange
-from collective.tuning import Key, resolve
+from collective.transport.wire import SMALL_BYTES
+from collective.tuning import Explanation, Key, resolve
 
 __all__ = [
     "DEFAULT_FUSE_BELOW",
@@ -47,6 +51,7 @@ __all__ = [
     "Shared",
     "call_size",
     "choose",
+    "explain",
     "leaders_key",
     "requested",
     "schedule_key",
@@ -56,6 +61,7 @@ log = logging.getLogger("collective.executors")  # DEBUG: the path every step ta
 
 DEFAULT_FUSE_BELOW = 64 * 1024
 DEFAULT_SHARE_BELOW = 4 << 20
+GATHERED = ("all_gather", "gather", "scatter")  # a node's contribution: its peers' blocks
 
 
 def choose(
@@ -109,6 +115,33 @@ def schedule_key(site: Site, members: tuple[int, ...], kind: str) -> tuple[str, 
         return "host tier", leaders_key(place.layout, place.layout.size, kind)
     hosts = len({site.node.host_of(node) for node in place.nodes})
     return "three phases", leaders_key(place, hosts, kind)
+
+
+def explain(site: Site, members: tuple[int, ...], kind: str, nbytes: int, elements: int) -> Explanation:
+    """What a call of ``kind`` with ``nbytes`` per peer (``elements`` of them, numpy arrays) by the
+    group ``members`` would run, as choose() and ThreePhase decide it, and why."""
+    strategy_kind = kind if kind in KINDS else "all_reduce"
+    path, key = schedule_key(site, members, strategy_kind)
+    if key is None:
+        return Explanation(kind, nbytes, path, "-", None, "-", note="shared memory runs its own schedule")
+    if site.node is None and site.fuse_below and nbytes <= site.fuse_below:
+        note = "numpy arrays this small complete at the rendezvous (CuPy arrays take the schedule)"
+        return Explanation(kind, nbytes, "fused", "-", None, "-", key, note=note)
+    if site.node is None and site.share_below and nbytes <= site.share_below:
+        note = "numpy arrays this small are combined slice by slice by every peer (CuPy: the schedule)"
+        return Explanation(kind, nbytes, "shared", "-", None, "-", key, note=note)
+    if site.node is not None and nbytes * (key.local if strategy_kind in GATHERED else 1) <= SMALL_BYTES:
+        note = f"contributions of at most {SMALL_BYTES} bytes travel with the calls: one round, no schedule"
+        return Explanation(kind, nbytes, "with the calls", "-", None, "-", key, note=note)
+    config = site.config
+    pinned = (
+        config.local_strategy(strategy_kind) if site.node is None else config.global_strategy(strategy_kind)
+    )
+    found = site.chooser.explain(path, key, nbytes, elements < key.participants)
+    if isinstance(pinned, Auto):
+        return found
+    note = "pinned by the config or COLLECTIVE_ALGO (a call's strategy= wins over both)"
+    return replace(found, choice=str(pinned), seconds=None, source="pinned", note=note)
 
 
 def _across_processes(site: Site, members: tuple[int, ...], local: tuple[int, ...], label: str) -> Executor:

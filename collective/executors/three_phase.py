@@ -144,11 +144,12 @@ class ThreePhase:
         n = plan.size
         kind = call.strategy_kind
         # Every leader states the strategy it runs with: nodes configured apart fail alike, not hang.
-        local = local._replace(strategy=str(requested(local, self.config.global_strategy(kind))))
+        stating = local._replace(strategy=str(requested(local, self.config.global_strategy(kind))))
         with node.giving_up(self.members, layout, plan.number):
             contribution = call.movement(local, n).contribution(layout, srcs, ranks)
             attach = contribution if contribution is not None and contribution.nbytes <= SMALL_BYTES else None
-            agreed, payloads = node.agree(self.members, layout, plan.number, local, attach, step.deadline)
+            stated, payloads = node.agree(self.members, layout, plan.number, stating, attach, step.deadline)
+            agreed = stated._replace(strategy=local.strategy)  # (as named: this host's others compare it)
             movement = call.movement(agreed, n)
             nodes = movement.between(layout)
             sizes = [nodes.source_size(p) for p in range(layout.size)]
@@ -169,7 +170,7 @@ class ThreePhase:
                 product = np.empty(size, agreed.dtype)
             link = node.link(self.members, layout, plan.number, agreed, step.deadline)
             key = leaders_key(layout, self.hosts, kind)
-            strategy = resolve(requested(agreed, Auto()), self.chooser, key, *call_size(agreed))
+            strategy = resolve(requested(stated, Auto()), self.chooser, key, *call_size(agreed))
             nodes.run_link(strategy, link, contribution, product)
             link.flush()
         return agreed, product, result

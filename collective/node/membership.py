@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from functools import partial
 from typing import Any
@@ -54,9 +54,16 @@ LEFT_GRACE = 1.0  # a node that left cleanly may still have data in flight: wait
 class NodeJob:
     """This node's membership of ``config.job``: orchestrator client, data service, topology."""
 
-    def __init__(self, config: CollectiveConfig, mailbox: Callable[[], Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: CollectiveConfig,
+        mailbox: Callable[[], Any] | None = None,
+        info: Mapping[str, str | None] | None = None,
+    ) -> None:
+        """``info``: more of what the other nodes learn of this one at registration (strings)."""
         assert config.global_address is not None and config.data_service_port is not None
         self.config = config
+        self._info = dict(info or {})
         self._mailbox = mailbox  # this process's point-to-point mailbox (collective.p2p)
         self._context: zmq.Context[Any] = zmq.Context()
         self._client = OrchestratorClient(
@@ -113,6 +120,7 @@ class NodeJob:
                         "ring": None if self._ring_segment is None else self._ring_segment.name,
                         "p2p": None if self._p2p_segment is None else self._p2p_segment.name,
                         "uid": str(os.geteuid()),
+                        **self._info,
                     },
                 )
             except CollectiveError as exc:
