@@ -26,7 +26,7 @@ from collective.transport.wire import SMALL_BYTES
 
 __all__ = ["add_arguments", "main", "run", "sweep_sizes"]
 
-ALL_STRATEGIES = ("centralized", "tree:2", "ring", "direct")
+ALL_STRATEGIES = ("auto", "centralized", "tree:2", "ring", "direct")
 DTYPES = (
     "float16",
     "float32",
@@ -105,7 +105,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--strategy",
         type=_strategy,
         action="append",
-        help="centralized, tree:K, ring, direct or all (repeatable; default: all, with tree:2)",
+        help="auto, centralized, tree:K, ring, direct or all (repeatable; default: all, with tree:2; "
+        "auto's rows show what it picked)",
     )
     parser.add_argument("--peers", type=_positive, help="local peers (threads) per node, default 4")
     parser.add_argument(

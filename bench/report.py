@@ -58,9 +58,13 @@ def print_table(
         "torch": "torch.distributed backend collective",
     }.get(case.system, f"strategy {case.strategy}")
     result = "new result per call" if case.alloc else "out= buffer"
-    print(f"\n# {case.op}  {what}  peers={case.peers}  dtype={case.dtype}  ({result})", file=out)
+    sources = sorted({row.figures for row in rows if row.figures and row.figures != "-"})
+    figures = f"  (figures: {', '.join(sources)})" if sources else ""
+    print(f"\n# {case.op}  {what}  peers={case.peers}  dtype={case.dtype}  ({result}){figures}", file=out)
     versus = next(iter(baseline.values())).case.system if baseline else ""
+    picked = any(row.picked for row in rows)
     extra = (f" {'link %':>7}" if link else "") + (f"  speedup vs {versus}" if baseline else "")
+    extra += f"  {'picked':<14}" if picked else ""
     print(HEADER + extra, file=out)
     for row in rows:
         c = row.case
@@ -75,6 +79,8 @@ def print_table(
         if baseline:
             base = baseline.get((c.op, c.size, c.root))
             line += f"  {base.time_us / row.time_us:>18.2f}x" if base and row.time_us > 0 else f"  {'-':>19}"
+        if picked:
+            line += f"  {row.picked or '-':<14}"
         print(line, file=out)
 
 

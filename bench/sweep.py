@@ -7,7 +7,7 @@ previous (correct) result in place is still counted as wrong.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from dataclasses import fields as dataclass_fields
 from typing import Any
 
@@ -20,7 +20,17 @@ from collective.bench.trivial import TrivialGroup
 from collective.config import KINDS, CollectiveConfig
 from collective.runtime import Runtime
 
-__all__ = ["OPS", "Case", "Row", "busbw_factor", "measure_peer", "resolve_dtype", "row_from", "run_case"]
+__all__ = [
+    "OPS",
+    "Case",
+    "Row",
+    "busbw_factor",
+    "measure_peer",
+    "picked_by_auto",
+    "resolve_dtype",
+    "row_from",
+    "run_case",
+]
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,8 @@ class Row:
     busbw: float
     wrong: int
     iterations: int
+    picked: str = ""  # strategy auto: the schedule (or path) it ran
+    figures: str = ""  # strategy auto: where its figures came from ("probe 0.41 s", "default", ...)
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self.case), **{k: v for k, v in asdict(self).items() if k != "case"}}
@@ -118,9 +130,9 @@ def run_case(case: Case, warmup: int, iterations: int, timeout: float = 600.0) -
             return out
 
         measurement = measure_threads(case.peers, steps(trivial_call), warmup, iterations, timeout)
-    else:
-        measurement = _run_collective(case, steps, timeout, warmup, iterations)
-    return row_from(case, measurement)
+        return row_from(case, measurement)
+    measurement, (picked, figures) = _run_collective(case, steps, timeout, warmup, iterations)
+    return replace(row_from(case, measurement), picked=picked, figures=figures)
 
 
 def row_from(case: Case, measurement: Measurement) -> Row:
@@ -147,6 +159,17 @@ def strategy_fields(strategy: str, scopes: tuple[str, ...] = ("local",)) -> dict
     return {f"{scope}_{kind}_strategy": strategy for scope in scopes for kind in KINDS}
 
 
+def picked_by_auto(runtime: Runtime, case: Case) -> tuple[str, str]:
+    """(what strategy auto runs ``case`` with, where its figures came from), from explain()."""
+    if case.op not in KINDS and case.op != "barrier":
+        return "", ""
+    dtype = resolve_dtype(case.dtype)
+    nbytes = shapes(case.op, case.size // dtype.itemsize, case.peers).input * dtype.itemsize
+    found = runtime.explain(case.op, nbytes, dtype=dtype)
+    figures = f"{found.source} {found.spent:.2f} s" if found.spent else found.source
+    return (found.choice, figures) if found.choice != "-" else (found.path, "-")
+
+
 def measure_peer(runtime: Runtime, case: Case, peer: int) -> tuple[Callable[[Any, Any], Any], Buffers]:
     """How ``peer`` runs one iteration of ``case`` (input, out) -> result, and its buffers."""
     bench = OpBench(case.op)
@@ -163,8 +186,9 @@ def _run_collective(
     timeout: float,
     warmup: int,
     iterations: int,
-) -> Measurement:
+) -> tuple[Measurement, tuple[str, str]]:
     config = CollectiveConfig(num_devices=case.peers, timeout=timeout, **strategy_fields(case.strategy))
+    picked = ["", ""]
     with Runtime() as runtime:
         bench = OpBench(case.op)
 
@@ -175,6 +199,8 @@ def _run_collective(
 
         def make_step(peer: int) -> PeerStep:
             runtime.register(peer, "cpu", config)
+            if peer == 0 and case.strategy == "auto":
+                picked[:] = picked_by_auto(runtime, case)
             return registering(peer)
 
-        return measure_threads(case.peers, make_step, warmup, iterations, timeout)
+        return measure_threads(case.peers, make_step, warmup, iterations, timeout), (picked[0], picked[1])

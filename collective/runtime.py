@@ -16,6 +16,7 @@ import math
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -26,6 +27,7 @@ from collective.algorithms.ops import Array, ReduceOp
 from collective.algorithms.strategies import Strategy, parse_strategy
 from collective.arrays import Device, integer, real
 from collective.calls import (
+    CALLS,
     AllGather,
     AllGatherV,
     AllReduce,
@@ -317,7 +319,8 @@ class Runtime:
         members = job.members if chosen is None else chosen.members
         if chosen is not None:
             chosen.check_within(job.world)
-        return explain(job.site, members, kind, count, count // max(itemsize, 1))
+        found = explain(job.site, members, CALLS[kind].strategy_kind, count, count // max(itemsize, 1))
+        return replace(found, kind=kind)
 
     # -- collectives --------------------------------------------------------------------------
 

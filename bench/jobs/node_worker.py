@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from collective.bench.harness import Measurement
-from collective.bench.sweep import Case, measure_peer, row_from, strategy_fields
+from collective.bench.sweep import Case, measure_peer, picked_by_auto, row_from, strategy_fields
 from collective.config import CollectiveConfig
 from collective.launch import peer_ids_from_env
 from collective.runtime import Runtime
@@ -66,6 +66,9 @@ def main() -> int:
                     measured = measure(runtime, peer, case, plan["warmup"], plan["iters"])
                     if peer == 0:
                         row = row_from(case, measured)
+                        if strategy == "auto":
+                            picked, figures = picked_by_auto(runtime, case)
+                            row = replace(row, picked=picked, figures=figures)
                         print("ROW " + json.dumps(row.as_dict()), flush=True)
                 runtime.finish(peer)
             except BaseException as exc:

@@ -31,7 +31,6 @@ from collective.algorithms.strategies import Auto
 from collective.calls.base import Call
 from collective.calls.layout import Layout
 from collective.calls.signature import Signature
-from collective.config import KINDS
 from collective.executors.choice import call_size, leaders_key, requested
 from collective.executors.host_tier import HostTier
 from collective.executors.local import Fused, Linked, Shared, numpy_within
@@ -42,6 +41,7 @@ from collective.shm.group import ShmGroup
 from collective.transport.inproc import Exchange
 from collective.transport.wire import SMALL_BYTES
 from collective.tuning import Explanation, Key, resolve
+from collective.tuning.model import contribution_bytes
 
 __all__ = [
     "DEFAULT_FUSE_BELOW",
@@ -61,7 +61,6 @@ log = logging.getLogger("collective.executors")  # DEBUG: the path every step ta
 
 DEFAULT_FUSE_BELOW = 64 * 1024
 DEFAULT_SHARE_BELOW = 4 << 20
-GATHERED = ("all_gather", "gather", "scatter")  # a node's contribution: its peers' blocks
 
 
 def choose(
@@ -118,10 +117,9 @@ def schedule_key(site: Site, members: tuple[int, ...], kind: str) -> tuple[str, 
 
 
 def explain(site: Site, members: tuple[int, ...], kind: str, nbytes: int, elements: int) -> Explanation:
-    """What a call of ``kind`` with ``nbytes`` per peer (``elements`` of them, numpy arrays) by the
-    group ``members`` would run, as choose() and ThreePhase decide it, and why."""
-    strategy_kind = kind if kind in KINDS else "all_reduce"
-    path, key = schedule_key(site, members, strategy_kind)
+    """What a call of strategy kind ``kind`` with ``nbytes`` per peer (``elements`` of them, numpy
+    arrays) by the group ``members`` would run, as choose() and ThreePhase decide it, and why."""
+    path, key = schedule_key(site, members, kind)
     if key is None:
         return Explanation(kind, nbytes, path, "-", None, "-", note="shared memory runs its own schedule")
     if site.node is None and site.fuse_below and nbytes <= site.fuse_below:
@@ -130,13 +128,11 @@ def explain(site: Site, members: tuple[int, ...], kind: str, nbytes: int, elemen
     if site.node is None and site.share_below and nbytes <= site.share_below:
         note = "numpy arrays this small are combined slice by slice by every peer (CuPy: the schedule)"
         return Explanation(kind, nbytes, "shared", "-", None, "-", key, note=note)
-    if site.node is not None and nbytes * (key.local if strategy_kind in GATHERED else 1) <= SMALL_BYTES:
+    if site.node is not None and contribution_bytes(key, nbytes) <= SMALL_BYTES:
         note = f"contributions of at most {SMALL_BYTES} bytes travel with the calls: one round, no schedule"
         return Explanation(kind, nbytes, "with the calls", "-", None, "-", key, note=note)
     config = site.config
-    pinned = (
-        config.local_strategy(strategy_kind) if site.node is None else config.global_strategy(strategy_kind)
-    )
+    pinned = config.local_strategy(kind) if site.node is None else config.global_strategy(kind)
     found = site.chooser.explain(path, key, nbytes, elements < key.participants)
     if isinstance(pinned, Auto):
         return found

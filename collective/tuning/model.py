@@ -40,6 +40,7 @@ __all__ = [
     "Key",
     "Transport",
     "candidates",
+    "contribution_bytes",
     "default_seconds",
 ]
 
@@ -158,13 +159,19 @@ def _shape(kind: str, strategy: Schedule, n: int) -> tuple[float, float, float]:
             return table.get(kind, (1, n - 1, 0.0))
 
 
+def contribution_bytes(key: Key, nbytes: int) -> int:
+    """What one participant brings to the schedule for a call of ``nbytes`` per peer: its peers'
+    blocks where the kind stacks them, else one reduced (or the root's) array."""
+    return nbytes * (key.local if key.kind in ("all_gather", "gather", "scatter") else 1)
+
+
 def default_seconds(key: Key, strategy: Schedule, nbytes: int) -> float:
     """The built-in prediction for ``strategy`` at ``key`` and ``nbytes`` per peer."""
     transport = TRANSPORTS[
         "inproc" if key.transport == "inproc" else "network" if key.hosts > 1 else "loopback"
     ]
     steps, link, reduced = _shape(key.kind, strategy, key.participants)
-    contribution = nbytes * (key.local if key.kind in ("all_gather", "gather", "scatter") else 1)
+    contribution = contribution_bytes(key, nbytes)
     return steps * transport.alpha + contribution * (link / transport.beta + reduced / transport.gamma)
 
 
@@ -235,6 +242,7 @@ class Explanation:
     key: Key | None = None
     alternatives: tuple[Estimate, ...] = ()
     note: str = ""
+    spent: float = 0.0  # seconds the figures cost to measure as the job started (a probe's)
 
     def __str__(self) -> str:
         head = f"{self.kind} of {self.nbytes} bytes per peer"
@@ -245,6 +253,8 @@ class Explanation:
             lines[0] += f", {self.choice} ({self.seconds * 1e6:.1f} us predicted, from {self.source})"
         elif self.choice != "-":
             lines[0] += f", {self.choice} ({self.source})"
+        if self.spent:
+            lines.append(f"  the probe measured these figures in {self.spent:.2f} s as the job started")
         if self.note:
             lines.append(f"  {self.note}")
         for alt in self.alternatives:
