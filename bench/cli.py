@@ -24,7 +24,7 @@ from collective.executors import DEFAULT_SHARE_BELOW
 from collective.launch import Stopped, seconds_argument, stop_status, stopped_by_signals
 from collective.transport.wire import SMALL_BYTES
 
-__all__ = ["add_arguments", "main", "run", "sweep_sizes"]
+__all__ = ["add_arguments", "main", "measure_cases", "moved_sizes", "run", "sweep_sizes", "unwritable", "world_of"]
 
 ALL_STRATEGIES = ("auto", "centralized", "tree:2", "ring", "direct")
 DTYPES = (
@@ -187,7 +187,7 @@ def sweep_sizes(args: argparse.Namespace, itemsize: int) -> list[int]:
     return sizes
 
 
-def _moved(op: str, sizes: list[int], peers: int, itemsize: int) -> list[int]:
+def moved_sizes(op: str, sizes: list[int], peers: int, itemsize: int) -> list[int]:
     """The sizes ``op`` moves for the asked ``sizes`` (ops split into blocks round them)."""
     return list(dict.fromkeys(moved_bytes(op, size, peers, itemsize) for size in sizes))
 
@@ -220,7 +220,7 @@ class Progress:
             self.stream.flush()
 
 
-def _unwritable(path: str) -> str | None:
+def unwritable(path: str) -> str | None:
     """Why a result file cannot be written at ``path`` (None if it can)."""
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
@@ -247,7 +247,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
     if args.minbytes > args.maxbytes:
         parser.error(f"argument -b/--minbytes: {args.minbytes} is larger than -e/--maxbytes {args.maxbytes}")
     for option, path in (("--json", args.json), ("--plot", args.plot)):  # (not once the sweep is over)
-        if path and (problem := _unwritable(path)) is not None:
+        if path and (problem := unwritable(path)) is not None:
             parser.error(f"argument {option}: {problem}")
     if args.link is not None and args.hosts is None:
         parser.error("argument --link: shapes the links of emulated hosts: give --hosts too")
@@ -284,7 +284,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
         itemsize = resolve_dtype(args.dtype).itemsize
     except ImportError:
         parser.error("argument --dtype: bfloat16 needs ml_dtypes (pip install ml_dtypes)")
-    world = _world(args)
+    world = world_of(args)
     sizes = sweep_sizes(args, itemsize)
     roots = _roots(parser, args.root, world)
     systems = ([args.compare] if args.compare else []) + strategies
@@ -303,7 +303,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
         for op in ops
         for system in systems
         if system != "trivial" or op in TRIVIAL_OPS
-        for size in _moved(op, sizes, world, itemsize)
+        for size in moved_sizes(op, sizes, world, itemsize)
         for root in (roots if op in ROOTED else [0])
     ]
     where = (
@@ -318,7 +318,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
         file=out,
     )
     started = time.monotonic()
-    rows, interrupted = _measure(cases, args, sys.stderr)
+    rows, interrupted = measure_cases(cases, args, sys.stderr)
     order = {case: i for i, case in enumerate(cases)}
     rows.sort(key=lambda row: order[row.case])
     baseline = {(r.case.op, r.case.size, r.case.root): r for r in rows if r.case.system == args.compare}
@@ -377,7 +377,7 @@ def run_torch(
             system: [
                 Case(system, op, system, world, size, args.dtype, args.reduce_op, root)
                 for op in ops
-                for size in _moved(op, sizes, world, itemsize)
+                for size in moved_sizes(op, sizes, world, itemsize)
                 for root in (roots if op in ROOTED else [0])
             ]
             for system in ("gloo", "torch")
@@ -406,7 +406,7 @@ def run_torch(
     return 1 if wrong else 0
 
 
-def _world(args: argparse.Namespace) -> int:
+def world_of(args: argparse.Namespace) -> int:
     """Peers of the sweep: local peers x processes (per host) x emulated hosts."""
     return int(args.peers * args.nodes * (args.hosts or 1))
 
@@ -416,7 +416,7 @@ def _in_process(args: argparse.Namespace) -> bool:
     return bool(args.nodes == 1 and not args.hosts)
 
 
-def _measure(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tuple[list[Row], int]:
+def measure_cases(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tuple[list[Row], int]:
     """Rows for every case (as many as were measured before a stop) and the stop's exit status (0: none)."""
     rows: list[Row] = []
     local = [c for c in cases if c.system != "gloo" and _in_process(args)]
@@ -438,7 +438,7 @@ def _measure(cases: list[Case], args: argparse.Namespace, stream: IO[str]) -> tu
                     )
                 )
             if gloo_cases:
-                world = _world(args)
+                world = world_of(args)
                 rows.extend(run_gloo(gloo_cases, world, args.warmup, args.iters, args.timeout, hosts=hosts))
     except KeyboardInterrupt as stop:
         progress.close()

@@ -1,4 +1,4 @@
-"""The ``collective`` command: ``bench``, ``orchestrator``, ``launch`` and ``demo``.
+"""The ``collective`` command: ``bench``, ``tune``, ``orchestrator``, ``launch`` and ``demo``.
 
 Exit status: 0 success, 1 a failed run (wrong results, a collective error), 2 bad arguments,
 130 interrupted.
@@ -65,6 +65,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from collective.bench import cli as bench_cli
+    from collective.bench import tune
 
     parser = argparse.ArgumentParser(
         prog="collective", description="Collective communication for numpy, CuPy, torch and JAX arrays."
@@ -76,6 +77,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench", help="microbenchmarks across ops, strategies and sizes", description=bench_cli.__doc__
     )
     bench_cli.add_arguments(bench)
+    tuner = commands.add_parser(
+        "tune",
+        help="time every schedule on this layout and write a profile for COLLECTIVE_PROFILE",
+        description=tune.__doc__,
+    )
+    tune.add_arguments(tuner)
     demo = commands.add_parser("demo", help="a few peers all-reduce a small array with every strategy")
     demo.add_argument("--peers", type=int, default=4, help="local peers (threads), default 4")
     orchestrator = commands.add_parser("orchestrator", help="run the orchestrator daemon of multi-node jobs")
@@ -94,6 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch.serve_orchestrator(args)
     if args.command == "launch":
         return launch.launch(args, launcher)
+    if args.command == "tune":
+        return tune.run(
+            args, tuner, ["collective", *(argv if argv is not None else sys.argv[1:])], sys.stdout
+        )
     return bench_cli.run(
         args, bench, ["collective", *(argv if argv is not None else sys.argv[1:])], sys.stdout
     )

@@ -33,7 +33,7 @@ KINDS = (
     "gather",
     "scatter",
 )
-_STRATEGY_FIELDS = tuple(f"{scope}_{kind}_strategy" for scope in ("local", "global") for kind in KINDS)
+STRATEGY_FIELDS = tuple(f"{scope}_{kind}_strategy" for scope in ("local", "global") for kind in KINDS)
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class CollectiveConfig:
 
     def __post_init__(self) -> None:
         _require_int("num_devices", self.num_devices, minimum=1)
-        for name in _STRATEGY_FIELDS:
+        for name in STRATEGY_FIELDS:
             object.__setattr__(self, name, _strategy(name, getattr(self, name)))
         given = [name for name in _GLOBAL_FIELDS if getattr(self, name) is not None]
         if given and len(given) != len(_GLOBAL_FIELDS):

@@ -24,7 +24,7 @@ import numpy as np
 
 from collective import p2p
 from collective.algorithms.ops import Array, ReduceOp
-from collective.algorithms.strategies import Strategy, parse_strategy
+from collective.algorithms.strategies import Auto, Strategy, parse_strategy
 from collective.arrays import Device, integer, real
 from collective.calls import (
     CALLS,
@@ -43,7 +43,7 @@ from collective.calls import (
 )
 from collective.calls.base import Call
 from collective.calls.coalesced import coalesced_all_reduce
-from collective.config import KINDS, CollectiveConfig
+from collective.config import KINDS, STRATEGY_FIELDS, CollectiveConfig
 from collective.errors import (
     CollectiveError,
     ConfigError,
@@ -56,7 +56,7 @@ from collective.executors.rendezvous import Rendezvous
 from collective.groups import Group, as_group
 from collective.job import LocalJob
 from collective.p2p import Mailbox
-from collective.tuning import Explanation
+from collective.tuning import Explanation, Key
 from collective.tuning.overrides import pinned
 from collective.tuning.probe import decide, intent, measure
 from collective.work import Sequencer
@@ -175,8 +175,9 @@ class Runtime:
         if decision == "profile":
             site.chooser.adopt(wanted.figures)
         elif decision == "probe":
-            probing = _Probing(self, peer_id, job.world)
-            site.chooser.adopt(measure(probing, lambda kind: schedule_key(site, job.members, kind)[1]))
+            site.chooser.adopt(
+                measure(_Probing(self, peer_id, job.world), partial(_world_key, site, job.members))
+            )
 
     def _drop(self, job: LocalJob) -> None:
         """Forget a job whose registration failed (its waiting peers raise that failure themselves)."""
@@ -187,7 +188,8 @@ class Runtime:
             job.node.close()
 
     def _new_job(self, config: CollectiveConfig) -> LocalJob:
-        wanted = intent()  # COLLECTIVE_PROFILE and COLLECTIVE_PROBE (tuning.probe)
+        uses_auto = any(isinstance(getattr(config, name), Auto) for name in STRATEGY_FIELDS)
+        wanted = intent(uses_auto)  # COLLECTIVE_PROFILE and COLLECTIVE_PROBE (tuning.probe)
         if not config.is_multi_node:
             job = LocalJob(
                 config,
@@ -645,6 +647,13 @@ class Runtime:
                 job.check_member(peer_id)  # raises the precise RegistrationError
             raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
         return member
+
+
+def _world_key(site: Any, members: tuple[int, ...], kind: str) -> Key:
+    """Where the whole job's schedule of ``kind`` runs (a probe runs only where there is one)."""
+    key = schedule_key(site, members, kind)[1]
+    assert key is not None
+    return key
 
 
 class _Probing:

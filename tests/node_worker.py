@@ -10,6 +10,7 @@ against a reference it computes itself. Output lines: "OK <collectives>" at the 
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import sys
 import threading
@@ -463,6 +464,54 @@ MODES = {
     "collective_set": collective_set,
     "until": until,
 }
+
+
+def tuning(peer: int, world: int) -> int:
+    """Strategy auto across nodes: every node says what explain() predicts and what each call ran
+    (the DEBUG line of collective.tuning), for sizes on both sides of what travels with the calls;
+    the caller compares the nodes' lines (one peer per node says them)."""
+    ran: dict[tuple[str, str], str] = {}  # (kind, bytes) -> the schedule auto ran
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            words = record.getMessage().split()  # auto: ring for all_reduce of 4096 bytes among ...
+            if words[0] == "auto:":
+                ran[(words[3], words[5])] = words[1]
+
+    logger = logging.getLogger("collective.tuning")
+    handler = Keep()
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    first = min(col.peer_ids_from_env())
+    try:
+        calls = 0
+        for kind in ("all_reduce", "all_gather", "broadcast"):
+            for length in (1 << 12, 1 << 16, 1 << 18, 1 << 20):
+                found = col.explain(kind, length * 4)
+                x = np.full(length, peer + 1, np.float32)
+                if kind == "all_reduce":
+                    got = col.all_reduce(peer, x)
+                    _check(got, np.full(length, world * (world + 1) / 2, np.float32), kind)
+                elif kind == "all_gather":
+                    got = col.all_gather(peer, x)
+                    expected = np.repeat(np.arange(1, world + 1, dtype=np.float32), length).reshape(
+                        world, length
+                    )
+                    _check(got, expected, kind)
+                else:
+                    got = col.broadcast(peer, x if peer == 0 else None)
+                    _check(got, np.full(length, 1, np.float32), kind)
+                calls += 1
+                if peer == first:
+                    path = found.path.replace(" ", "_")
+                    say(f"EXPLAIN {kind} {length * 4} {path} {found.choice} {found.source}")
+                    say(f"RAN {kind} {length * 4} {ran.get((kind, str(length * 4)), '-')}")
+        return calls
+    finally:
+        logger.removeHandler(handler)
+
+
+MODES["tuning"] = tuning
 
 
 def main() -> int:

@@ -70,7 +70,7 @@ def test_tiny_sweep_prints_nccl_tables_and_a_summary(
     status, out, _ = run_cli(argv, capsys)
     assert status == 0, out
     for op in ("all_reduce", "reduce", "broadcast"):
-        for strategy in ("centralized", "tree:2", "ring", "direct"):
+        for strategy in ("auto", "centralized", "tree:2", "ring", "direct"):
             assert f"# {op}  strategy {strategy}  peers=3  dtype=float32" in out
         assert f"# {op}  trivial baseline" in out
         assert f"#   {op}: 8 B .. 128 KiB: fast path (any strategy)" in out
@@ -82,8 +82,12 @@ def test_tiny_sweep_prints_nccl_tables_and_a_summary(
     assert record["command"][:2] == ["collective", "bench"] and record["machine"]["cpus"] >= 1
     assert {"python", "numpy", "pyzmq", "collective"} <= set(record["machine"])
     rows = record["rows"]
-    # 3 sizes; all_reduce has one row per size, reduce and broadcast one per root; 5 systems
-    assert len(rows) == 5 * (3 + 3 * 3 + 3 * 3)
+    # 3 sizes; all_reduce has one row per size, reduce and broadcast one per root; 6 systems
+    assert len(rows) == 6 * (3 + 3 * 3 + 3 * 3)
+    picked = {row["picked"] for row in rows if row["strategy"] == "auto"}  # (what auto ran, by path)
+    assert picked == {"fused", "shared"} and all(
+        row["picked"] == "" for row in rows if row["strategy"] != "auto"
+    )
     for row in rows:
         assert row["wrong"] == 0 and row["count"] == row["size"] // 4
         assert row["algbw"] == pytest.approx(row["size"] / (row["time_us"] * 1e-6) / 1e9)

@@ -103,7 +103,7 @@ def test_an_exception_in_one_peer_fails_the_others_at_once_and_frees_everyone(
         def body(peer: int) -> Any:
             rt.register(peer, "cpu", cfg(4))
             try:
-                rt.all_reduce(peer, np.ones(1000))
+                rt.all_reduce(peer, np.ones(1000), strategy="tree")  # (a schedule that combines)
             except BaseException as exc:
                 rt.finish(peer)  # never "already inside a collective"
                 return exc

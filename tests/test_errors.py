@@ -270,7 +270,10 @@ def test_registration_timeout_names_the_missing_peers(runtime: col.Runtime) -> N
         ),
         ({"local_reduce_strategy": "tree:x"}, "the tree arity must be an integer"),
         ({"local_broadcast_strategy": "butterfly"}, "unknown strategy 'butterfly'"),
-        ({"global_all_reduce_strategy": 3}, "must be Centralized(), Tree(k), Ring(), Direct() or a string"),
+        (
+            {"global_all_reduce_strategy": 3},
+            "must be Auto(), Centralized(), Tree(k), Ring(), Direct() or a string",
+        ),
         ({"num_nodes": 2}, "must be all set or all unset: num_nodes set but global_address, node_address"),
         (
             {"num_nodes": 2, "global_address": "h:1", "node_address": "h:2", "data_service_port": 70000},
@@ -301,7 +304,7 @@ def test_config_is_frozen_and_parses_strategies() -> None:
         num_devices=2, local_reduce_strategy=" Tree:3 ", local_broadcast_strategy="tree"
     )
     assert config.local_reduce_strategy == Tree(3) and config.local_broadcast_strategy == Tree(2)
-    assert config.global_all_reduce_strategy == Ring()
+    assert config.global_all_reduce_strategy == col.Auto()  # (the default of every kind)
     with pytest.raises(AttributeError):
         config.num_devices = 3  # type: ignore[misc]
 

@@ -11,6 +11,7 @@ Node 0's first peer prints one line ``ROW <json>`` per case.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import sys
 import threading
 import time

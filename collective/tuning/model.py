@@ -45,7 +45,10 @@ __all__ = [
 ]
 
 DEFAULT_SOURCE = "default"
-ELEMENTWISE = ("all_reduce", "reduce", "broadcast")  # Ring and Direct need >= 1 element per participant
+ELEMENTWISE = ("all_reduce", "reduce", "broadcast")
+# Direct's rounds send to every peer at once, so each link takes its bytes from n-1 senders
+# together: across emulated hosts it moved them 8-10% slower than Ring's one neighbour at a time.
+CONTENTION = 1.1  # Ring and Direct need >= 1 element per participant
 
 
 @dataclass(frozen=True, order=True)
@@ -112,51 +115,50 @@ def _shape(kind: str, strategy: Schedule, n: int) -> tuple[float, float, float]:
     if n <= 1:
         return 0.0, 0.0, 0.0
     share = (n - 1) / n
-    reduces = kind in ("all_reduce", "reduce", "reduce_scatter")
+    table: dict[str, tuple[float, float, float]]
     match strategy:
         case Centralized():
             table = {
-                "all_reduce": (2, 2 * (n - 1)),
-                "reduce": (1, n - 1),
-                "broadcast": (1, n - 1),
-                "all_gather": (2, (n - 1) + n * (n - 1)),
-                "reduce_scatter": (2, (n - 1) + share),
-                "all_to_all": (2, 2 * (n - 1)),
+                "all_reduce": (2, 2 * (n - 1), n - 1),
+                "reduce": (1, n - 1, n - 1),
+                "broadcast": (1, n - 1, 0),
+                "all_gather": (2, (n - 1) + n * (n - 1), 0),
+                "reduce_scatter": (2, (n - 1) + share, n - 1),
+                "all_to_all": (2, 2 * (n - 1), 0),
             }
-            steps, link = table.get(kind, (1, n - 1))
-            return steps, link, (n - 1) if reduces else 0.0
+            return table.get(kind, (1, n - 1, 0))
         case Tree(arity):
             d, c = _depth(n, arity), min(arity, n - 1)
             table = {
-                "all_reduce": (2 * d, 2 * d * c),
-                "reduce": (d, d * c),
-                "broadcast": (d, d * c),
-                "all_gather": (2 * d, (n - 1) + d * c * n),
-                "reduce_scatter": (2 * d, d * c + (n - 1) / n),
-                "all_to_all": (2 * d, 2 * d * c),
+                "all_reduce": (2 * d, 2 * d * c, d * c),
+                "reduce": (d, d * c, d * c),
+                "broadcast": (d, d * c, 0),
+                "all_gather": (2 * d, (n - 1) + d * c * n, 0),
+                "reduce_scatter": (2 * d, d * c + share, d * c),
+                "all_to_all": (2 * d, 2 * d * c, 0),
             }
-            steps, link = table.get(kind, (d, n - 1))
-            return steps, link, d * c if reduces else 0.0
+            return table.get(kind, (d, n - 1, 0))
         case Ring():
             table = {
                 "all_reduce": (2 * (n - 1), 2 * share, share),
-                "reduce": (n - 1, 1.0, 1.0),  # a pipelined chain
-                "broadcast": (n - 1, 1.0, 0.0),
-                "all_gather": (n - 1, n - 1, 0.0),
+                "reduce": (n - 1, 1, 1),  # a pipelined chain
+                "broadcast": (n - 1, 1, 0),
+                "all_gather": (n - 1, n - 1, 0),
                 "reduce_scatter": (n - 1, share, share),
-                "all_to_all": (n - 1, share, 0.0),
+                "all_to_all": (n - 1, share, 0),
             }
-            return table.get(kind, (n - 1, n - 1, 0.0))
+            return table.get(kind, (n - 1, n - 1, 0))
         case _:  # Direct: one or two rounds, every pair at once (a step per further message)
+            jam = CONTENTION
             table = {
-                "all_reduce": (n, 2 * share, share),
-                "reduce": (n, 2 * share, share),
-                "broadcast": (n, 2 * share, 0.0),
-                "all_gather": (n - 1, n - 1, 0.0),
-                "reduce_scatter": (n - 1, share, share),
-                "all_to_all": (n - 1, share, 0.0),
+                "all_reduce": (n, 2 * share * jam, share),
+                "reduce": (n, 2 * share * jam, share),
+                "broadcast": (n, 2 * share * jam, 0),
+                "all_gather": (n - 1, (n - 1) * jam, 0),
+                "reduce_scatter": (n - 1, share * jam, share),
+                "all_to_all": (n - 1, share * jam, 0),
             }
-            return table.get(kind, (1, n - 1, 0.0))
+            return table.get(kind, (1, (n - 1) * jam, 0))
 
 
 def contribution_bytes(key: Key, nbytes: int) -> int:

@@ -67,4 +67,4 @@ def pinned(config: CollectiveConfig, environ: Mapping[str, str] | None = None) -
     fields = parse_algo(text)
     if all(getattr(config, name) == value for name, value in fields.items()):
         return config
-    return dataclasses.replace(config, **fields)
+    return dataclasses.replace(config, **fields)  # type: ignore[arg-type]

@@ -8,8 +8,9 @@ everywhere, without one message more:
 
 * ``profile`` when every process holds the same profile (same digest) and it covers the job's
   layout: each uses its own copy (they are equal);
-* else ``probe`` when the policy says so (``always`` anywhere; else ``auto``, the default, when
-  the job spans several hosts and no process says ``never``): ``measure`` runs the candidates of
+* else ``probe`` when some process's config leaves a kind to ``auto`` and the policy says so
+  (``always`` anywhere; else ``auto``, the default, when the job spans several hosts and no
+  process says ``never``): ``measure`` runs the candidates of
   a few kinds at two sizes, within PROBE_SECONDS, and every peer takes the maximum of every
   peer's times (one all_reduce), so all hold the same figures;
 * else ``default``: the built-in costs.
@@ -64,30 +65,32 @@ class Intent:
     digest: str | None  # of the profile's text
     policy: str  # COLLECTIVE_PROBE: auto, always or never
     path: str | None = None  # the profile's file
+    uses_auto: bool = True  # its config leaves some kind to auto (else nothing needs figures)
 
     def info(self) -> dict[str, str | None]:
         """What the orchestrator carries to the other processes."""
-        return {"profile": self.digest, "probe": self.policy}
+        return {"profile": self.digest, "probe": self.policy, "auto": "1" if self.uses_auto else "0"}
 
 
-def intent(environ: Mapping[str, str] | None = None) -> Intent:
+def intent(uses_auto: bool = True, environ: Mapping[str, str] | None = None) -> Intent:
     """This process's intent, from COLLECTIVE_PROFILE and COLLECTIVE_PROBE; raises ConfigError for
-    a policy that is none of POLICIES; warns (ProfileWarning) for a profile that cannot be used."""
+    a policy that is none of POLICIES; warns (ProfileWarning) for a profile that cannot be used.
+    ``uses_auto``: the job's config leaves some kind to auto."""
     environ = os.environ if environ is None else environ
     policy = environ.get(POLICY_VARIABLE, "auto").strip().lower() or "auto"
     if policy not in POLICIES:
         raise ConfigError(f"{POLICY_VARIABLE}={policy!r}: must be one of {', '.join(POLICIES)}")
     path = environ.get(PROFILE_VARIABLE, "").strip()
     if not path:
-        return Intent(None, None, policy)
+        return Intent(None, None, policy, uses_auto=uses_auto)
     try:
         figures = load(path)
         with open(path, "rb") as file:
             digest = hashlib.blake2b(file.read(), digest_size=12).hexdigest()
     except (ProfileError, OSError) as exc:
         refuse(f"{PROFILE_VARIABLE}: {exc}; the job measures for itself or uses built-in figures")
-        return Intent(None, None, policy)
-    return Intent(figures, digest, policy, path)
+        return Intent(None, None, policy, uses_auto=uses_auto)
+    return Intent(figures, digest, policy, path, uses_auto)
 
 
 def refuse(message: str) -> None:
@@ -111,7 +114,8 @@ def decide(infos: Sequence[Mapping[str, Any]], key: Key, mine: Intent) -> str:
         )
         refuse(f"{PROFILE_VARIABLE}={mine.path}: not used, {why}")
     policies = {info.get("probe") or "auto" for info in infos}
-    if "always" in policies or ("never" not in policies and key.hosts > 1):
+    needed = any(info.get("auto", "1") == "1" for info in infos)  # (no config leaves a kind to auto)
+    if needed and ("always" in policies or ("never" not in policies and key.hosts > 1)):
         return "probe"
     return "default"
 

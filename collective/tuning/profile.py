@@ -137,19 +137,20 @@ def dump(figures: Figures, command: str = "") -> str:
             "hosts": key.hosts,
             "local": key.local,
             "strategy": strategy,
-            "points": [[size, seconds] for size, seconds in curve.points],
+            "points": [[size, float(f"{seconds:.6g}")] for size, seconds in curve.points],
         }
         for (key, strategy), curve in sorted(figures.curves.items())
     ]
-    document = {
+    head = {
         "schema": SCHEMA,
         "version": VERSION,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": socket.gethostname(),
         "command": command,
-        "curves": curves,
     }
-    return json.dumps(document, indent=1) + "\n"
+    lines = [f" {json.dumps(name)}: {json.dumps(value)}," for name, value in head.items()]
+    body = ",\n".join(f"  {json.dumps(curve)}" for curve in curves)
+    return "{\n" + "\n".join(lines) + '\n "curves": [\n' + body + "\n ]\n}\n"
 
 
 def save(figures: Figures, path: str, command: str = "") -> None:
