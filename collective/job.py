@@ -11,20 +11,24 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from collective.calls.signature import describe_peers
 from collective.config import CollectiveConfig
 from collective.errors import CollectiveTimeout, JobClosedError, PeerLostError, RegistrationError
+from collective.executors import schedule_key
 from collective.executors.rendezvous import Rendezvous
 from collective.executors.step import Site
 from collective.transport.inproc import Doorbell, Exchange, claim_armed, clone_error, ring_claimed
-from collective.tuning.probe import Intent
+from collective.tuning.probe import Intent, Probing, decide, measure
 
 if TYPE_CHECKING:
     from collective.node import NodeJob
 
-__all__ = ["LocalJob"]
+__all__ = ["LocalJob", "ProbeCalls"]
 
 
 class _Guard:
@@ -107,6 +111,26 @@ class LocalJob:
     def ring_all(self) -> None:
         """Wake every peer waiting to register, once the lock is released (lock held)."""
         self.claim(claim_armed(self._bells.values()))
+
+    def adopt_figures(self, calls: Probing) -> None:
+        """Give the job the figures ``auto`` chooses from, the same on every peer (tuning.probe):
+        its profile's, a probe's (every local peer runs it here, with ``calls``, as the job starts)
+        or the built-in ones."""
+        site = self.site
+        key = schedule_key(site, self.members, "all_reduce")[1]
+        if key is None:  # shared memory: no schedule to choose
+            return
+        wanted = self.intent
+        if self.node is None:  # (threads: no probe; they would measure the fast paths)
+            infos = [{**wanted.info(), "probe": "never"}]
+        else:
+            assert self.node.topology is not None
+            infos = self.node.topology.infos
+        decision = site.once("tuning", decide, infos, key, wanted)
+        if decision == "profile":
+            site.chooser.adopt(wanted.figures)
+        elif decision == "probe":
+            site.chooser.adopt(measure(calls, partial(_world_key, site, self.members)))
 
     # -- registration -------------------------------------------------------------------------
 
@@ -226,3 +250,41 @@ class LocalJob:
     def _raise_if_closed(self) -> None:
         if self._closed is not None:
             raise clone_error(self._closed)
+
+
+class ProbeCalls:
+    """The probe's collectives as one peer of the whole job (tuning.probe.Probing)."""
+
+    def __init__(self, runtime: Any, peer: int, world: int) -> None:  # (a Runtime)
+        self.runtime, self.peer, self.world = runtime, peer, world
+        self._arrays: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def run(self, kind: str, nbytes: int, strategy: str) -> None:
+        x, out = self._buffers(kind, nbytes)
+        runtime, peer = self.runtime, self.peer
+        if kind == "broadcast":
+            runtime.broadcast(
+                peer, x if peer == 0 else None, strategy=strategy, out=None if peer == 0 else out
+            )
+        else:
+            getattr(runtime, kind)(peer, x, strategy=strategy, out=out)
+
+    def _buffers(self, kind: str, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+        found = self._arrays.get((kind, nbytes))
+        if found is None:
+            count = max(nbytes // 4, self.world)
+            count -= count % self.world
+            x = np.ones(count, np.float32)
+            shapes = {"all_gather": (self.world, count), "reduce_scatter": (count // self.world,)}
+            found = self._arrays[(kind, nbytes)] = (x, np.empty(shapes.get(kind, (count,)), np.float32))
+        return found
+
+    def agree_max(self, values: np.ndarray) -> np.ndarray:
+        return np.asarray(self.runtime.all_reduce(self.peer, values, "max"))
+
+
+def _world_key(site: Site, members: tuple[int, ...], kind: str) -> Key:
+    """Where the whole job's schedule of ``kind`` runs (a probe runs only where there is one)."""
+    key = schedule_key(site, members, kind)[1]
+    assert key is not None
+    return key

@@ -51,14 +51,14 @@ from collective.errors import (
     JobClosedError,
     RegistrationError,
 )
-from collective.executors import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW, explain, schedule_key
+from collective.executors import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW, explain
 from collective.executors.rendezvous import Rendezvous
 from collective.groups import Group, as_group
-from collective.job import LocalJob
+from collective.job import LocalJob, ProbeCalls
 from collective.p2p import Mailbox
-from collective.tuning import Explanation, Key
+from collective.tuning import Explanation
 from collective.tuning.overrides import pinned
-from collective.tuning.probe import decide, intent, measure
+from collective.tuning.probe import intent
 from collective.work import Sequencer
 
 __all__ = ["Runtime"]
@@ -153,31 +153,10 @@ class Runtime:
             job.wait_joined(peer_id, deadline)
             if job.node is not None:
                 job.node.join(job.peer_ids, deadline)
-            self._adopt_figures(job, peer_id)
+            job.adopt_figures(ProbeCalls(self, peer_id, job.world))
         except CollectiveError:
             self._drop(job)  # registration failed for every waiting peer: the job is dead
             raise
-
-    def _adopt_figures(self, job: LocalJob, peer_id: int) -> None:
-        """Give the job the figures ``auto`` chooses from, the same on every peer (tuning.probe):
-        its profile's, a probe's (every peer runs it here, as the job starts) or the built-in."""
-        site = job.site
-        key = schedule_key(site, job.members, "all_reduce")[1]
-        if key is None:  # shared memory: no schedule to choose
-            return
-        wanted = job.intent
-        if job.node is None:  # (threads: no probe; they would measure the fast paths)
-            infos = [{**wanted.info(), "probe": "never"}]
-        else:
-            assert job.node.topology is not None
-            infos = job.node.topology.infos
-        decision = site.once("tuning", decide, infos, key, wanted)
-        if decision == "profile":
-            site.chooser.adopt(wanted.figures)
-        elif decision == "probe":
-            site.chooser.adopt(
-                measure(_Probing(self, peer_id, job.world), partial(_world_key, site, job.members))
-            )
 
     def _drop(self, job: LocalJob) -> None:
         """Forget a job whose registration failed (its waiting peers raise that failure themselves)."""
@@ -647,44 +626,6 @@ class Runtime:
                 job.check_member(peer_id)  # raises the precise RegistrationError
             raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
         return member
-
-
-def _world_key(site: Any, members: tuple[int, ...], kind: str) -> Key:
-    """Where the whole job's schedule of ``kind`` runs (a probe runs only where there is one)."""
-    key = schedule_key(site, members, kind)[1]
-    assert key is not None
-    return key
-
-
-class _Probing:
-    """The probe's collectives as one peer of the whole job (tuning.probe.Probing)."""
-
-    def __init__(self, runtime: Runtime, peer: int, world: int) -> None:
-        self.runtime, self.peer, self.world = runtime, peer, world
-        self._arrays: dict[tuple[str, int], tuple[np.ndarray, np.ndarray]] = {}
-
-    def run(self, kind: str, nbytes: int, strategy: str) -> None:
-        x, out = self._buffers(kind, nbytes)
-        runtime, peer = self.runtime, self.peer
-        if kind == "broadcast":
-            runtime.broadcast(
-                peer, x if peer == 0 else None, strategy=strategy, out=None if peer == 0 else out
-            )
-        else:
-            getattr(runtime, kind)(peer, x, strategy=strategy, out=out)
-
-    def _buffers(self, kind: str, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
-        found = self._arrays.get((kind, nbytes))
-        if found is None:
-            count = max(nbytes // 4, self.world)
-            count -= count % self.world
-            x = np.ones(count, np.float32)
-            shapes = {"all_gather": (self.world, count), "reduce_scatter": (count // self.world,)}
-            found = self._arrays[(kind, nbytes)] = (x, np.empty(shapes.get(kind, (count,)), np.float32))
-        return found
-
-    def agree_max(self, values: np.ndarray) -> np.ndarray:
-        return np.asarray(self.runtime.all_reduce(self.peer, values, "max"))
 
 
 def _name_strategy(call: Call, strategy: Any) -> str | None:
