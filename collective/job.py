@@ -23,6 +23,7 @@ from collective.executors import schedule_key
 from collective.executors.rendezvous import Rendezvous
 from collective.executors.step import Site
 from collective.transport.inproc import Doorbell, Exchange, claim_armed, clone_error, ring_claimed
+from collective.tuning.model import Key
 from collective.tuning.probe import Intent, Probing, decide, measure
 
 if TYPE_CHECKING:
