@@ -161,6 +161,50 @@ def _shape(kind: str, strategy: Schedule, n: int) -> tuple[float, float, float]:
             return table.get(kind, (1, (n - 1) * jam, 0))
 
 
+def _threads_shape(kind: str, strategy: Schedule, n: int) -> tuple[float, float, float]:
+    """``_shape`` for threads of one process: a message is a hand-off, so each receiver copies (or
+    reduces) from the sender's memory itself, all receivers at once; "link" is the bytes the
+    busiest thread copies, a step is a round of hand-offs (Direct's round to every peer is one)."""
+    if n <= 1:
+        return 0.0, 0.0, 0.0
+    share = (n - 1) / n
+    table: dict[str, tuple[float, float, float]]
+    match strategy:
+        case Centralized():  # the root reduces or gathers every peer's; every peer copies the result
+            table = {
+                "all_reduce": (2, 1, n - 1),
+                "reduce": (1, 0, n - 1),
+                "broadcast": (1, 1, 0),
+                "all_gather": (2, (n - 1) + n, 0),
+                "reduce_scatter": (2, 1 / n, n - 1),
+                "all_to_all": (2, 2 * (n - 1), 0),
+            }
+            return table.get(kind, (1, n - 1, 0))
+        case Tree(arity):  # level by level: a parent reduces its children's, children copy the parent's
+            d, c = _depth(n, arity), min(arity, n - 1)
+            table = {
+                "all_reduce": (2 * d, d, d * c),
+                "reduce": (d, 0, d * c),
+                "broadcast": (d, d, 0),
+                "all_gather": (2 * d, (n - 1) + d * n, 0),
+                "reduce_scatter": (2 * d, d / n, d * c),
+                "all_to_all": (2 * d, 2 * d * c, 0),
+            }
+            return table.get(kind, (d, n - 1, 0))
+        case Ring():
+            return _shape(kind, strategy, n)
+        case _:  # Direct: one round per phase
+            table = {
+                "all_reduce": (2, 2 * share, share),
+                "reduce": (2, share, share),
+                "broadcast": (2, 2 * share, 0),
+                "all_gather": (1, n - 1, 0),
+                "reduce_scatter": (1, share, share),
+                "all_to_all": (1, share, 0),
+            }
+            return table.get(kind, (1, n - 1, 0))
+
+
 def contribution_bytes(key: Key, nbytes: int) -> int:
     """What one participant brings to the schedule for a call of ``nbytes`` per peer: its peers'
     blocks where the kind stacks them, else one reduced (or the root's) array."""
@@ -172,7 +216,8 @@ def default_seconds(key: Key, strategy: Schedule, nbytes: int) -> float:
     transport = TRANSPORTS[
         "inproc" if key.transport == "inproc" else "network" if key.hosts > 1 else "loopback"
     ]
-    steps, link, reduced = _shape(key.kind, strategy, key.participants)
+    shape = _threads_shape if key.transport == "inproc" else _shape
+    steps, link, reduced = shape(key.kind, strategy, key.participants)
     contribution = contribution_bytes(key, nbytes)
     return steps * transport.alpha + contribution * (link / transport.beta + reduced / transport.gamma)
 
