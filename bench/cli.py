@@ -17,7 +17,14 @@ from collective.bench.jobs.multinode import run_gloo, run_nodes, torch_available
 from collective.bench.ops import OPS, ROOTED, TRIVIAL_OPS, moved_bytes
 from collective.bench.plot import MISSING as PLOT_MISSING
 from collective.bench.plot import plot_rows
-from collective.bench.report import format_size, parse_size, print_summary, print_table, write_json
+from collective.bench.report import (
+    format_size,
+    parse_size,
+    print_auto_check,
+    print_summary,
+    print_table,
+    write_json,
+)
 from collective.bench.sweep import Case, Row, resolve_dtype, run_case
 from collective.errors import ConfigError
 from collective.executors import DEFAULT_SHARE_BELOW
@@ -329,6 +336,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
     if interrupted:
         print("\n# interrupted: the rows above are what was measured", file=out)
     print_summary(rows, out, DEFAULT_SHARE_BELOW if _in_process(args) else SMALL_BYTES)
+    print_auto_check(rows, out)
     wrong = sum(row.wrong for row in rows)
     print(f"\n# {len(rows)} rows in {time.monotonic() - started:.1f} s; wrong elements: {wrong}", file=out)
     if args.json:

@@ -91,10 +91,10 @@ def print_summary(rows: Sequence[Row], out: IO[str], fused_below: int) -> None:
     in one process, inside the call exchange across nodes), so they are reported as such instead
     of naming a winner decided by noise.
     """
-    ours = [r for r in rows if r.case.system == "collective"]
+    ours = [r for r in rows if r.case.system == "collective" and r.case.strategy != "auto"]
     if not ours:
         return
-    print("\n# Fastest strategy (lowest median time) by size", file=out)
+    print("\n# Fastest fixed strategy (lowest median time) by size", file=out)
     for op in dict.fromkeys(r.case.op for r in ours):
         by_size: dict[int, Row] = {}
         for row in (r for r in ours if r.case.op == op):
@@ -112,6 +112,54 @@ def print_summary(rows: Sequence[Row], out: IO[str], fused_below: int) -> None:
             for lo, hi, winner in runs
         )
         print(f"#   {op}: {ranges}", file=out)
+
+
+AUTO_WITHIN = 1.10  # auto's target: at most 10% over the fastest fixed strategy ...
+AUTO_SMALL_US = (100.0, 20.0)  # ... or 20 us, where every strategy takes under 100 us
+ONE_PATH = ("fused", "shared", "with the calls", "shm")  # every strategy runs these alike: no choice
+
+
+def print_auto_check(rows: Sequence[Row], out: IO[str]) -> tuple[int, int]:
+    """Per op and size, auto's time beside the fastest and slowest fixed strategy's, and whether
+    it met its target (AUTO_WITHIN, AUTO_SMALL_US). Where auto ran a path every strategy runs
+    alike (ONE_PATH: the same code, so the differences are noise), that is said instead of a
+    verdict. Returns (sizes met, sizes where a schedule was chosen)."""
+    ours = [r for r in rows if r.case.system == "collective"]
+    autos = {(r.case.op, r.case.size, r.case.root): r for r in ours if r.case.strategy == "auto"}
+    fixed: dict[tuple[str, int, int], list[Row]] = {}
+    for row in ours:
+        if row.case.strategy != "auto":
+            fixed.setdefault((row.case.op, row.case.size, row.case.root), []).append(row)
+    compared = [(where, auto, fixed[where]) for where, auto in autos.items() if where in fixed]
+    if not compared:
+        return 0, 0
+    print("\n# auto beside the fixed strategies (target: within 10% of the fastest, or 20 us where all are", file=out)
+    print("# under 100 us)", file=out)
+    print(f"{'op':>15} {'size (B)':>11} {'auto (us)':>10} {'picked':<14} {'fastest':<12} {'(us)':>10} "
+          f"{'slowest (us)':>12} {'auto/fastest':>12}  target", file=out)
+    met = chosen = 0
+    for (op, size, _), auto, others in compared:
+        best = min(others, key=lambda r: r.time_us)
+        worst = max(r.time_us for r in others)
+        small = worst < AUTO_SMALL_US[0] and auto.time_us - best.time_us <= AUTO_SMALL_US[1]
+        ok = auto.time_us <= best.time_us * AUTO_WITHIN or small
+        if auto.picked in ONE_PATH:
+            verdict = "one path for all"
+        else:
+            chosen += 1
+            met += ok
+            verdict = "met" if ok else "MISSED" + (" (the slowest)" if auto.time_us > worst else "")
+        print(
+            f"{op:>15} {size:>11} {auto.time_us:>10.1f} {auto.picked or '-':<14} {best.case.strategy:<12} "
+            f"{best.time_us:>10.1f} {worst:>12.1f} {auto.time_us / best.time_us:>12.2f}  {verdict}",
+            file=out,
+        )
+    print(
+        f"# auto met its target at {met} of the {chosen} sizes where it chose a schedule "
+        f"({len(compared) - chosen} ran one path for every strategy)",
+        file=out,
+    )
+    return met, chosen
 
 
 def machine() -> dict[str, Any]:
