@@ -422,3 +422,45 @@ def test_nodes_pinned_apart_fail_alike_instead_of_hanging(orchestrator: str) -> 
         assert code == 3, proc.output()
         _, line = proc.wait_for("ERROR", 5)
         assert "MismatchError" in line and "strategy: " in line and "tree:2" in line, proc.output()
+
+
+# -- collective tune ------------------------------------------------------------------------------
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    from collective import cli
+
+    try:
+        status = cli.main(argv)
+    except SystemExit as exit_:
+        status = int(exit_.code or 0)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+def test_tune_writes_a_profile_that_a_job_then_chooses_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "tuned.json"
+    argv = ["tune", "--peers", "3", "--op", "all_reduce", "--op", "broadcast", "-b", "6M", "-e", "12M"]
+    status, out, _ = _cli([*argv, "-f", "2", "-w", "0", "-n", "1", "-o", str(path)], capsys)
+    assert status == 0, out
+    figures = load(str(path))
+    assert {(key, name) for key, name in figures.curves} == {
+        (Key("inproc", kind, 3), name) for kind in ("all_reduce", "broadcast") for name in candidates(kind, 3)
+    }
+    assert all(len(curve.points) == 2 for curve in figures.curves.values())  # 6 and 12 MiB per peer
+    assert f"COLLECTIVE_PROFILE={path}" in out
+    monkeypatch.setenv("COLLECTIVE_PROFILE", str(path))
+    with Runtime(0, 0) as runtime:
+        run_peers(3, lambda p: runtime.register(p, "cpu", CollectiveConfig(num_devices=3)), runtime)
+        explained = runtime.explain("broadcast", 8 * MiB)
+    fastest = min(
+        candidates("broadcast", 3), key=lambda n: figures.curves[(explained.key, n)].seconds(8 * MiB)
+    )
+    assert explained.source == "profile" and explained.choice == fastest
+
+
+def test_tune_refuses_a_layout_with_no_schedule_to_choose(capsys: pytest.CaptureFixture[str]) -> None:
+    status, _, err = _cli(["tune", "--nodes", "2", "--peers", "1"], capsys)
+    assert status == 2 and "shared memory" in err

@@ -31,7 +31,7 @@ from collective.algorithms.strategies import Auto
 from collective.calls.base import Call
 from collective.calls.layout import Layout
 from collective.calls.signature import Signature
-from collective.executors.choice import call_size, leaders_key, requested
+from collective.executors.choice import call_size, leaders_hosts, leaders_key, requested
 from collective.executors.host_tier import HostTier
 from collective.executors.local import Fused, Linked, Shared, numpy_within
 from collective.executors.shm import ShmExecutor
@@ -111,9 +111,8 @@ def schedule_key(site: Site, members: tuple[int, ...], kind: str) -> tuple[str, 
     if isinstance(place, ShmExecutor):
         return place.path, None
     if isinstance(place, HostTier):
-        return "host tier", leaders_key(place.layout, place.layout.size, kind)
-    hosts = len({site.node.host_of(node) for node in place.nodes})
-    return "three phases", leaders_key(place, hosts, kind)
+        return "host tier", leaders_key(place.layout, leaders_hosts(site.node, place.layout, True), kind)
+    return "three phases", leaders_key(place, leaders_hosts(site.node, place, False), kind)
 
 
 def explain(site: Site, members: tuple[int, ...], kind: str, nbytes: int, elements: int) -> Explanation:

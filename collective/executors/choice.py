@@ -4,6 +4,7 @@ chooses): the strategy the call asks for, its size, and where the leaders' sched
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -12,7 +13,10 @@ from collective.calls.layout import Layout
 from collective.calls.signature import Signature
 from collective.tuning import Key
 
-__all__ = ["call_size", "leaders_key", "requested"]
+if TYPE_CHECKING:
+    from collective.node import NodeJob
+
+__all__ = ["call_size", "leaders_hosts", "leaders_key", "requested"]
 
 
 def requested(agreed: Signature, configured: Strategy) -> Strategy:
@@ -37,3 +41,8 @@ def call_size(agreed: Signature) -> tuple[int, int]:
 def leaders_key(layout: Layout, hosts: int, kind: str) -> Key:
     """Where the schedule among the leaders of ``layout`` (nodes, or hosts) runs."""
     return Key("zmq", kind, layout.size, hosts, max(map(len, layout.ranks_at)))
+
+
+def leaders_hosts(node: NodeJob, layout: Layout, tiered: bool) -> int:
+    """The hosts the leaders of ``layout`` span (a host tier's leaders are one per host)."""
+    return layout.size if tiered else len({node.host_of(n) for n in layout.nodes})

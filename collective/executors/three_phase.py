@@ -30,7 +30,7 @@ from collective.arrays import CPU, flat
 from collective.calls.layout import Layout
 from collective.calls.signature import Signature
 from collective.errors import CollectiveError, MismatchError, PeerLostError
-from collective.executors.choice import call_size, leaders_key, requested
+from collective.executors.choice import call_size, leaders_hosts, leaders_key, requested
 from collective.node.protocol import VERDICT_GRACE
 from collective.transport.inproc import Exchange
 from collective.transport.wire import SMALL_BYTES
@@ -64,7 +64,7 @@ class ThreePhase:
         self.layout = layout  # where the group's ranks live: nodes, or hosts with a tier
         self.tier = tier  # hosts as nodes: this host's processes of the group
         self.chooser = site.chooser
-        self.hosts = layout.size if tier is not None else len({self.node.host_of(n) for n in layout.nodes})
+        self.hosts = leaders_hosts(self.node, layout, tier is not None)
         self.exchange = Exchange(local, label) if len(local) > 1 else None
         if self.exchange is not None:
             site.exchanges.add(self.exchange)
