@@ -398,6 +398,7 @@ def test_nodes_probe_at_start_and_run_what_they_explain(orchestrator: str) -> No
     procs = start_nodes(orchestrator, "tuning", 2, 2, "tuning", probe="always")
     for proc, code in zip(procs, finish_all(procs, 120), strict=True):
         assert code == 0, proc.output()
+    assert all(("FIGURES probe spent" in proc.output()) for proc in procs), procs[0].output()
     outputs = [[line for _, line in proc.lines if line.startswith(("EXPLAIN", "RAN"))] for proc in procs]
     assert outputs[0] == outputs[1] and len(outputs[0]) == 24, procs[0].output()
     explained = {

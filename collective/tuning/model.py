@@ -366,8 +366,17 @@ class Chooser:
     def explain(self, path: str, key: Key, nbytes: int, few: bool) -> Explanation:
         estimates = self.estimates(key, nbytes, few)
         best = _best(estimates)
+        spent = self.figures.seconds_spent if self.figures is not None else 0.0
         return Explanation(
-            key.kind, nbytes, path, best.strategy, best.seconds, best.source, key, tuple(estimates)
+            key.kind,
+            nbytes,
+            path,
+            best.strategy,
+            best.seconds,
+            best.source,
+            key,
+            tuple(estimates),
+            spent=spent,
         )
 
 

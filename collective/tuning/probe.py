@@ -51,10 +51,10 @@ log = logging.getLogger("collective.tuning")
 PROFILE_VARIABLE = "COLLECTIVE_PROFILE"
 POLICY_VARIABLE = "COLLECTIVE_PROBE"
 POLICIES = ("auto", "always", "never")
-PROBE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")  # in order of need
+PROBE_KINDS = ("all_reduce", "reduce_scatter", "broadcast", "all_gather")  # by need (all_gather moves most)
 PROBE_BYTES = (128 << 10, 512 << 10)  # per peer: above what travels with the calls (64 KiB)
-PROBE_SECONDS = 0.5  # no further kind is measured once this much has passed (agreed)
-REPEATS = 2  # timed calls per size (the least counts), after one warm-up call per schedule
+PROBE_SECONDS = 0.5  # no kind is begun that would end past this, were it as long as the longest yet
+REPEATS = 2  # timed calls at the first size (the least counts; one at the others), after a warm-up
 
 
 @dataclass(frozen=True)
@@ -143,22 +143,23 @@ def measure(
     started = time.perf_counter()
     plan: list[tuple[Key, str, int]] = []
     times: list[float] = []
-    spent = 0.0
+    spent = longest = 0.0
     for kind in kinds:
+        if spent + longest > budget:  # (agreed: every peer holds the same ``spent``)
+            break
         key = key_of(kind)
         for name in candidates(kind, key.participants):
             probing.run(kind, sizes[0], name)  # warm-up: connections, buffers
             for size in sizes:
                 best = math.inf
-                for _ in range(REPEATS):
+                for _ in range(REPEATS if size == sizes[0] else 1):  # (larger: mostly bandwidth, steadier)
                     began = time.perf_counter()
                     probing.run(kind, size, name)
                     best = min(best, time.perf_counter() - began)
                 plan.append((key, name, size))
                 times.append(best)
-        spent = float(probing.agree_max(np.array([time.perf_counter() - started]))[0])
-        if spent > budget:
-            break
+        before, spent = spent, float(probing.agree_max(np.array([time.perf_counter() - started]))[0])
+        longest = max(longest, spent - before)
     agreed = probing.agree_max(np.array(times, dtype=np.float64))
     figures = Figures("probe", seconds_spent=spent)
     points: dict[tuple[Key, str], list[tuple[int, float]]] = {}
