@@ -8,8 +8,10 @@ scatter) every candidate schedule gets a predicted time, t = alpha + bytes / bet
 
 * measured (``Figures``: a probe at job start, or a profile written by ``collective tune``): the
   times measured for that schedule at a few sizes, joined by straight lines (each segment its own
-  alpha and beta), the first time held below the smallest size and the last segment extended
-  beyond the largest;
+  alpha and beta), the first time held below the smallest size; beyond the largest, the line goes
+  on at the schedule's built-in slope times how the key's measured slopes compare with their
+  built-in ones (``Chooser._scale``), so far past the measured sizes the bytes each schedule moves
+  decide, as they do on the wire;
 * ``default``: the textbook cost of the schedule, steps x alpha + bytes through the busiest link /
   beta + bytes reduced / gamma, with built-in figures for the transport (``TRANSPORTS``).
 
@@ -24,10 +26,11 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import threading
 from dataclasses import dataclass, field
 
-from collective.algorithms.strategies import Centralized, Ring, Schedule, Tree, parse_strategy
+from collective.algorithms.strategies import Auto, Centralized, Ring, Schedule, Tree, parse_strategy
 
 __all__ = [
     "DEFAULT_SOURCE",
@@ -237,20 +240,29 @@ class Curve:
         if any(not (math.isfinite(t) and t > 0) for _, t in self.points):
             raise ValueError("a curve's times must be finite numbers of seconds > 0")
 
-    def seconds(self, nbytes: int) -> float:
-        """The predicted time at ``nbytes``: see the module's docstring."""
+    def seconds(self, nbytes: int, slope: float | None = None) -> float:
+        """The predicted time at ``nbytes``: see the module's docstring. Beyond the largest size
+        the line goes on with ``slope`` (seconds per byte) when given, else the last segment's."""
         points = self.points
-        if nbytes <= points[0][0] or len(points) == 1:
-            first_bytes, first = points[0]
-            return first if nbytes <= first_bytes else first * nbytes / max(first_bytes, 1)
+        if nbytes <= points[0][0]:
+            return points[0][1]
         for (b0, t0), (b1, t1) in itertools.pairwise(points):
             if nbytes <= b1:
                 return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
-        (b0, t0), (b1, t1) = points[-2], points[-1]
-        slope = (t1 - t0) / (b1 - b0)
-        if slope <= 0:  # (noise) as if the last time were all bandwidth
-            slope = t1 / b1
-        return t1 + slope * (nbytes - b1)
+        last_bytes, last = points[-1]
+        if slope is None:
+            slope = self.slope()
+        return last + slope * (nbytes - last_bytes)
+
+    def slope(self) -> float:
+        """Seconds per byte of the last segment (one point, or a falling segment: as if its
+        time were all bandwidth)."""
+        (b1, t1) = self.points[-1]
+        if len(self.points) > 1:
+            b0, t0 = self.points[-2]
+            if t1 > t0:
+                return (t1 - t0) / (b1 - b0)
+        return t1 / max(b1, 1)
 
 
 @dataclass
@@ -319,27 +331,29 @@ class Chooser:
     def __init__(self, figures: Figures | None = None) -> None:
         self.figures = figures
         self._cache: dict[tuple[Key, int, bool], Schedule] = {}
+        self._scales: dict[Key, float] = {}
         self._lock = threading.Lock()
 
     def adopt(self, figures: Figures | None) -> None:
         """Use ``figures`` from now on (every peer adopts the same, agreed, before its first call)."""
         with self._lock:
             self.figures = figures
-            self._cache = {}
+            self._cache, self._scales = {}, {}
 
     def estimates(self, key: Key, nbytes: int, few: bool) -> list[Estimate]:
         """Every candidate's estimate; ``few``: fewer elements than participants."""
         figures = self.figures
         measured = figures is not None and figures.covers(key)
+        scale = self._scale(key) if measured else 1.0
         found: list[Estimate] = []
         for name in candidates(key.kind, key.participants):
-            schedule = parse_strategy(name)
-            assert not isinstance(schedule, str)
+            schedule = _schedule(name)
             curve = figures.curves.get((key, name)) if figures is not None else None
-            if curve is not None:
-                estimate = Estimate(name, curve.seconds(nbytes), figures.source)  # type: ignore[union-attr]
+            if curve is not None and figures is not None:
+                beyond = scale * _default_slope(key, schedule, curve.points[-1][0])
+                estimate = Estimate(name, curve.seconds(nbytes, beyond), figures.source)
             else:
-                seconds = default_seconds(key, schedule, nbytes)  # type: ignore[arg-type]
+                seconds = default_seconds(key, schedule, nbytes)
                 note = "not measured" if measured else ""
                 estimate = Estimate(name, seconds, DEFAULT_SOURCE, not measured, note)
             if few and key.kind in ELEMENTWISE and name in ("ring", "direct"):
@@ -347,6 +361,24 @@ class Chooser:
                     name, estimate.seconds, estimate.source, False, "fewer elements than participants"
                 )
             found.append(estimate)
+        return found
+
+    def _scale(self, key: Key) -> float:
+        """How the measured schedules of ``key`` grow with bytes against their built-in costs (the
+        median ratio of slopes): beyond the sizes measured, each goes on at its built-in slope
+        times this, so the schedules keep the order their bytes give them (a probe's sizes are
+        small, and a link's burst allowance can hide bandwidth there)."""
+        found = self._scales.get(key)
+        if found is None:
+            assert self.figures is not None
+            ratios = []
+            for (where, name), curve in self.figures.curves.items():
+                built_in = (
+                    _default_slope(where, _schedule(name), curve.points[-1][0]) if where == key else 0.0
+                )
+                if built_in > 0:
+                    ratios.append(curve.slope() / built_in)
+            found = self._scales[key] = statistics.median(ratios) if ratios else 1.0
         return found
 
     def choose(self, key: Key, nbytes: int, few: bool) -> Schedule:
@@ -378,6 +410,19 @@ class Chooser:
             tuple(estimates),
             spent=spent,
         )
+
+
+def _schedule(name: str) -> Schedule:
+    found = parse_strategy(name)
+    assert not isinstance(found, Auto)
+    return found
+
+
+def _default_slope(key: Key, strategy: Schedule, nbytes: int) -> float:
+    """Seconds per byte of ``strategy``'s built-in cost at ``key`` beyond ``nbytes``."""
+    return (default_seconds(key, strategy, 2 * nbytes + 1) - default_seconds(key, strategy, nbytes)) / (
+        nbytes + 1
+    )
 
 
 def _best(estimates: list[Estimate]) -> Estimate:
