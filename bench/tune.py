@@ -3,7 +3,8 @@
 The sweep is ``collective bench``'s (local peers, ``--nodes`` processes, ``--hosts`` emulated
 hosts), one job per schedule; each row becomes a point of that schedule's curve at the key the
 runtime uses for the layout (collective.tuning.model.Key), and the curves go to a profile file
-(collective.tuning.profile) that a job reads when COLLECTIVE_PROFILE names it.
+(collective.tuning.profile) that a job reads when COLLECTIVE_PROFILE names it. Threads time only
+calls above the shared path's limit (4 MiB per peer): below it numpy arrays take no schedule.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collective.bench.jobs.hosts import unavailable
 from collective.bench.ops import shapes
 from collective.bench.report import format_size
 from collective.bench.sweep import Case, Row, resolve_dtype
+from collective.executors import DEFAULT_SHARE_BELOW
 from collective.launch import Stopped, stop_status, stopped_by_signals
 from collective.tuning.model import Curve, Figures, Key, candidates
 from collective.tuning.profile import save
@@ -89,12 +91,19 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
     world = bench.world_of(args)
     sizes = bench.sweep_sizes(args, dtype.itemsize)
     named = [str(parse_strategy(s)) for s in args.strategy or [] if s != "all"]
+    threads = args.nodes == 1 and not args.hosts
     cases = [
         Case("collective", op, strategy, world, size, args.dtype, args.reduce_op, 0)
         for op in ops
         for strategy in (named or _candidates(op, args))
         for size in bench.moved_sizes(op, sizes, world, dtype.itemsize)
+        if not threads or _input_bytes(op, size, world, dtype.itemsize) > DEFAULT_SHARE_BELOW
     ]
+    if not cases:
+        parser.error(
+            f"argument -e/--maxbytes: threads run numpy arrays of up to {format_size(DEFAULT_SHARE_BELOW)} "
+            f"on their fast paths, not a schedule: tune larger sizes"
+        )
     print(
         f"# collective tune: {len(cases)} rows, sizes {format_size(sizes[0])} .. {format_size(sizes[-1])}, "
         f"{args.warmup} warm-up + {args.iters} timed iterations per row",
@@ -123,6 +132,11 @@ def _candidates(op: str, args: argparse.Namespace) -> tuple[str, ...]:
     return candidates(op, key.participants)
 
 
+def _input_bytes(op: str, size: int, peers: int, itemsize: int) -> int:
+    """The bytes each peer passes in a bench row of ``size`` (nccl-tests' size: the whole buffer)."""
+    return shapes(op, size // itemsize, peers).input * itemsize
+
+
 def figures_of(rows: Sequence[Row], args: argparse.Namespace) -> Figures:
     """Every row as a point of its schedule's curve: (bytes each peer passes, median seconds)."""
     points: dict[tuple[Key, str], dict[int, float]] = {}
@@ -130,8 +144,7 @@ def figures_of(rows: Sequence[Row], args: argparse.Namespace) -> Figures:
         case = row.case
         key = layout_key(case.op, args.peers, args.nodes, args.hosts)
         assert key is not None
-        itemsize = resolve_dtype(case.dtype).itemsize
-        nbytes = shapes(case.op, case.size // itemsize, case.peers).input * itemsize
+        nbytes = _input_bytes(case.op, case.size, case.peers, resolve_dtype(case.dtype).itemsize)
         points.setdefault((key, case.strategy), {})[nbytes] = max(row.time_us * 1e-6, 1e-9)
     figures = Figures("profile")
     figures.curves = {where: Curve(tuple(sorted(found.items()))) for where, found in points.items()}

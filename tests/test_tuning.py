@@ -465,3 +465,7 @@ def test_tune_writes_a_profile_that_a_job_then_chooses_from(
 def test_tune_refuses_a_layout_with_no_schedule_to_choose(capsys: pytest.CaptureFixture[str]) -> None:
     status, _, err = _cli(["tune", "--nodes", "2", "--peers", "1"], capsys)
     assert status == 2 and "shared memory" in err
+    status, _, err = _cli(
+        ["tune", "-e", "4M"], capsys
+    )  # threads: numpy arrays this small take the fast paths
+    assert status == 2 and "fast paths" in err

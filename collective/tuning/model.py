@@ -211,7 +211,7 @@ def _threads_shape(kind: str, strategy: Schedule, n: int) -> tuple[float, float,
 def contribution_bytes(key: Key, nbytes: int) -> int:
     """What one participant brings to the schedule for a call of ``nbytes`` per peer: its peers'
     blocks where the kind stacks them, else one reduced (or the root's) array."""
-    return nbytes * (key.local if key.kind in ("all_gather", "gather", "scatter") else 1)
+    return nbytes * (key.local if key.kind in ("all_gather", "gather", "scatter", "all_to_all") else 1)
 
 
 def default_seconds(key: Key, strategy: Schedule, nbytes: int) -> float:
