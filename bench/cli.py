@@ -31,7 +31,16 @@ from collective.executors import DEFAULT_SHARE_BELOW
 from collective.launch import Stopped, seconds_argument, stop_status, stopped_by_signals
 from collective.transport.wire import SMALL_BYTES
 
-__all__ = ["add_arguments", "main", "measure_cases", "moved_sizes", "run", "sweep_sizes", "unwritable", "world_of"]
+__all__ = [
+    "add_arguments",
+    "main",
+    "measure_cases",
+    "moved_sizes",
+    "run",
+    "sweep_sizes",
+    "unwritable",
+    "world_of",
+]
 
 ALL_STRATEGIES = ("auto", "centralized", "tree:2", "ring", "direct")
 DTYPES = (

@@ -135,10 +135,16 @@ def print_auto_check(rows: Sequence[Row], out: IO[str]) -> tuple[int, int]:
     compared = [(where, auto, fixed[where]) for where, auto in autos.items() if where in fixed]
     if not compared:
         return 0, 0
-    print("\n# auto beside the fixed strategies (target: within 10% of the fastest, or 20 us where all are", file=out)
+    print(
+        "\n# auto beside the fixed strategies (target: within 10% of the fastest, or 20 us where all are",
+        file=out,
+    )
     print("# under 100 us)", file=out)
-    print(f"{'op':>15} {'size (B)':>11} {'auto (us)':>10} {'picked':<14} {'fastest':<12} {'(us)':>10} "
-          f"{'slowest (us)':>12} {'auto/fastest':>12}  target", file=out)
+    print(
+        f"{'op':>15} {'size (B)':>11} {'auto (us)':>10} {'picked':<14} {'fastest':<12} {'(us)':>10} "
+        f"{'slowest (us)':>12} {'auto/fastest':>12}  target",
+        file=out,
+    )
     met = chosen = 0
     for (op, size, _), auto, others in compared:
         best = min(others, key=lambda r: r.time_us)

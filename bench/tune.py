@@ -83,7 +83,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequen
     ops = [op for op in (args.op or TUNED_OPS) if op != "all"] or list(TUNED_OPS)
     unknown = [op for op in ops if op not in TUNED_OPS]
     if unknown:
-        parser.error(f"argument --op: collective tune measures {', '.join(TUNED_OPS)}; not {', '.join(unknown)}")
+        parser.error(
+            f"argument --op: collective tune measures {', '.join(TUNED_OPS)}; not {', '.join(unknown)}"
+        )
     try:
         dtype = resolve_dtype(args.dtype)
     except ImportError:
@@ -155,4 +157,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="collective tune", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    return run(args, parser, ["collective", "tune", *(argv if argv is not None else sys.argv[1:])], sys.stdout)
+    return run(
+        args, parser, ["collective", "tune", *(argv if argv is not None else sys.argv[1:])], sys.stdout
+    )

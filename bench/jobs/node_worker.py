@@ -11,10 +11,10 @@ Node 0's first peer prints one line ``ROW <json>`` per case.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 import sys
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
