@@ -54,6 +54,7 @@ if TYPE_CHECKING:  # (what type checkers see; at run time each name loads on fir
     from collective.groups import Group
     from collective.launch import peer_ids_from_env
     from collective.runtime import Runtime
+    from collective.trace import dump_trace, stats
     from collective.tuning import Explanation
     from collective.work import Work
 
@@ -89,6 +90,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "default_runtime",
+    "dump_trace",
     "explain",
     "finish",
     "gather",
@@ -104,6 +106,7 @@ __all__ = [
     "reset",
     "scatter",
     "send",
+    "stats",
     "world_size",
 ]
 
@@ -123,6 +126,7 @@ _LAZY: dict[str, str] = {
         "collective.groups": "Group",
         "collective.launch": "peer_ids_from_env",
         "collective.runtime": "Runtime",
+        "collective.trace": "dump_trace stats",
         "collective.tuning": "Explanation",
         "collective.work": "Work",
     }.items()

@@ -1,4 +1,4 @@
-"""The ``collective`` command: ``bench``, ``tune``, ``orchestrator``, ``launch`` and ``demo``.
+"""The ``collective`` command: ``bench``, ``tune``, ``trace``, ``orchestrator``, ``launch`` and ``demo``.
 
 Exit status: 0 success, 1 a failed run (wrong results, a collective error), 2 bad arguments,
 130 interrupted.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -63,6 +64,26 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _trace(args: argparse.Namespace, chrome: argparse.ArgumentParser) -> int:
+    from collective.trace import analyze
+    from collective.trace import chrome as chrome_trace
+
+    if args.reading == "analyze":
+        return analyze.main(args.dir, sys.stdout)
+    if not os.path.isdir(args.dir):
+        chrome.error(f"no directory {args.dir}")
+    dumps, problems = analyze.load_dumps(args.dir)
+    for problem in problems:
+        print(f"# skipped {problem}", file=sys.stderr)
+    if not dumps:
+        chrome.error(f"no flight recorder dumps in {args.dir}")
+    calls = chrome_trace.write(dumps, args.output)
+    print(
+        f"# {calls} calls of {len(dumps)} processes written to {args.output}: open it in https://ui.perfetto.dev"
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from collective.bench import cli as bench_cli
     from collective.bench import tune
@@ -83,6 +104,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=tune.__doc__,
     )
     tune.add_arguments(tuner)
+    tracer = commands.add_parser(
+        "trace", help="read flight recorder dumps: analyze, or convert to a Chrome trace"
+    )
+    reading = tracer.add_subparsers(dest="reading", required=True)
+    analyzer = reading.add_parser("analyze", help="merge the dumps of every process and name the culprit")
+    analyzer.add_argument("dir", help="the folder of dumps (COLLECTIVE_TRACE_DIR)")
+    chrome = reading.add_parser("chrome", help="write the dumps as a Chrome trace (Perfetto)")
+    chrome.add_argument("dir", help="the folder of dumps (COLLECTIVE_TRACE_DIR)")
+    chrome.add_argument(
+        "-o", "--output", default="trace.json", help="the trace to write (default trace.json)"
+    )
     demo = commands.add_parser("demo", help="a few peers all-reduce a small array with every strategy")
     demo.add_argument("--peers", type=int, default=4, help="local peers (threads), default 4")
     orchestrator = commands.add_parser("orchestrator", help="run the orchestrator daemon of multi-node jobs")
@@ -101,6 +133,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch.serve_orchestrator(args)
     if args.command == "launch":
         return launch.launch(args, launcher)
+    if args.command == "trace":
+        return _trace(args, chrome)
     if args.command == "tune":
         return tune.run(
             args, tuner, ["collective", *(argv if argv is not None else sys.argv[1:])], sys.stdout

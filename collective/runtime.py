@@ -56,6 +56,7 @@ from collective.executors.rendezvous import Rendezvous
 from collective.groups import Group, as_group
 from collective.job import LocalJob, ProbeCalls
 from collective.p2p import Mailbox
+from collective.trace import RECORDER, caller, install_signal
 from collective.tuning import Explanation
 from collective.tuning.overrides import pinned
 from collective.tuning.probe import intent
@@ -154,6 +155,8 @@ class Runtime:
             if job.node is not None:
                 job.node.join(job.peer_ids, deadline)
             job.adopt_figures(ProbeCalls(self, peer_id, job.world))
+            RECORDER.joined(job.config.job, job.members, job.peer_ids, id(job))
+            install_signal()
         except CollectiveError:
             self._drop(job)  # registration failed for every waiting peer: the job is dead
             raise
@@ -514,7 +517,10 @@ class Runtime:
         """One all_reduce over many arrays (one agreement, one schedule per dtype): a list back."""
         member, (rendezvous, sequencer), seconds, problem = self._road(peer_id, group, timeout)
 
+        origin = caller(2) if RECORDER.enabled else "-"
+
         def execute(call: Call) -> Any:
+            call.origin = origin
             named = _name_strategy(call, strategy) if strategy is not None else None
             if (named or problem) is not None:
                 call.refuse(named or problem)  # type: ignore[arg-type]
@@ -571,6 +577,8 @@ class Runtime:
         ``strategy``: the schedule this call runs with ("auto", "ring", Tree(4), ...), over the
         config's and COLLECTIVE_ALGO's; every peer of the group must name the same."""
         member, (rendezvous, sequencer), seconds, problem = self._road(peer_id, group, timeout)
+        if RECORDER.enabled:
+            call.origin = caller(2)
         if strategy is not None:
             problem = _name_strategy(call, strategy) or problem
         if problem is not None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,6 +22,11 @@ JOIN_TIMEOUT = 30.0
 # A job spanning several hosts measures its links as it starts (collective.tuning.probe); the
 # tests that fake hosts on this one machine would pay for it in every job: test_tuning tests it.
 os.environ.setdefault("COLLECTIVE_PROBE", "never")
+# Failing collectives dump the flight recorder (collective.trace): into one folder of this run,
+# removed at its end (worker processes inherit the variable).
+if "COLLECTIVE_TRACE_DIR" not in os.environ:
+    os.environ["COLLECTIVE_TRACE_DIR"] = tempfile.mkdtemp(prefix="collective-test-trace-")
+    atexit.register(shutil.rmtree, os.environ["COLLECTIVE_TRACE_DIR"], True)
 # Runtime limits: "fused" is the default (small numpy arrays complete at the rendezvous, mid-size
 # ones on the shared path, large ones over the strategy's schedule); "shared" turns fusing off;
 # "linked" runs the configured strategy's schedule at every size.

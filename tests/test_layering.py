@@ -9,6 +9,7 @@ above nor a package beside it in its layer)::
     collective.transport                    moving bytes; knows nothing of calls
     basics (arrays, tensors, pool, config, groups, work)
     collective.tuning                       what "auto" runs: the cost model, profiles, the probe
+    collective.trace                        the flight recorder, its dumps and what reads them
     collective.calls                        one class per collective, signatures, movement families
     collective.shm                          shared memory among a host's processes
     collective.node                         a process's membership of a multi-node job
@@ -47,6 +48,7 @@ LAYERS: list[tuple[tuple[str, ...], bool]] = [
     (("collective.transport",), False),
     (tuple(f"collective.{name}" for name in BASICS), True),
     (("collective.tuning",), False),
+    (("collective.trace",), False),
     (("collective.calls",), False),
     (("collective.shm",), False),
     (("collective.node",), False),

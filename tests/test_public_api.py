@@ -33,6 +33,8 @@ DOCUMENTED = {
     "all_to_all_v",
     "default_runtime",
     "explain",
+    "dump_trace",
+    "stats",
     "Runtime",
     "new_group",
     "Group",

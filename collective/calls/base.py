@@ -59,8 +59,10 @@ class Call:
     __slots__ = (
         "back",
         "device",
+        "entry",
         "op",
         "op_arg",
+        "origin",
         "out",
         "out_apart",
         "out_given",
@@ -102,6 +104,8 @@ class Call:
         self.problem: str | None = problem  # set by refuse(): found before this call was made
         self.op: ReduceOp | None = None  # parsed from ``op`` by prepare()
         self.signature: Signature  # set by prepare()
+        self.origin = "-"  # the caller's file:line (the flight recorder's frame)
+        self.entry: Any = None  # its flight recorder entry, once it runs (collective.trace)
         self.strategy: str | None = None  # the strategy it names ("auto", "ring", ...; None: the config's)
 
     # -- before the rendezvous: this peer's own checks ------------------------------------------

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import threading
 import time
 from contextlib import AbstractContextManager
@@ -21,9 +22,10 @@ from collective.arrays import Device
 from collective.calls import Barrier, rules_of
 from collective.calls.base import Call
 from collective.calls.signature import Signature, agree, describe_peers, unanimous
-from collective.errors import CollectiveError, CollectiveTimeout, PeerLostError
+from collective.errors import CollectiveError, CollectiveTimeout, MismatchError, PeerLostError
 from collective.executors import choose
 from collective.executors.step import Executor, Plan, Site, Step
+from collective.trace import ALGORITHM, PATH, RECORDER, SEQ, SIGNATURE, STARTED, STATE
 from collective.transport.inproc import Doorbell, claim_armed, clone_error, ring_claimed
 
 
@@ -101,11 +103,40 @@ class Rendezvous:
         )
 
     def run(self, peer: int, device: Device, timeout: float, call: Call) -> Any:
-        """Run ``call`` for ``peer``: check it, meet the others, execute the agreed step."""
+        """Run ``call`` for ``peer``: check it, meet the others, execute the agreed step (recorded
+        in the flight recorder, which dumps itself when the step fails for want of a peer)."""
         index = self._index[peer]
-        call.prepare(device, self.members, self._ranks[index])
-        deadline = time.monotonic() + timeout
-        return self.step(peer, index, call, deadline, timeout).run()
+        if not RECORDER.enabled:
+            call.prepare(device, self.members, self._ranks[index])
+            return self.step(peer, index, call, time.monotonic() + timeout, timeout).run()
+        entry = call.entry = RECORDER.open(peer, self.members, self._next[index], call.kind, call.origin)
+        try:
+            call.prepare(device, self.members, self._ranks[index])
+            entry[SIGNATURE] = call.signature
+            step = self.step(peer, index, call, time.monotonic() + timeout, timeout)
+            plan = step.plan
+            entry[SEQ], entry[PATH], entry[STATE], entry[STARTED] = (
+                plan.number,
+                plan.executor.path,
+                "started",
+                time.time_ns(),
+            )
+            strategy = getattr(plan.executor, "strategy", None)
+            if strategy is not None:
+                entry[ALGORITHM] = str(strategy)
+            result = step.run()
+            entry[SIGNATURE] = step.agreed  # (what every peer agreed: a broadcast receiver's shape, the root)
+        except BaseException as exc:
+            RECORDER.close(entry, exc)
+            if isinstance(exc, DUMPED_ON):
+                where = RECORDER.dump_once(self.members, entry[SEQ], f"{type(exc).__name__}: {exc}")
+                if where is not None:
+                    exc.add_note(
+                        f"flight recorder dump: {where} (collective trace analyze {os.path.dirname(where)})"
+                    )
+            raise
+        RECORDER.close(entry)
+        return result
 
     def step(self, peer: int, index: int, call: Call, deadline: float, timeout: float) -> Step:
         """Post ``call`` at this peer's next step and wait for the verdict: a Step, or the shared error.
@@ -285,3 +316,6 @@ class Rendezvous:
 
     def _who(self, ranks: list[int]) -> str:
         return describe_peers([self.members[rank] for rank in ranks])
+
+
+DUMPED_ON = (CollectiveTimeout, PeerLostError, MismatchError)  # a peer's failure: the dump says whose

@@ -32,6 +32,7 @@ from collective.calls.signature import Signature
 from collective.errors import CollectiveError, MismatchError, PeerLostError
 from collective.executors.choice import call_size, leaders_hosts, leaders_key, requested
 from collective.node.protocol import VERDICT_GRACE
+from collective.trace import ALGORITHM
 from collective.transport.inproc import Exchange
 from collective.transport.wire import SMALL_BYTES
 from collective.tuning import resolve
@@ -171,6 +172,8 @@ class ThreePhase:
             link = node.link(self.members, layout, plan.number, agreed, step.deadline)
             key = leaders_key(layout, self.hosts, kind)
             strategy = resolve(requested(stated, Auto()), self.chooser, key, *call_size(agreed))
+            if call.entry is not None:
+                call.entry[ALGORITHM] = str(strategy)
             nodes.run_link(strategy, link, contribution, product)
             link.flush()
         return agreed, product, result

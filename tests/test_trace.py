@@ -1,0 +1,203 @@
+"""The flight recorder (collective.trace): what it records, the dumps it writes on failures, on
+SIGUSR1 and on demand, and what `collective trace analyze` and `collective trace chrome` say of them."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import collective as col
+from collective import cli
+from collective.config import CollectiveConfig
+from collective.runtime import Runtime
+from collective.trace import RECORDER
+from collective.trace.analyze import analyze, load_dumps
+from collective.trace.analyze import main as analyze_main
+from tests.conftest import outcomes_of_peers, run_peers, wait_until
+from tests.processes import finish_all, start_nodes
+
+HERE = Path(__file__).name
+
+
+@pytest.fixture
+def trace_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    folder = tmp_path / "trace"
+    monkeypatch.setenv("COLLECTIVE_TRACE_DIR", str(folder))
+    return folder
+
+
+def _joined(runtime: Runtime, n: int = 4, timeout: float = 20.0) -> None:
+    config = CollectiveConfig(num_devices=n, timeout=timeout)
+    run_peers(n, lambda p: runtime.register(p, "cpu", config), runtime)
+
+
+def _line_of(text: str) -> int:
+    return next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if text in line)
+
+
+def test_every_call_is_recorded_with_its_caller(tmp_path: Path) -> None:
+    with Runtime(0, 0) as runtime:
+        _joined(runtime)
+        run_peers(4, lambda p: runtime.all_reduce(p, np.ones(1000), strategy="ring"), runtime)
+        run_peers(4, lambda p: runtime.broadcast(p, np.arange(3.0) if p == 1 else None), runtime)
+        path = RECORDER.dump(str(tmp_path / "dump.json"))
+    document = json.loads(Path(path).read_text())
+    assert document["schema"] == "collective-flight-recorder" and document["version"] == 1
+    assert document["pid"] == os.getpid() and document["peers"] == [0, 1, 2, 3]
+    ring = [e for e in document["entries"] if e["kind"] == "all_reduce" and e["algorithm"] == "ring"][-4:]
+    assert sorted(e["peer"] for e in ring) == [0, 1, 2, 3]
+    first = ring[0]
+    assert first["pg_id"] == "world" and first["op"] == "sum" and first["state"] == "completed"
+    assert (
+        first["input_sizes"] == [[1000]] and first["input_dtypes"] == ["float64"] and first["bytes"] == 8000
+    )
+    assert first["path"] == "linked" and first["duration_ms"] > 0
+    assert first["frames"][0]["filename"].endswith(HERE)
+    assert first["frames"][0]["line"] == _line_of('np.ones(1000), strategy="ring"')
+    broadcasts = [e for e in document["entries"] if e["kind"] == "broadcast"][-4:]
+    assert {e["collective_seq_id"] for e in broadcasts} == {first["collective_seq_id"] + 1}
+    assert all(e["bytes"] == 24 and e["root"] == 1 for e in broadcasts)
+
+
+def test_stats_count_calls_by_kind_algorithm_and_size() -> None:
+    with Runtime(0, 0) as runtime:
+        _joined(runtime, 2)
+        before = {(r["kind"], r["algorithm"], r["size_class"]): r["calls"] for r in col.stats()}
+        for _ in range(3):
+            run_peers(2, lambda p: runtime.all_reduce(p, np.ones(100), strategy="centralized"), runtime)
+    after = {(r["kind"], r["algorithm"], r["size_class"]): r for r in col.stats()}
+    row = after[("all_reduce", "centralized", "<=1KiB")]
+    assert row["calls"] - before.get(("all_reduce", "centralized", "<=1KiB"), 0) == 6
+    assert sum(row["histogram"].values()) == row["calls"] and row["seconds"] > 0
+
+
+def test_a_peer_that_skips_a_call_is_named_from_the_dump_a_timeout_writes(trace_dir: Path) -> None:
+    with Runtime() as runtime:
+        _joined(runtime)
+
+        def body(peer: int) -> Any:
+            runtime.all_reduce(peer, np.ones(4))
+            if peer != 3:
+                runtime.all_reduce(peer, np.ones(4), timeout=0.5)  # peer 3 skips this one
+
+        outcomes = outcomes_of_peers(4, body, runtime)
+    errors = [o for o in outcomes[:3] if isinstance(o, col.CollectiveTimeout)]
+    assert len(errors) == 3, outcomes
+    notes = getattr(errors[0], "__notes__", [])
+    assert notes and str(trace_dir) in notes[0], notes
+    out = io.StringIO()
+    assert analyze_main(str(trace_dir), out) == 1
+    text = out.getvalue()
+    assert "peer 3 never entered all_reduce #1 of group world; its last call was all_reduce #0 at " in text
+    assert f"{HERE}:{_line_of('runtime.all_reduce(peer, np.ones(4))')}" in text, text
+
+
+def test_a_mismatch_is_named_as_the_first_disagreeing_call(trace_dir: Path) -> None:
+    with Runtime() as runtime:
+        _joined(runtime)
+        outcomes = outcomes_of_peers(4, lambda p: runtime.all_reduce(p, np.ones(5 if p == 2 else 4)), runtime)
+    assert all(isinstance(o, col.MismatchError) for o in outcomes)
+    dumps, problems = load_dumps(str(trace_dir))
+    assert len(dumps) == 1 and not problems  # (one process: one dump, written once)
+    report = analyze(dumps)
+    assert len(report.disagreements) == 1, report.lines()
+    assert "peers 0, 1, 3 called all_reduce sum [[4]] float64" in report.disagreements[0]
+    assert "peer 2 called all_reduce sum [[5]] float64" in report.disagreements[0]
+
+
+def test_a_straggler_is_named(tmp_path: Path) -> None:
+    with Runtime() as runtime:
+        _joined(runtime, 3)
+
+        def body(peer: int) -> None:
+            for _ in range(5):
+                if peer == 2:
+                    time.sleep(0.03)  # the condition under test: peer 2 comes late to every call
+                runtime.all_reduce(peer, np.ones(4))
+
+        run_peers(3, body, runtime)
+        RECORDER.dump(str(tmp_path / "dump.json"))
+    report = analyze(load_dumps(str(tmp_path))[0])
+    assert [line.split(" of group")[0] for line in report.stragglers] == ["peer 2"], report.lines()
+
+
+def test_a_chrome_trace_of_the_dumps_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with Runtime() as runtime:
+        _joined(runtime, 2)
+        run_peers(2, lambda p: runtime.all_gather(p, np.ones(8)), runtime)
+        RECORDER.dump(str(tmp_path / "dump.json"))
+    output = tmp_path / "trace.json"
+    assert cli.main(["trace", "chrome", str(tmp_path), "-o", str(output)]) == 0
+    events = json.loads(output.read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X" and e["name"].startswith("all_gather")]
+    assert len(slices) >= 2 and all(e["dur"] >= 0 and isinstance(e["ts"], float) for e in slices)
+    assert {e["name"] for e in events if e["ph"] == "M"} == {"process_name", "thread_name"}
+    assert "open it in https://ui.perfetto.dev" in capsys.readouterr().out
+    assert cli.main(["trace", "analyze", str(tmp_path)]) == 0  # all consistent
+
+
+def test_analyze_says_when_there_is_nothing_to_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "junk.json").write_text("{not json")
+    assert cli.main(["trace", "analyze", str(tmp_path)]) == 2
+    out = capsys.readouterr().out
+    assert "skipped junk.json" in out and "no flight recorder dumps" in out
+
+
+def test_nodes_that_disagree_dump_and_the_analysis_names_the_call(orchestrator: str, tmp_path: Path) -> None:
+    procs = start_nodes(orchestrator, "trace-mismatch", 2, 2, "mismatch", "shape", trace_dir=str(tmp_path))
+    for proc, code in zip(procs, finish_all(procs, 60), strict=True):
+        assert code == 3 and "ERROR MismatchError" in proc.output(), proc.output()
+    dumps, _ = load_dumps(str(tmp_path))
+    assert sorted(peer for d in dumps for peer in d.peers) == [0, 1, 2, 3]
+    report = analyze(dumps)
+    assert report.disagreements and "peers 0, 1 called all_reduce sum [[5]]" in report.disagreements[0]
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys, threading
+    import numpy as np
+    import collective as col
+
+    config = col.CollectiveConfig(num_devices=2, timeout=60)
+    threading.Thread(target=col.register, args=(1, "cpu", config), daemon=True).start()
+    col.register(0, "cpu", config)
+    print("READY", flush=True)
+    col.all_reduce(0, np.ones(4))  # peer 1 never calls: this blocks until SIGUSR1's dump is read
+    """
+)
+
+
+def test_sigusr1_dumps_while_a_call_blocks(tmp_path: Path) -> None:
+    env = {**os.environ, "COLLECTIVE_TRACE_DIR": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+
+    def dumped_blocked() -> bool:
+        """Signal again (the first may come before the call), then look for the blocked call."""
+        proc.send_signal(signal.SIGUSR1)
+        dumps = load_dumps(str(tmp_path))[0]
+        return any(e["kind"] == "all_reduce" and e["state"] == "scheduled" for d in dumps for e in d.entries)
+
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "READY"
+        wait_until(dumped_blocked, 15, "a dump from SIGUSR1 showing the blocked all_reduce", interval=0.2)
+    finally:
+        proc.kill()
+        proc.wait(10)
+    (dump,) = load_dumps(str(tmp_path))[0]
+    assert dump.reason == "SIGUSR1" and dump.pid == proc.pid and dump.peers == [0, 1]
