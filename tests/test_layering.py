@@ -179,3 +179,20 @@ def test_modules_and_packages_are_small() -> None:
         packages[package] = packages.get(package, 0) + lines[name]
     big = {name: n for name, n in packages.items() if n > PACKAGE_LINES}
     assert not big, f"split these packages (at most {PACKAGE_LINES} lines of their own): {big}"
+
+
+def test_every_package_is_installed() -> None:
+    """pyproject.toml names every package, so `pip install .` (not only -e) installs all of it."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = set()
+    for package, folder in PACKAGES.items():
+        for init in folder.rglob("__init__.py"):
+            relative = init.parent.relative_to(folder)
+            if package == "collective" and relative.parts and relative.parts[0] in LINKED:
+                continue
+            found.add(".".join([package, *relative.parts]))
+    assert found == listed, (
+        f"packages not in pyproject.toml: {sorted(found - listed)}; listed, not found: {sorted(listed - found)}"
+    )

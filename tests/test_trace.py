@@ -201,3 +201,43 @@ def test_sigusr1_dumps_while_a_call_blocks(tmp_path: Path) -> None:
         proc.wait(10)
     (dump,) = load_dumps(str(tmp_path))[0]
     assert dump.reason == "SIGUSR1" and dump.pid == proc.pid and dump.peers == [0, 1]
+
+
+def _entry(peer: int, seq: int, state: str, kind: str = "all_reduce") -> dict[str, Any]:
+    return {
+        "record_id": seq,
+        "pg_id": "world",
+        "ranks": [0, 1, 2],
+        "peer": peer,
+        "collective_seq_id": seq,
+        "kind": kind,
+        "op": "sum",
+        "input_sizes": [[4]],
+        "input_dtypes": ["float32"],
+        "state": state,
+        "time_created_ns": 1_000_000 * seq + peer,
+        "frames": [{"filename": "train.py", "line": 80 + seq, "name": "step"}],
+    }
+
+
+def test_a_peer_whose_process_died_without_a_dump_is_named() -> None:
+    from collective.trace.analyze import Dump
+
+    dumps = [
+        Dump(
+            f"p{peer}.json",
+            100 + peer,
+            "host",
+            "job",
+            [peer],
+            3,
+            "PeerLostError",
+            [_entry(peer, 0, "completed"), _entry(peer, 1, "failed")],
+        )
+        for peer in (0, 1)
+    ]
+    report = analyze(dumps)
+    assert report.culprits == [
+        "peer 2 left no dump (did its process die?); the others wait in all_reduce #1 of group world"
+    ]
+    assert not report.consistent and not report.disagreements

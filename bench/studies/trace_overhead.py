@@ -1,6 +1,6 @@
 """What the flight recorder costs: an 8 B all_reduce with the recorder on and off, side by side.
 
-    python -m collective.bench.trace_overhead [--rounds 7] [--calls 2000]
+    python -m collective.bench.studies.trace_overhead [--rounds 7] [--calls 2000]
 
 Threads: 4 peers of one process, rounds of ``--calls`` all_reduces each, the recorder switched on
 and off between rounds (medians of the per-call time). Processes: ``collective bench --nodes 2
@@ -111,7 +111,9 @@ def processes(rounds: int, calls: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m collective.bench.trace_overhead", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m collective.bench.studies.trace_overhead", description=__doc__
+    )
     parser.add_argument("--rounds", type=int, default=7, help="rounds with the recorder on, and as many off")
     parser.add_argument("--calls", type=int, default=2000, help="8 B all_reduces per round")
     args = parser.parse_args(argv)

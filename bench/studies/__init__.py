@@ -1,0 +1,2 @@
+"""Studies of one cost at a time, each run as ``python -m collective.bench.studies.NAME``:
+``trace_overhead`` (what the flight recorder costs an 8 B all_reduce)."""
