@@ -193,6 +193,5 @@ def test_every_package_is_installed() -> None:
             if package == "collective" and relative.parts and relative.parts[0] in LINKED:
                 continue
             found.add(".".join([package, *relative.parts]))
-    assert found == listed, (
-        f"packages not in pyproject.toml: {sorted(found - listed)}; listed, not found: {sorted(listed - found)}"
-    )
+    missing, stale = sorted(found - listed), sorted(listed - found)
+    assert found == listed, f"packages not in pyproject.toml: {missing}; listed, not found: {stale}"
