@@ -8,6 +8,7 @@ job; threads are woken with doorbells rung after the lock is released (transport
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 import weakref
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from collective.node import NodeJob
 
 __all__ = ["LocalJob", "ProbeCalls"]
+
+_SERIALS = itertools.count(1)
 
 
 class _Guard:
@@ -67,6 +70,7 @@ class LocalJob:
         node: NodeJob | None = None,
     ) -> None:
         self.config = config
+        self.serial = next(_SERIALS)  # this process's jobs, told apart (the flight recorder's ring)
         self.size = size
         self.expected = expected
         self.peer_ids: tuple[int, ...] = ()

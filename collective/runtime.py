@@ -100,6 +100,7 @@ class Runtime:
         """
         self._fuse_below = fuse_below
         self._share_below = share_below
+        install_signal()  # SIGUSR1 dumps the flight recorder (where made in the main thread)
         self._lock = threading.Lock()
         self._job: LocalJob | None = None
         self._peers: dict[int, _Peer] = {}
@@ -155,7 +156,7 @@ class Runtime:
             if job.node is not None:
                 job.node.join(job.peer_ids, deadline)
             job.adopt_figures(ProbeCalls(self, peer_id, job.world))
-            RECORDER.joined(job.config.job, job.members, job.peer_ids, id(job))
+            RECORDER.joined(job.config.job, job.members, job.peer_ids, job.serial)
             install_signal()
         except CollectiveError:
             self._drop(job)  # registration failed for every waiting peer: the job is dead

@@ -22,6 +22,8 @@ JOIN_TIMEOUT = 30.0
 # A job spanning several hosts measures its links as it starts (collective.tuning.probe); the
 # tests that fake hosts on this one machine would pay for it in every job: test_tuning tests it.
 os.environ.setdefault("COLLECTIVE_PROBE", "never")
+# The settings of this test run that tests scrubbing COLLECTIVE_* from a child's environment keep.
+RUN_SETTINGS = ("COLLECTIVE_PROBE", "COLLECTIVE_TRACE_DIR")
 # Failing collectives dump the flight recorder (collective.trace): into one folder of this run,
 # removed at its end (worker processes inherit the variable).
 if "COLLECTIVE_TRACE_DIR" not in os.environ:

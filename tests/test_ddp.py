@@ -15,7 +15,7 @@ import pytest
 import collective as col
 from collective.ddp import GradientSync, attach_torch, broadcast_parameters, torch_no_sync
 from collective.launch import free_port
-from tests.conftest import outcomes_of_peers, run_peers, wait_until
+from tests.conftest import RUN_SETTINGS, outcomes_of_peers, run_peers, wait_until
 from tests.processes import Proc, finish_all
 
 N = 3
@@ -332,7 +332,11 @@ def test_a_gradient_unlike_its_parameter_is_refused() -> None:
 def test_a_process_killed_mid_step_is_an_error_on_every_other_peer(victim: int) -> None:
     """Real processes: SIGKILL one in the middle of a step; the others raise PeerLostError, no hang."""
     world, port = 3, free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVE_", "SLURM_", "OMPI_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k in RUN_SETTINGS or not k.startswith(("COLLECTIVE_", "SLURM_", "OMPI_"))
+    }
     env["COLLECTIVE_TIMEOUT"] = "90"  # far beyond the detection: an answer before it is not a timeout
     torchrun = {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     procs = [

@@ -14,13 +14,18 @@ from pathlib import Path
 import pytest
 
 from collective.launch import free_port
+from tests.conftest import RUN_SETTINGS
 from tests.processes import Proc
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.timeout(150)
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "docs" / "examples"
-CLEAN = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVE_", "SLURM_", "OMPI_"))}
+CLEAN = {
+    k: v
+    for k, v in os.environ.items()
+    if k in RUN_SETTINGS or not k.startswith(("COLLECTIVE_", "SLURM_", "OMPI_"))
+}
 CLEAN = {k: v for k, v in CLEAN.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
 
 

@@ -17,13 +17,17 @@ import collective as col
 from collective.launch import free_port
 from collective.launch.bootstrap import init
 from collective.launch.launchers import first_host, launched_from
-from tests.conftest import wait_until
+from tests.conftest import RUN_SETTINGS, wait_until
 from tests.processes import Proc, finish_all, ignores
 
 pytestmark = pytest.mark.timeout(120)
 
 WORKER = str(Path(__file__).with_name("init_worker.py"))
-CLEAN = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVE_", "SLURM_", "OMPI_"))}
+CLEAN = {
+    k: v
+    for k, v in os.environ.items()
+    if k in RUN_SETTINGS or not k.startswith(("COLLECTIVE_", "SLURM_", "OMPI_"))
+}
 CLEAN = {k: v for k, v in CLEAN.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
 
 

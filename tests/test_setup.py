@@ -14,6 +14,7 @@ import pytest
 
 import collective as col
 from collective.arrays import Device
+from tests.conftest import RUN_SETTINGS
 
 DOCS = Path(__file__).parent.parent / "docs"
 
@@ -44,7 +45,7 @@ def test_the_documented_node_script_fails_clearly_without_its_peer_ids(tmp_path:
     assert scripts, "docs/multinode.md shows no node script with thread peers"
     path = tmp_path / "train.py"
     path.write_text(scripts[0])
-    env = {k: v for k, v in os.environ.items() if not k.startswith("COLLECTIVE_")}
+    env = {k: v for k, v in os.environ.items() if k in RUN_SETTINGS or not k.startswith("COLLECTIVE_")}
     env.update(
         COLLECTIVE_NUM_DEVICES="1",
         COLLECTIVE_NUM_NODES="2",

@@ -23,6 +23,7 @@ import collective.torch as backend  # noqa: E402  (after the skip: it imports to
 from collective.errors import MismatchError, PeerLostError  # noqa: E402
 from collective.launch import free_port  # noqa: E402
 from collective.torch.work import TorchWork, array, backend_error, fill, host  # noqa: E402
+from tests.conftest import RUN_SETTINGS  # noqa: E402
 from tests.processes import Proc, finish_all  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
@@ -36,7 +37,11 @@ LAUNCHER_VARIABLES = (
     "MASTER_PORT",
     "TORCHELASTIC_USE_AGENT_STORE",
 )
-CLEAN = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVE_", "SLURM_", "OMPI_"))}
+CLEAN = {
+    k: v
+    for k, v in os.environ.items()
+    if k in RUN_SETTINGS or not k.startswith(("COLLECTIVE_", "SLURM_", "OMPI_"))
+}
 CLEAN = {k: v for k, v in CLEAN.items() if k not in LAUNCHER_VARIABLES}
 
 

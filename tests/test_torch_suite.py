@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import RUN_SETTINGS
 from tests.torch_suite.run import error_summary, exception_lines, selected
 
 pytest.importorskip("torch")
@@ -77,7 +78,11 @@ def run_suite(tmp_path: Path, names: list[str], world: int, *extra: str) -> dict
     command = [sys.executable, "-m", "tests.torch_suite.run", "--backend", "collective"]
     command += ["--world-size", str(world), "--start", "fork", "--timeout", "120", "--json", str(out)]
     command += [*extra, *(arg for name in names for arg in ("--only", name))]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("COLLECTIVE_", "MASTER_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k in RUN_SETTINGS or not k.startswith(("COLLECTIVE_", "MASTER_"))
+    }
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=360)
     assert out.exists(), f"the runner wrote no report (exit {done.returncode}):\n{done.stdout}\n{done.stderr}"
     report = json.loads(out.read_text())

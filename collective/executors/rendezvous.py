@@ -130,7 +130,7 @@ class Rendezvous:
             RECORDER.close(entry, exc)
             if isinstance(exc, DUMPED_ON):
                 where = RECORDER.dump_once(self.members, entry[SEQ], f"{type(exc).__name__}: {exc}")
-                if where is not None:
+                if where is not None and hasattr(exc, "add_note"):  # (Python 3.11 and later)
                     exc.add_note(
                         f"flight recorder dump: {where} (collective trace analyze {os.path.dirname(where)})"
                     )
