@@ -43,6 +43,7 @@ from collective.calls import (
 )
 from collective.calls.base import Call
 from collective.calls.coalesced import coalesced_all_reduce
+from collective.calls.signature import Signature
 from collective.config import KINDS, STRATEGY_FIELDS, CollectiveConfig
 from collective.errors import (
     CollectiveError,
@@ -56,7 +57,7 @@ from collective.executors.rendezvous import Rendezvous
 from collective.groups import Group, as_group
 from collective.job import LocalJob, ProbeCalls
 from collective.p2p import Mailbox
-from collective.trace import RECORDER, caller, install_signal
+from collective.trace import RECORDER, SIGNATURE, caller, install_signal
 from collective.tuning import Explanation
 from collective.tuning.overrides import pinned
 from collective.tuning.probe import intent
@@ -540,7 +541,17 @@ class Runtime:
         job, member = self._member(peer_id), self._peer(peer_id)
         if timeout is not None:
             _seconds(timeout)
-        p2p.send(job, self._mailbox, peer_id, member.device, x, dst, tag)
+        if not RECORDER.enabled:
+            p2p.send(job, self._mailbox, peer_id, member.device, x, dst, tag)
+            return
+        entry = RECORDER.open_p2p(peer_id, peer_id, integer(dst) or 0, integer(tag) or 0, "send", caller(2))
+        try:
+            p2p.send(job, self._mailbox, peer_id, member.device, x, dst, tag)
+        except BaseException as exc:
+            RECORDER.close(entry, exc)
+            raise
+        entry[SIGNATURE] = _described(x)
+        RECORDER.close(entry)
 
     def recv(
         self, peer_id: int, src: int, tag: int = 0, *, timeout: float | None = None, out: Array | None = None
@@ -560,7 +571,18 @@ class Runtime:
     ) -> tuple[int, Array]:
         job, member = self._member(peer_id), self._peer(peer_id)
         seconds = job.config.timeout if timeout is None else _seconds(timeout)
-        return p2p.recv(job, self._mailbox, peer_id, member.device, src, tag, seconds, out)
+        if not RECORDER.enabled:
+            return p2p.recv(job, self._mailbox, peer_id, member.device, src, tag, seconds, out)
+        source = -1 if src is None else integer(src) or 0
+        entry = RECORDER.open_p2p(peer_id, source, peer_id, integer(tag) or 0, "recv", caller(3))
+        try:
+            sender, got = p2p.recv(job, self._mailbox, peer_id, member.device, src, tag, seconds, out)
+        except BaseException as exc:
+            RECORDER.close(entry, exc)
+            raise
+        entry[SIGNATURE] = _described(got)
+        RECORDER.close(entry)
+        return sender, got
 
     # -- the one road ---------------------------------------------------------------------------
 
@@ -635,6 +657,14 @@ class Runtime:
                 job.check_member(peer_id)  # raises the precise RegistrationError
             raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
         return member
+
+
+def _described(x: Any) -> Signature | None:
+    """A point-to-point array's shape and dtype for the flight recorder (numpy dtypes only)."""
+    try:
+        return Signature("p2p", shape=tuple(x.shape), dtype=np.dtype(x.dtype))
+    except (AttributeError, TypeError):
+        return None
 
 
 def _name_strategy(call: Call, strategy: Any) -> str | None:

@@ -241,3 +241,28 @@ def test_a_peer_whose_process_died_without_a_dump_is_named() -> None:
         "peer 2 left no dump (did its process die?); the others wait in all_reduce #1 of group world"
     ]
     assert not report.consistent and not report.disagreements
+
+
+def test_sends_and_receives_are_recorded_apart_from_the_collectives(tmp_path: Path) -> None:
+    with Runtime() as runtime:
+        _joined(runtime, 2)
+
+        def body(peer: int) -> Any:
+            if peer == 0:
+                runtime.send(0, np.arange(6.0).reshape(2, 3), dst=1, tag=7)
+                return None
+            return runtime.recv(1, src=0, tag=7)
+
+        run_peers(2, body, runtime)
+        run_peers(2, lambda p: runtime.barrier(p), runtime)
+        RECORDER.dump(str(tmp_path / "dump.json"))
+    (dump,) = load_dumps(str(tmp_path))[0]
+    sent, received = (next(e for e in dump.entries if e["kind"] == kind) for kind in ("send", "recv"))
+    assert sent["is_p2p"] and sent["peer"] == 0 and sent["ranks"] == [0, 1] and sent["collective_seq_id"] == 0
+    assert received["peer"] == 1 and received["state"] == "completed" and received["input_sizes"] == [[2, 3]]
+    assert sent["bytes"] == 48 and sent["frames"][0]["filename"].endswith(HERE)
+    report = analyze([dump])
+    assert report.consistent, report.lines()  # (point-to-point calls are no group's collectives)
+    assert all("2 calls recorded" in line for line in report.summary), (
+        report.summary
+    )  # (a p2p call and a barrier)

@@ -129,6 +129,8 @@ def analyze(dumps: list[Dump]) -> Report:
     ranks_of: dict[str, list[int]] = {}
     for dump in dumps:
         for entry in dump.entries:
+            if entry.get("is_p2p"):
+                continue  # (sends and receives: in the per-peer summary, not in a group's calls)
             group = str(entry.get("pg_id"))
             ranks_of.setdefault(group, [int(r) for r in entry.get("ranks", [])])
             by_group.setdefault(group, {}).setdefault(int(entry["peer"]), []).append(entry)
@@ -141,6 +143,7 @@ def analyze(dumps: list[Dump]) -> Report:
     for dump in dumps:
         for peer in dump.peers:
             mine = [e for peers in by_group.values() for e in peers.get(peer, [])]
+            mine += [e for e in dump.entries if e.get("is_p2p") and e["peer"] == peer]
             mine.sort(key=lambda e: e["time_created_ns"])
             failed = [e for e in mine if e.get("state") == "failed"]
             if failed:

@@ -127,6 +127,7 @@ def as_dict(entry: list[Any], record_id: int, world: tuple[int, ...]) -> dict[st
         "ranks": list(entry[GROUP]),
         "peer": entry[PEER],
         "collective_seq_id": entry[SEQ],
+        "is_p2p": entry[PATH] == "p2p",
         "profiling_name": f"collective:{entry[KIND]}",
         "kind": entry[KIND],
         "op": op,
@@ -227,6 +228,7 @@ class Recorder:
         self._dumped: dict[tuple[tuple[int, ...], int], str | None] = {}
         self._lock = threading.Lock()
         self._token = 0
+        self._p2p: dict[tuple[int, int, int], int] = {}  # (src, dst, tag) -> the next p2p_seq_id
 
     @property
     def enabled(self) -> bool:
@@ -240,10 +242,22 @@ class Recorder:
                 self._token = token
                 self._ring.clear()
                 self._dumped.clear()
+                self._p2p.clear()
             self.job, self.world, self.peers = job, world, peers
 
     def open(self, peer: int, group: tuple[int, ...], seq: int, kind: str, frame: str) -> list[Any]:
         entry = [peer, group, seq, kind, frame, None, "", "", "scheduled", time.time_ns(), 0, 0, None]
+        self._ring.append(entry)
+        return entry
+
+    def open_p2p(self, peer: int, src: int, dst: int, tag: int, kind: str, frame: str) -> list[Any]:
+        """An entry for a send or receive of ``peer`` (``src`` -1: from any peer), numbered per
+        (source, destination, tag) as a receiver matches them."""
+        key = (src, dst, tag)
+        with self._lock:
+            seq = self._p2p.get(key, 0)
+            self._p2p[key] = seq + 1
+        entry = [peer, (src, dst), seq, kind, frame, None, "p2p", "", "started", time.time_ns(), 0, 0, None]
         self._ring.append(entry)
         return entry
 
