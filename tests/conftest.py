@@ -125,6 +125,18 @@ def _reset_default_runtime() -> Iterator[None]:
     col.reset()
 
 
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the ``collective`` command run with ``argv`` in this process."""
+    from collective import cli
+
+    try:
+        status = cli.main(argv)
+    except SystemExit as exit_:
+        status = int(exit_.code or 0)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
 class PeerFailed(AssertionError):
     pass
 

@@ -16,24 +16,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from collective import cli
 from collective.algorithms.ops import ReduceOp
 from collective.bench import cli as bench_cli
 from collective.bench.report import parse_size
 from collective.bench.sweep import busbw_factor
 from collective.bench.trivial import BareAllReduce, TrivialGroup
 from collective.runtime import Runtime
-from tests.conftest import run_peers, wait_until
+from tests.conftest import run_cli, run_peers, wait_until
 from tests.processes import interruptible, met_in_shared_memory
-
-
-def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    try:
-        status = cli.main(argv)
-    except SystemExit as exit_:
-        status = int(exit_.code or 0)
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
 
 
 def test_tiny_sweep_prints_nccl_tables_and_a_summary(

@@ -24,7 +24,7 @@ from collective.tuning.model import Chooser, Curve, Figures, Key, candidates
 from collective.tuning.overrides import parse_algo, pinned
 from collective.tuning.probe import Intent, decide, intent, measure
 from collective.tuning.profile import ProfileError, ProfileWarning, dump, load, parse, save
-from tests.conftest import outcomes_of_peers, run_peers
+from tests.conftest import outcomes_of_peers, run_cli, run_peers
 from tests.processes import WORKER, Proc, finish_all, node_env, start_nodes
 
 MiB = 1 << 20
@@ -428,23 +428,12 @@ def test_nodes_pinned_apart_fail_alike_instead_of_hanging(orchestrator: str) -> 
 # -- collective tune ------------------------------------------------------------------------------
 
 
-def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    from collective import cli
-
-    try:
-        status = cli.main(argv)
-    except SystemExit as exit_:
-        status = int(exit_.code or 0)
-    captured = capsys.readouterr()
-    return status, captured.out, captured.err
-
-
 def test_tune_writes_a_profile_that_a_job_then_chooses_from(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     path = tmp_path / "tuned.json"
     argv = ["tune", "--peers", "3", "--op", "all_reduce", "--op", "broadcast", "-b", "6M", "-e", "12M"]
-    status, out, _ = _cli([*argv, "-f", "2", "-w", "0", "-n", "1", "-o", str(path)], capsys)
+    status, out, _ = run_cli([*argv, "-f", "2", "-w", "0", "-n", "1", "-o", str(path)], capsys)
     assert status == 0, out
     figures = load(str(path))
     assert {(key, name) for key, name in figures.curves} == {
@@ -463,9 +452,9 @@ def test_tune_writes_a_profile_that_a_job_then_chooses_from(
 
 
 def test_tune_refuses_a_layout_with_no_schedule_to_choose(capsys: pytest.CaptureFixture[str]) -> None:
-    status, _, err = _cli(["tune", "--nodes", "2", "--peers", "1"], capsys)
+    status, _, err = run_cli(["tune", "--nodes", "2", "--peers", "1"], capsys)
     assert status == 2 and "shared memory" in err
-    status, _, err = _cli(
+    status, _, err = run_cli(
         ["tune", "-e", "4M"], capsys
     )  # threads: numpy arrays this small take the fast paths
     assert status == 2 and "fast paths" in err

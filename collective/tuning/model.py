@@ -386,14 +386,12 @@ class Chooser:
         cached = self._cache.get((key, nbytes, few))
         if cached is not None:
             return cached
-        best = _best(self.estimates(key, nbytes, few))
-        chosen = parse_strategy(best.strategy)
-        assert not isinstance(chosen, str)
+        chosen = _schedule(_best(self.estimates(key, nbytes, few)).strategy)
         with self._lock:
             if len(self._cache) >= self.CACHE:
                 self._cache.clear()
-            self._cache[(key, nbytes, few)] = chosen  # type: ignore[assignment]
-        return chosen  # type: ignore[return-value]
+            self._cache[(key, nbytes, few)] = chosen
+        return chosen
 
     def explain(self, path: str, key: Key, nbytes: int, few: bool) -> Explanation:
         estimates = self.estimates(key, nbytes, few)

@@ -32,7 +32,7 @@ import numpy as np
 
 from collective.errors import ConfigError
 from collective.tuning.model import Curve, Figures, Key, candidates
-from collective.tuning.profile import ProfileError, ProfileWarning, load
+from collective.tuning.profile import ProfileError, ProfileWarning, parse, read
 
 __all__ = [
     "POLICIES",
@@ -84,13 +84,12 @@ def intent(uses_auto: bool = True, environ: Mapping[str, str] | None = None) -> 
     if not path:
         return Intent(None, None, policy, uses_auto=uses_auto)
     try:
-        figures = load(path)
-        with open(path, "rb") as file:
-            digest = hashlib.blake2b(file.read(), digest_size=12).hexdigest()
-    except (ProfileError, OSError) as exc:
+        data = read(path)  # (once: the digest is of the very text the figures came from)
+        figures = parse(data, path)
+    except ProfileError as exc:
         refuse(f"{PROFILE_VARIABLE}: {exc}; the job measures for itself or uses built-in figures")
         return Intent(None, None, policy, uses_auto=uses_auto)
-    return Intent(figures, digest, policy, path, uses_auto)
+    return Intent(figures, hashlib.blake2b(data, digest_size=12).hexdigest(), policy, path, uses_auto)
 
 
 def refuse(message: str) -> None:

@@ -22,24 +22,15 @@ import time
 from typing import Any
 
 from collective.algorithms.strategies import Auto, parse_strategy
+from collective.config import KINDS
 from collective.errors import CollectiveError, ConfigError
 from collective.tuning.model import Curve, Figures, Key
 
-__all__ = ["SCHEMA", "VERSION", "ProfileError", "ProfileWarning", "dump", "load", "parse", "save"]
+__all__ = ["SCHEMA", "VERSION", "ProfileError", "ProfileWarning", "dump", "load", "parse", "read", "save"]
 
 SCHEMA = "collective-profile"
 VERSION = 1
 TRANSPORT_NAMES = ("inproc", "zmq")
-KIND_NAMES = (
-    "all_reduce",
-    "reduce",
-    "broadcast",
-    "all_gather",
-    "reduce_scatter",
-    "all_to_all",
-    "gather",
-    "scatter",
-)
 MAX_BYTES = 8 << 20  # a profile is a few KiB; refuse to read a huge file
 
 
@@ -53,6 +44,11 @@ class ProfileWarning(UserWarning):
 
 def load(path: str) -> Figures:
     """The figures of the profile at ``path``; raises ProfileError naming the problem."""
+    return parse(read(path), path)
+
+
+def read(path: str) -> bytes:
+    """The text of the profile at ``path`` (at most MAX_BYTES); raises ProfileError."""
     try:
         with open(path, "rb") as file:
             data = file.read(MAX_BYTES + 1)
@@ -60,7 +56,7 @@ def load(path: str) -> Figures:
         raise ProfileError(f"profile {path}: cannot be read ({exc.strerror or exc})") from None
     if len(data) > MAX_BYTES:
         raise ProfileError(f"profile {path}: larger than {MAX_BYTES} bytes, not a profile")
-    return parse(data, path)
+    return data
 
 
 def parse(data: bytes | str, where: str = "profile") -> Figures:
@@ -97,8 +93,8 @@ def _curve(entry: Any) -> tuple[Key, str, Curve]:
     transport, kind = entry.get("transport"), entry.get("kind")
     if transport not in TRANSPORT_NAMES:
         raise ValueError(f"transport must be one of {', '.join(TRANSPORT_NAMES)}, got {transport!r}")
-    if kind not in KIND_NAMES:
-        raise ValueError(f"kind must be one of {', '.join(KIND_NAMES)}, got {kind!r}")
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, got {kind!r}")
     counts = []
     for name in ("participants", "hosts", "local"):
         value = entry.get(name)
