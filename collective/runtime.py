@@ -328,7 +328,7 @@ class Runtime:
         Raises RegistrationError, InvalidArgumentError, MismatchError, CollectiveTimeout,
         PeerLostError, JobClosedError (see docs/api.md).
         """
-        return self.start(peer_id, AllReduce(x, op, out=out), group, timeout, async_op, strategy)
+        return self._start(peer_id, AllReduce(x, op, out=out), group, timeout, async_op, strategy)
 
     def reduce(
         self,
@@ -344,7 +344,7 @@ class Runtime:
         out: Array | None = None,
     ) -> Any:
         """Combine ``x`` of every peer with ``op`` onto ``root``: the result there, None elsewhere."""
-        return self.start(peer_id, Reduce(x, op, root, out), group, timeout, async_op, strategy)
+        return self._start(peer_id, Reduce(x, op, root, out), group, timeout, async_op, strategy)
 
     def broadcast(
         self,
@@ -362,7 +362,7 @@ class Runtime:
         Other peers pass None (and optionally ``out`` to receive into). No array or several is a
         MismatchError on every peer.
         """
-        return self.start(peer_id, Broadcast(x, out=out), group, timeout, async_op, strategy)
+        return self._start(peer_id, Broadcast(x, out=out), group, timeout, async_op, strategy)
 
     def all_gather(
         self,
@@ -376,7 +376,7 @@ class Runtime:
         out: Array | None = None,
     ) -> Any:
         """Every peer's ``x`` on every peer: shape (group size, *x.shape), in group-rank order."""
-        return self.start(peer_id, AllGather(x, out=out), group, timeout, async_op, strategy)
+        return self._start(peer_id, AllGather(x, out=out), group, timeout, async_op, strategy)
 
     def reduce_scatter(
         self,
@@ -391,7 +391,7 @@ class Runtime:
         out: Array | None = None,
     ) -> Any:
         """``op`` over every peer's ``x`` (x.shape[0] = size*k); rank i gets rows i*k..(i+1)*k-1."""
-        return self.start(peer_id, ReduceScatter(x, op, out=out), group, timeout, async_op, strategy)
+        return self._start(peer_id, ReduceScatter(x, op, out=out), group, timeout, async_op, strategy)
 
     def all_to_all(
         self,
@@ -405,7 +405,7 @@ class Runtime:
         out: Array | None = None,
     ) -> Any:
         """x.shape[0] = size*k: block i of x goes to rank i; block j of the result came from rank j."""
-        return self.start(peer_id, AllToAll(x, out=out), group, timeout, async_op, strategy)
+        return self._start(peer_id, AllToAll(x, out=out), group, timeout, async_op, strategy)
 
     def gather(
         self,
@@ -420,7 +420,7 @@ class Runtime:
         out: Array | None = None,
     ) -> Any:
         """Every peer's ``x`` stacked (group size, *x.shape) on ``root``; None elsewhere."""
-        return self.start(peer_id, Gather(x, root=root, out=out), group, timeout, async_op, strategy)
+        return self._start(peer_id, Gather(x, root=root, out=out), group, timeout, async_op, strategy)
 
     def scatter(
         self,
@@ -435,7 +435,7 @@ class Runtime:
         out: Array | None = None,
     ) -> Any:
         """The root passes (group size, ...); rank i gets row i. The other peers pass None."""
-        return self.start(peer_id, Scatter(x, root=root, out=out), group, timeout, async_op, strategy)
+        return self._start(peer_id, Scatter(x, root=root, out=out), group, timeout, async_op, strategy)
 
     def all_gather_v(
         self,
@@ -452,7 +452,7 @@ class Runtime:
         """Every peer's ``x`` on every peer, a list in group-rank order; x.shape[0] may differ between
         peers (the rest of the shape and the dtype agree). ``out``: one array of every peer's rows.
         ``recv_sizes``: the rows expected from each rank, checked (on every peer) before data moves."""
-        return self.start(
+        return self._start(
             peer_id, AllGatherV(x, out=out, recv_sizes=recv_sizes), group, timeout, async_op, strategy
         )
 
@@ -471,7 +471,7 @@ class Runtime:
     ) -> Any:
         """``op`` over every peer's ``x``; rank i gets block i, its ``sizes[i]`` rows (every peer passes
         the same ``sizes``, summing to x.shape[0])."""
-        return self.start(peer_id, ReduceScatterV(x, sizes, op, out=out), group, timeout, async_op, strategy)
+        return self._start(peer_id, ReduceScatterV(x, sizes, op, out=out), group, timeout, async_op, strategy)
 
     def all_to_all_v(
         self,
@@ -490,7 +490,7 @@ class Runtime:
         in source rank order, of the rows each peer sent this one. ``out``: one array of them all.
         ``recv_sizes``: the rows expected from each rank, checked (on every peer) before data moves."""
         call = AllToAllV(x, send_sizes, out=out, recv_sizes=recv_sizes)
-        return self.start(peer_id, call, group, timeout, async_op, strategy)
+        return self._start(peer_id, call, group, timeout, async_op, strategy)
 
     def barrier(
         self,
@@ -502,7 +502,7 @@ class Runtime:
         strategy: Strategy | str | None = None,
     ) -> Any:
         """Return once every peer of the group has entered the barrier."""
-        return self.start(peer_id, Barrier(), group, timeout, async_op, strategy)
+        return self._start(peer_id, Barrier(), group, timeout, async_op, strategy)
 
     def all_reduce_coalesced(
         self,
@@ -519,7 +519,7 @@ class Runtime:
         """One all_reduce over many arrays (one agreement, one schedule per dtype): a list back."""
         member, (rendezvous, sequencer), seconds, problem = self._road(peer_id, group, timeout)
 
-        origin = caller(2) if RECORDER.enabled else "-"
+        origin = caller(2) if RECORDER.enabled else None
 
         def execute(call: Call) -> Any:
             call.origin = origin
@@ -599,9 +599,23 @@ class Runtime:
 
         ``strategy``: the schedule this call runs with ("auto", "ring", Tree(4), ...), over the
         config's and COLLECTIVE_ALGO's; every peer of the group must name the same."""
+        return self._start(peer_id, call, group, timeout, async_op, strategy)
+
+    def _start(
+        self,
+        peer_id: int,
+        call: Call,
+        group: Group | None,
+        timeout: float | None,
+        async_op: bool,
+        strategy: Strategy | str | None,
+    ) -> Any:
+        """``start``, called from one of this class's methods, or by ``start`` for its caller: the
+        caller's frame is 2 up from here, in both (a direct ``sys._getframe`` makes no frame object
+        of the frames between, which costs a call of the recorder's time less)."""
         member, (rendezvous, sequencer), seconds, problem = self._road(peer_id, group, timeout)
         if RECORDER.enabled:
-            call.origin = caller(2)
+            call.origin = caller(3)
         if strategy is not None:
             problem = _name_strategy(call, strategy) or problem
         if problem is not None:

@@ -57,9 +57,11 @@ class Call:
     rooted: ClassVar[bool] = False  # takes a root
 
     __slots__ = (
+        "algorithm",
         "back",
+        "created",
         "device",
-        "entry",
+        "number",
         "op",
         "op_arg",
         "origin",
@@ -72,6 +74,7 @@ class Call:
         "root_peer",
         "signature",
         "src",
+        "started",
         "strategy",
         "x",
     )
@@ -104,8 +107,12 @@ class Call:
         self.problem: str | None = problem  # set by refuse(): found before this call was made
         self.op: ReduceOp | None = None  # parsed from ``op`` by prepare()
         self.signature: Signature  # set by prepare()
-        self.origin = "-"  # the caller's file:line (the flight recorder's frame)
-        self.entry: Any = None  # its flight recorder entry, once it runs (collective.trace)
+        # What the flight recorder (collective.trace) reads while the call is open: the caller's
+        # (code, line), its step's number, when it was made and its step started (ns), the
+        # schedule a step chosen between nodes ran with.
+        self.origin: Any = None
+        self.number = self.created = self.started = 0
+        self.algorithm: Any = None
         self.strategy: str | None = None  # the strategy it names ("auto", "ring", ...; None: the config's)
 
     # -- before the rendezvous: this peer's own checks ------------------------------------------

@@ -67,6 +67,7 @@ class Fused:
     """
 
     path = "fused"
+    strategy = None  # (no schedule: one exchange)
 
     def __init__(self, agreed: Signature, calls: list[Call], fused: list[Array | None]) -> None:
         size = len(calls)
@@ -95,6 +96,7 @@ class Shared:
     """Each peer does its part reading the others' inputs, all meet at one barrier, each finishes."""
 
     path = "shared"
+    strategy = None  # (no schedule: one exchange)
 
     def __init__(
         self, exchange: Exchange, inputs: list[Array | None], movement: Movement, state: object

@@ -25,7 +25,7 @@ from collective.calls.signature import Signature, agree, describe_peers, unanimo
 from collective.errors import CollectiveError, CollectiveTimeout, MismatchError, PeerLostError
 from collective.executors import choose
 from collective.executors.step import Executor, Plan, Site, Step
-from collective.trace import ALGORITHM, PATH, RECORDER, SEQ, SIGNATURE, STARTED, STATE
+from collective.trace import RECORDER, SEQ
 from collective.transport.inproc import Doorbell, claim_armed, clone_error, ring_claimed
 
 
@@ -90,6 +90,8 @@ class Rendezvous:
         self._slots: dict[int, _Slot] = {}
         self._sourced: dict[Signature, Signature] = {}  # the lone peer's sourced calls, as agreed
         self._steps = 0  # slots decided so far (for tests of state growth)
+        self._live: list[Call | Step | None] = [None] * len(local)  # each local peer's open call (recorded)
+        RECORDER.watch(self)
 
     @property
     def open_slots(self) -> int:
@@ -109,34 +111,90 @@ class Rendezvous:
         if not RECORDER.enabled:
             call.prepare(device, self.members, self._ranks[index])
             return self.step(peer, index, call, time.monotonic() + timeout, timeout).run()
-        entry = call.entry = RECORDER.open(peer, self.members, self._next[index], call.kind, call.origin)
+        # Recorded: while open, the call (then its step) is this peer's live call here, which a dump
+        # reads (in_flight); once ended, one tuple in the recorder's ring.
+        live = self._live
+        call.number = self._next[index]  # (the step this call meets the others at: a peer's calls go in turn)
+        created = call.created = time.time_ns()
+        live[index] = call
         try:
             call.prepare(device, self.members, self._ranks[index])
-            entry[SIGNATURE] = call.signature
             step = self.step(peer, index, call, time.monotonic() + timeout, timeout)
-            plan = step.plan
-            entry[SEQ], entry[PATH], entry[STATE], entry[STARTED] = (
-                plan.number,
-                plan.executor.path,
-                "started",
-                time.time_ns(),
-            )
-            strategy = getattr(plan.executor, "strategy", None)
-            if strategy is not None:
-                entry[ALGORITHM] = str(strategy)
+            call.started = time.time_ns()
+            live[index] = step
             result = step.run()
-            entry[SIGNATURE] = step.agreed  # (what every peer agreed: a broadcast receiver's shape, the root)
         except BaseException as exc:
-            RECORDER.close(entry, exc)
-            if isinstance(exc, DUMPED_ON):
-                where = RECORDER.dump_once(self.members, entry[SEQ], f"{type(exc).__name__}: {exc}")
-                if where is not None and hasattr(exc, "add_note"):  # (Python 3.11 and later)
-                    exc.add_note(
-                        f"flight recorder dump: {where} (collective trace analyze {os.path.dirname(where)})"
-                    )
+            self._failed(index, call, exc)
             raise
-        RECORDER.close(entry)
+        live[index] = None
+        plan = step.plan
+        executor = plan.executor
+        ring = RECORDER.ring
+        ring.append(
+            (
+                peer,
+                self.members,
+                plan.number,
+                call.kind,
+                call.origin,
+                step.agreed,  # (what every peer agreed: a broadcast receiver's shape, the root)
+                executor.path,
+                call.algorithm or executor.strategy,
+                "completed",
+                created,
+                call.started,
+                time.time_ns(),
+                None,
+            )
+        )
+        if len(ring) >= RECORDER.limit:
+            RECORDER.fold()
         return result
+
+    def _failed(self, index: int, call: Call, error: BaseException) -> None:
+        """Record this peer's failed call, and dump the recorder if it failed for want of a peer
+        (the error then says where the dump is)."""
+        item = self._live[index]
+        self._live[index] = None
+        entry = self._entry(index, item if item is not None else call)
+        RECORDER.record(RECORDER.closed(entry, error))
+        if isinstance(error, DUMPED_ON):
+            where = RECORDER.dump_once(self.members, entry[SEQ], f"{type(error).__name__}: {error}")
+            if where is not None and hasattr(error, "add_note"):  # (Python 3.11 and later)
+                folder = os.path.dirname(where)
+                error.add_note(f"flight recorder dump: {where} (collective trace analyze {folder})")
+
+    def in_flight(self) -> list[list[Any]]:
+        """The flight recorder's entries of this group's calls still open here (for a dump)."""
+        return [self._entry(index, item) for index, item in enumerate(list(self._live)) if item is not None]
+
+    def _entry(self, index: int, item: Call | Step) -> list[Any]:
+        """An open call's entry: ``item`` is its Call until its step is agreed, then its Step."""
+        if isinstance(item, Step):
+            call, plan = item.call, item.plan
+            executor = plan.executor
+            signature: Signature | None = item.agreed
+            number, path, state = plan.number, executor.path, "started"
+            algorithm = call.algorithm or executor.strategy
+        else:
+            call, path, algorithm, state = item, "", None, "scheduled"
+            signature = getattr(call, "signature", None)  # (set once the call is prepared)
+            number = call.number
+        return [
+            self.local[index],
+            self.members,
+            number,
+            call.kind,
+            call.origin,
+            signature,
+            path,
+            algorithm,
+            state,
+            call.created,
+            call.started,
+            0,
+            None,
+        ]
 
     def step(self, peer: int, index: int, call: Call, deadline: float, timeout: float) -> Step:
         """Post ``call`` at this peer's next step and wait for the verdict: a Step, or the shared error.

@@ -56,6 +56,7 @@ class ShmExecutor:
     """The executor of a group whose processes all run on this host: its steps are its ShmGroup's."""
 
     path = "shm"
+    strategy = None  # (no schedule: one exchange)
 
     def __init__(self, group: ShmGroup) -> None:
         self.group = group

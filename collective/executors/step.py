@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from collective.algorithms.ops import Array
+from collective.algorithms.strategies import Strategy
 from collective.calls.signature import Signature
 from collective.config import CollectiveConfig
 from collective.errors import CollectiveError, PeerLostError
@@ -37,6 +38,11 @@ class Executor(Protocol):
     @property
     def path(self) -> str:
         """Its name, as choose() logs it at DEBUG level ("fused", "shm", "host tier", ...)."""
+        ...
+
+    @property
+    def strategy(self) -> Strategy | None:
+        """The schedule it runs, where chosen when the step is (the flight recorder's algorithm)."""
         ...
 
     def run(self, step: Step) -> Array | None:

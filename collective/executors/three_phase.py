@@ -32,7 +32,6 @@ from collective.calls.signature import Signature
 from collective.errors import CollectiveError, MismatchError, PeerLostError
 from collective.executors.choice import call_size, leaders_hosts, leaders_key, requested
 from collective.node.protocol import VERDICT_GRACE
-from collective.trace import ALGORITHM
 from collective.transport.inproc import Exchange
 from collective.transport.wire import SMALL_BYTES
 from collective.tuning import resolve
@@ -69,6 +68,8 @@ class ThreePhase:
         self.exchange = Exchange(local, label) if len(local) > 1 else None
         if self.exchange is not None:
             site.exchanges.add(self.exchange)
+
+    strategy = None  # (chosen per call between the leaders: the call is told, in _lead)
 
     @property
     def path(self) -> str:
@@ -172,8 +173,7 @@ class ThreePhase:
             link = node.link(self.members, layout, plan.number, agreed, step.deadline)
             key = leaders_key(layout, self.hosts, kind)
             strategy = resolve(requested(stated, Auto()), self.chooser, key, *call_size(agreed))
-            if call.entry is not None:
-                call.entry[ALGORITHM] = str(strategy)
+            call.algorithm = strategy  # (for the flight recorder)
             nodes.run_link(strategy, link, contribution, product)
             link.flush()
         return agreed, product, result

@@ -14,10 +14,22 @@ import signal
 import threading
 from typing import Any
 
-from collective.trace.recorder import ALGORITHM, PATH, SEQ, SIGNATURE, STARTED, STATE, Entry, Recorder, caller
+from collective.trace.recorder import (
+    ALGORITHM,
+    ENDED,
+    PATH,
+    SEQ,
+    SIGNATURE,
+    STARTED,
+    STATE,
+    Entry,
+    Recorder,
+    caller,
+)
 
 __all__ = [
     "ALGORITHM",
+    "ENDED",
     "PATH",
     "RECORDER",
     "SEQ",
@@ -45,7 +57,7 @@ def dump_trace(path: str | None = None) -> str:
 def stats() -> list[dict[str, Any]]:
     """Every (kind, algorithm, size class, group) this process's peers called: calls, failures,
     seconds, bytes and a histogram of call times (seconds, upper bounds), since the process started."""
-    return RECORDER.stats.snapshot(RECORDER.world)
+    return RECORDER.snapshot()
 
 
 def install_signal() -> None:

@@ -16,21 +16,27 @@ time_discovered_completed_ns, duration_ms, state, input_sizes, input_dtypes, fra
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import operator
 import os
 import socket
 import sys
 import tempfile
 import threading
 import time
-from collections import deque
+import types
+import weakref
+from collections import Counter, defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 __all__ = [
     "ALGORITHM",
+    "ENDED",
     "DEFAULT_SIZE",
     "FORMAT",
     "PATH",
@@ -53,26 +59,58 @@ VERSION = 1
 DEFAULT_SIZE = 2000
 SIZE_VARIABLE = "COLLECTIVE_TRACE_SIZE"
 DIR_VARIABLE = "COLLECTIVE_TRACE_DIR"
-CALLER_DEPTH = 8  # frames walked up to find the caller outside this package
+CALLER_DEPTH = 10  # frames walked up to find the caller outside this package
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # collective/
-_OURS_ALSO = tuple(  # the folders linked beside collective/ (algorithms, transport, bench)
-    os.path.join(os.path.dirname(_OURS.rstrip(os.sep)), name) + os.sep
-    for name in ("algorithms", "transport", "bench")
-)
-_SKIPPED = (_OURS, *_OURS_ALSO, os.path.dirname(threading.__file__) + os.sep + "threading.py")
+_ROOT = os.path.dirname(_OURS.rstrip(os.sep)) + os.sep
+# Frames skipped on the way to a call's caller: the runtime (with the folders linked beside it),
+# threading (an async call's worker), and torch.distributed (the torch backend's callers' calls).
+_SKIPPED = (_OURS, _ROOT + "algorithms" + os.sep, _ROOT + "transport" + os.sep, threading.__file__)
+_SKIPPED_WITHIN = os.sep + os.path.join("torch", "distributed") + os.sep
+# ... but the benchmarks are callers like any script.
+_CALLERS = (_OURS + "bench" + os.sep, _ROOT + "bench" + os.sep)
 
 
-def caller(depth: int = 2) -> str:
-    """'file:line (function)' of the first frame outside this package, ``depth`` frames up to start."""
+def _ours(filename: str) -> bool:
+    skipped = filename.startswith(_SKIPPED) and not filename.startswith(_CALLERS)
+    return skipped or _SKIPPED_WITHIN in filename
+
+
+Where = tuple[Any, int]  # (code object, byte offset of its instruction) of a caller's frame
+# id(code object) -> (it, whether it is this package's), checked once each; by id, as a code
+# object hashes its whole body every time, and held, so that its id stays its own
+_OURS_CODE: dict[int, tuple[Any, bool]] = {}
+
+
+def caller(depth: int = 2) -> Where | None:
+    """Where the first frame outside this package is, ``depth`` frames up to start (None: none
+    within a few frames): its code and instruction, read as a line when dumped (``frame_of``).
+    Per call: a dict lookup a frame walked; ``sys._getframe(depth)`` makes no frame object of
+    the frames it skips, so callers start it at their caller's depth."""
     frame: Any = sys._getframe(depth)
-    for _ in range(CALLER_DEPTH):  # (a caller is a few frames up: past that, the caller is ours too)
-        if frame is None or not frame.f_code.co_filename.startswith(_SKIPPED):
-            break
+    ours = _OURS_CODE
+    walked = 0
+    while True:  # (a caller is a few frames up: past CALLER_DEPTH, the caller is ours too)
+        code = frame.f_code
+        found = ours.get(id(code))
+        if found is None:
+            if len(ours) > 4096:  # (code objects made on the fly: bounded)
+                ours.clear()
+            found = ours[id(code)] = (code, _ours(code.co_filename))
+        if not found[1]:
+            return (code, frame.f_lasti)
         frame = frame.f_back
-    if frame is None or frame.f_code.co_filename.startswith(_SKIPPED):
-        return "-"
-    code = frame.f_code
-    return f"{code.co_filename}:{frame.f_lineno} ({code.co_name})"
+        walked += 1
+        if frame is None or walked == CALLER_DEPTH:
+            return None
+
+
+def frame_of(where: Where | None) -> dict[str, Any]:
+    """A dump's frame (torch's fields): filename, line, name."""
+    if where is None:
+        return {"filename": "-", "line": 0, "name": ""}
+    code, offset = where
+    line = next((line for start, end, line in code.co_lines() if start <= offset < end), None)
+    return {"filename": code.co_filename, "line": line or code.co_firstlineno, "name": code.co_name}
 
 
 def size_class(nbytes: int) -> str:
@@ -115,12 +153,17 @@ def described(signature: Any) -> tuple[str | None, int | None, list[list[int]], 
     return op, signature.root, shapes, dtypes, nbytes
 
 
-def as_dict(entry: list[Any], record_id: int, world: tuple[int, ...]) -> dict[str, Any]:
+def _nbytes(shape: tuple[int, ...] | None, dtype: Any, parts: tuple[Any, ...]) -> int:
+    """The bytes of a call of ``shape`` and ``dtype``, or of ``parts`` ((shape, dtype name) pairs)."""
+    if parts:
+        return sum(math.prod(shape) * np.dtype(name).itemsize for shape, name in parts)
+    return 0 if shape is None or dtype is None else math.prod(shape) * np.dtype(dtype).itemsize
+
+
+def as_dict(entry: Sequence[Any], record_id: int, world: tuple[int, ...]) -> dict[str, Any]:
     """An entry as a dump holds it (torch's Flight Recorder field names where they fit)."""
     op, root, shapes, dtypes, nbytes = described(entry[SIGNATURE])
     ended, created = entry[ENDED], entry[CREATED]
-    filename, _, rest = entry[FRAME].rpartition(":")
-    line, _, name = rest.partition(" ")
     return {
         "record_id": record_id,
         "pg_id": group_name(entry[GROUP], world),
@@ -136,20 +179,14 @@ def as_dict(entry: list[Any], record_id: int, world: tuple[int, ...]) -> dict[st
         "input_dtypes": dtypes,
         "bytes": nbytes,
         "path": entry[PATH],
-        "algorithm": entry[ALGORITHM],
+        "algorithm": str(entry[ALGORITHM]) if entry[ALGORITHM] else "",
         "state": entry[STATE],
         "time_created_ns": created,
         "time_discovered_started_ns": entry[STARTED] or None,
         "time_discovered_completed_ns": ended or None,
         "duration_ms": (ended - created) / 1e6 if ended else None,
         "error": entry[ERROR],
-        "frames": [
-            {
-                "filename": filename or entry[FRAME],
-                "line": int(line) if line.isdigit() else 0,
-                "name": name.strip("()"),
-            }
-        ],
+        "frames": [frame_of(entry[FRAME])],
     }
 
 
@@ -159,41 +196,44 @@ def group_name(group: tuple[int, ...], world: tuple[int, ...]) -> str:
 
 class Stats:
     """Counts and time histograms per (kind, algorithm, size class, group) since the process
-    started. Per call only a counter row keyed by (group, kind, path, bytes) moves; size classes
-    and seconds are worked out when asked (``snapshot``)."""
+    started, tallied from the recorder's entries in batches (``tally``), not call by call: a call
+    pays nothing here. Rows are keyed by (group, kind, algorithm, (shape, dtype, parts)) until
+    asked (``snapshot``), which works out bytes and size classes; past ROWS distinct keys (shapes
+    that change call after call) the rows are folded into their size classes."""
+
+    ROWS = 4096
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._rows: dict[tuple[Any, ...], list[Any]] = {}
+        self._rows: dict[tuple[Any, ...], list[Any]] = {}  # key -> [calls, failed, ns, bins, bytes]
+        self._folded: dict[tuple[Any, ...], list[Any]] = {}  # (group, kind, algorithm, class) -> row
 
-    def add(self, entry: list[Any], nanoseconds: int, failed: bool) -> None:
-        signature = entry[SIGNATURE]
-        if signature is None or signature.parts or signature.shape is None or signature.dtype is None:
-            nbytes = described(signature)[4]
-        else:
-            nbytes = math.prod(signature.shape) * signature.dtype.itemsize
-        key = (entry[GROUP], entry[KIND], entry[ALGORITHM] or entry[PATH] or "-", nbytes)
-        row = self._rows.get(key)
-        if row is None:
-            with self._lock:
-                row = self._rows.setdefault(key, [0, 0, 0, [0] * 64])
-        row[0] += 1  # (a lost increment under a race costs one count, never a crash)
-        row[1] += failed
-        row[2] += nanoseconds
-        row[3][min(nanoseconds.bit_length(), 63)] += 1
-
-    def snapshot(self, world: tuple[int, ...]) -> list[dict[str, Any]]:
+    def tally(self, entries: Sequence[Sequence[Any]]) -> None:
+        """Count ``entries`` (every one ended) in."""
         with self._lock:
-            items = [(key, [row[0], row[1], row[2], list(row[3])]) for key, row in self._rows.items()]
+            _tally(entries, self._rows)
+            if len(self._rows) > self.ROWS:
+                for (group, kind, algorithm, sized), row in self._rows.items():
+                    nbytes = _nbytes(*sized)
+                    key = (group, kind, algorithm, size_class(nbytes))
+                    _merge(self._folded.setdefault(key, _row()), row, nbytes)
+                self._rows = {}
+
+    def snapshot(
+        self, world: tuple[int, ...], ended: Sequence[Sequence[Any]] | None = None
+    ) -> list[dict[str, Any]]:
+        """Every row, with ``ended`` entries (not tallied yet) counted in too."""
+        with self._lock:
+            rows = {key: [*row[:3], list(row[3]), row[4]] for key, row in self._rows.items()}
+            folded = [(key, [*row[:3], list(row[3]), row[4]]) for key, row in self._folded.items()]
+        _tally(ended or [], rows)
         merged: dict[tuple[str, str, str, str], list[Any]] = {}
-        for (group, kind, algorithm, nbytes), (calls, failed, nanoseconds, bins) in items:
+        for (group, kind, algorithm, sized), row in rows.items():
+            nbytes = _nbytes(*sized)
             key = (kind, algorithm, size_class(nbytes), group_name(group, world))
-            row = merged.setdefault(key, [0, 0, 0, 0, [0] * 64])
-            row[0] += calls
-            row[1] += failed
-            row[2] += nanoseconds
-            row[3] += nbytes * calls
-            row[4] = [a + b for a, b in zip(row[4], bins, strict=True)]
+            _merge(merged.setdefault(key, _row()), row, nbytes)
+        for (group, kind, algorithm, size), row in folded:
+            _merge(merged.setdefault((kind, algorithm, size, group_name(group, world)), _row()), row, 0)
         return [
             {
                 "kind": kind,
@@ -206,33 +246,107 @@ class Stats:
                 "bytes": nbytes,
                 "histogram": {f"{(1 << b) / 1e9:.3g}": n for b, n in enumerate(bins) if n},
             }
-            for (kind, algorithm, size, group), (calls, failed, nanoseconds, nbytes, bins) in sorted(
+            for (kind, algorithm, size, group), (calls, failed, nanoseconds, bins, nbytes) in sorted(
                 merged.items()
             )
         ]
 
 
+_KEY = operator.itemgetter(GROUP, KIND, ALGORITHM, PATH)
+_SIGNATURE = operator.itemgetter(SIGNATURE)
+_SIZED = operator.attrgetter("shape", "dtype", "parts")  # what a call's bytes are worked out of
+_UNSIZED = types.SimpleNamespace(shape=None, dtype=None, parts=())  # (a call that failed unprepared)
+_ENDED, _CREATED, _ERROR = (
+    operator.itemgetter(ENDED),
+    operator.itemgetter(CREATED),
+    operator.itemgetter(ERROR),
+)
+BINS = 64  # histogram bins: bin b counts calls of under 2**b ns (and at least 2**(b-1))
+
+
+def _row() -> list[Any]:
+    return [0, 0, 0, [0] * BINS, 0]
+
+
+def _tally(entries: Sequence[Sequence[Any]], rows: dict[tuple[Any, ...], list[Any]]) -> None:
+    """Add ended ``entries`` to ``rows``: keys gathered and numbered in C (itemgetter, map, dict),
+    durations and histogram bins counted in numpy (a batch costs a few C passes, not a Python
+    statement an entry)."""
+    size = len(entries)
+    if not size:
+        return
+    signatures = list(map(_SIGNATURE, entries))
+    if None in signatures:
+        signatures = [_UNSIZED if signature is None else signature for signature in signatures]
+    keys = zip(map(_KEY, entries), map(_SIZED, signatures), strict=True)
+    index: defaultdict[tuple[Any, ...], int] = defaultdict(itertools.count().__next__)  # key -> its code
+    codes = np.fromiter(map(index.__getitem__, keys), np.int64, size)
+    ended = np.fromiter(map(_ENDED, entries), np.int64, size)
+    nanoseconds = np.maximum(ended - np.fromiter(map(_CREATED, entries), np.int64, size), 0)
+    bins = np.minimum(np.frexp(nanoseconds.astype(np.float64))[1], BINS - 1)  # (frexp: the bit length)
+    count = len(index)
+    calls = np.bincount(codes, minlength=count)
+    total = np.bincount(codes, weights=nanoseconds, minlength=count)
+    histogram = np.bincount(codes * BINS + bins, minlength=count * BINS).reshape(count, BINS)
+    errors = list(map(_ERROR, entries))
+    failed = Counter(codes[[error is not None for error in errors]].tolist()) if any(errors) else Counter()
+    for ((group, kind, algorithm, path), sized), code in index.items():
+        key = (group, kind, str(algorithm or path or "-"), sized)
+        row = rows.setdefault(key, _row())
+        row[0] += int(calls[code])
+        row[1] += failed.get(code, 0)
+        row[2] += int(total[code])
+        row[3] = [a + int(b) for a, b in zip(row[3], histogram[code], strict=True)]
+
+
+def _merge(into: list[Any], row: list[Any], nbytes: int) -> None:
+    """Add ``row`` (calls, failed, ns, bins, bytes moved) of calls of ``nbytes`` each (0: its
+    bytes are already counted) to ``into``."""
+    into[0] += row[0]
+    into[1] += row[1]
+    into[2] += row[2]
+    into[3] = [a + b for a, b in zip(into[3], row[3], strict=True)]
+    into[4] += row[4] + nbytes * row[0]
+
+
 class Recorder:
-    """This process's ring of entries (see the module's docstring)."""
+    """This process's ring of entries (see the module's docstring).
+
+    An entry is a sequence by the indices above: a tuple once its call ended (appended then, by
+    the rendezvous, in one go), a list while open (a send or receive's, in the ring from its start;
+    a collective's, made up when dumped by the rendezvous it waits in: ``in_flight``). The ring is
+    a list that grows to twice ``size`` entries, when its older half is tallied into ``stats`` and
+    dropped (entries still open then are kept aside): one batch every ``size`` calls instead of a
+    counter row to move on every call. Dumps hold the newest ``size`` entries.
+    """
 
     def __init__(self, size: int | None = None) -> None:
         if size is None:
             text = os.environ.get(SIZE_VARIABLE, "").strip()
             size = int(text) if text.isdigit() else DEFAULT_SIZE
+        self.ring: list[Sequence[Any]] = []
+        self._open: list[Sequence[Any]] = []  # entries dropped from the ring while their call was open
         self.size = size
-        self._ring: deque[list[Any]] = deque(maxlen=max(size, 1))
         self.stats = Stats()
         self.job = ""
         self.world: tuple[int, ...] = ()
         self.peers: tuple[int, ...] = ()
+        self._groups: weakref.WeakSet[Any] = weakref.WeakSet()  # whatever holds open calls: in_flight()
         self._dumped: dict[tuple[tuple[int, ...], int], str | None] = {}
         self._lock = threading.Lock()
         self._token = 0
         self._p2p: dict[tuple[int, int, int], int] = {}  # (src, dst, tag) -> the next p2p_seq_id
 
     @property
-    def enabled(self) -> bool:
-        return self.size > 0
+    def size(self) -> int:
+        """Entries a dump holds (0: the recorder is off)."""
+        return self._size
+
+    @size.setter
+    def size(self, size: int) -> None:
+        self._size = size
+        self.enabled = size > 0
+        self.limit = 2 * max(size, 1)  # the ring's length that has it folded
 
     def joined(self, job: str, world: tuple[int, ...], peers: tuple[int, ...], token: int) -> None:
         """Name the job whose calls follow (dumps say which job and which peers they hold); a new
@@ -240,38 +354,78 @@ class Recorder:
         with self._lock:
             if token != self._token:
                 self._token = token
-                self._ring.clear()
+                self._fold(len(self.ring))
                 self._dumped.clear()
                 self._p2p.clear()
             self.job, self.world, self.peers = job, world, peers
 
-    def open(self, peer: int, group: tuple[int, ...], seq: int, kind: str, frame: str) -> list[Any]:
-        entry = [peer, group, seq, kind, frame, None, "", "", "scheduled", time.time_ns(), 0, 0, None]
-        self._ring.append(entry)
+    def watch(self, group: Any) -> None:
+        """Read ``group.in_flight()`` (the entries of its open calls) into every dump."""
+        self._groups.add(group)
+
+    def record(self, entry: Sequence[Any]) -> None:
+        """Put ``entry`` in the ring (a collective's path writes this out: it is every call's)."""
+        ring = self.ring
+        ring.append(entry)
+        if len(ring) >= self.limit:
+            self.fold()
+
+    @staticmethod
+    def closed(entry: list[Any], error: BaseException | None = None) -> list[Any]:
+        """``entry``, ended now (``error``: failed)."""
+        if error is not None:
+            entry[ERROR] = f"{type(error).__name__}: {error}"
+            entry[STATE] = "failed"
+        else:
+            entry[STATE] = "completed"
+        entry[ENDED] = time.time_ns()
         return entry
 
-    def open_p2p(self, peer: int, src: int, dst: int, tag: int, kind: str, frame: str) -> list[Any]:
+    def open_p2p(self, peer: int, src: int, dst: int, tag: int, kind: str, frame: Where | None) -> list[Any]:
         """An entry for a send or receive of ``peer`` (``src`` -1: from any peer), numbered per
-        (source, destination, tag) as a receiver matches them."""
+        (source, destination, tag) as a receiver matches them, in the ring from now: ``close`` it."""
         key = (src, dst, tag)
         with self._lock:
             seq = self._p2p.get(key, 0)
             self._p2p[key] = seq + 1
-        entry = [peer, (src, dst), seq, kind, frame, None, "p2p", "", "started", time.time_ns(), 0, 0, None]
-        self._ring.append(entry)
+        entry = [peer, (src, dst), seq, kind, frame, None, "p2p", None, "started", time.time_ns(), 0, 0, None]
+        self.record(entry)
         return entry
 
     def close(self, entry: list[Any], error: BaseException | None = None) -> None:
-        ended = entry[ENDED] = time.time_ns()
-        if error is None:
-            entry[STATE] = "completed"
-        else:
-            entry[STATE] = "failed"
-            entry[ERROR] = f"{type(error).__name__}: {error}"
-        self.stats.add(entry, ended - entry[CREATED], error is not None)
+        """The send or receive of ``entry`` ended (``error``: failed)."""
+        self.closed(entry, error)
 
-    def entries(self) -> list[list[Any]]:
-        return list(self._ring)
+    def fold(self) -> None:
+        """Tally the ring's older half into ``stats`` and drop it (a thread at a time: the others
+        go on appending)."""
+        if self._lock.acquire(blocking=False):
+            try:
+                self._fold(len(self.ring) - self._size)
+            finally:
+                self._lock.release()
+
+    def _fold(self, count: int) -> None:
+        """Tally the oldest ``count`` entries of the ring and drop them (lock held)."""
+        ring = self.ring
+        older = ring[:count]
+        del ring[:count]  # (other threads only append: the first ``count`` are still these)
+        held = self._open + older
+        self.stats.tally([entry for entry in held if entry[ENDED]])
+        self._open = [entry for entry in held if not entry[ENDED]]
+
+    def entries(self) -> list[Sequence[Any]]:
+        """The entries a dump holds, oldest first: calls still open from long ago, the newest
+        ``size`` ended, sends and receives, then every collective still open."""
+        ring = self.ring[-self._size :] if self._size > 0 else []
+        flying = [entry for group in list(self._groups) for entry in group.in_flight()]
+        return [*self._open, *ring, *sorted(flying, key=lambda entry: entry[CREATED])]
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """``stats`` as ``col.stats()`` returns them: every call ended so far counted."""
+        with self._lock:
+            ended = [entry for entry in (*self._open, *self.ring) if entry[ENDED]]
+        return self.stats.snapshot(self.world, ended)
 
     def document(self, reason: str) -> dict[str, Any]:
         return {
