@@ -23,7 +23,10 @@ def test_consecutive_small_all_reduces_do_not_grow(limits: dict[str, int], itera
     threads_before = set(threading.enumerate())  # a parked worker of an earlier test may end meanwhile
     config = col.CollectiveConfig(num_devices=n, local_all_reduce_strategy="ring", timeout=30)
     traced: dict[str, int] = {}
-    early = max(iterations // 10, RECORDER.size // n + 1)  # (once the flight recorder's ring is full)
+    # Measured twice with the flight recorder's ring as full (it grows to twice its size, then its
+    # older half is dropped: every size // n calls of each peer), once it was first dropped.
+    last, period = iterations - 1, RECORDER.size // n
+    early = last - period * ((last - RECORDER.limit // n) // period)
     tracemalloc.start()
     try:
         with col.Runtime(**limits) as rt:
@@ -34,7 +37,7 @@ def test_consecutive_small_all_reduces_do_not_grow(limits: dict[str, int], itera
                 y = x
                 for i in range(iterations):
                     y = rt.all_reduce(peer, x)
-                    if peer == 0 and i in (early, iterations - 1):
+                    if peer == 0 and i in (early, last):
                         traced[f"at {i}"] = tracemalloc.get_traced_memory()[0]
                 job = rt.job
                 assert job is not None and job.rendezvous(job.members).open_slots <= 1  # steps are dropped
