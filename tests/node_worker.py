@@ -78,13 +78,16 @@ def matrix(peer: int, world: int) -> int:
     return count
 
 
-def loop(peer: int, world: int) -> int:
-    """All-reduce 1 MiB until something breaks; print READY once running."""
+def loop(peer: int, world: int, settle: str = "0") -> int:
+    """All-reduce 1 MiB until something breaks; print READY once running (for ``settle`` seconds
+    at least: long enough for heartbeats to have told the orchestrator what the peers do)."""
     x = np.ones(1 << 17)
+    began, ready = time.monotonic(), False
     for i in range(1_000_000):
         col.all_reduce(peer, x)
-        if i == 2 and peer == 0:
+        if not ready and i >= 2 and peer == 0 and time.monotonic() - began >= float(settle):
             say("READY")
+            ready = True
     return 0
 
 
@@ -449,6 +452,17 @@ def byte_order(peer: int, world: int) -> int:
     return count
 
 
+def skip(peer: int, world: int) -> int:
+    """One all_reduce by every peer, then a second that the last peer skips (it works on at
+    SKIPPED_LINE): the others time out after 1 s."""
+    col.all_reduce(peer, np.ones(4))  # LAST_CALL
+    if peer == world - 1:
+        time.sleep(3)  # SKIPPED_LINE
+        return 1
+    col.all_reduce(peer, np.ones(4), timeout=1)
+    return 2
+
+
 MODES = {
     "byte_order": byte_order,
     "remote_finish": remote_finish,
@@ -463,6 +477,7 @@ MODES = {
     "crash": crash,
     "collective_set": collective_set,
     "until": until,
+    "skip": skip,
 }
 
 
@@ -534,6 +549,8 @@ def main() -> int:
             except col.CollectiveError as exc:
                 results[peer] = exc
                 say(f"ERROR {type(exc).__name__} {time.monotonic() - started:.2f} {exc}")
+                for note in getattr(exc, "__notes__", ()):
+                    say(f"NOTE {peer} {note}")
             if mode == "mismatch":  # the job must still work after a mismatch
                 assert col.all_reduce(peer, np.ones(3))[0] == world
             col.finish(peer)

@@ -24,8 +24,9 @@ from collective.runtime import Runtime
 from collective.trace import RECORDER
 from collective.trace.analyze import analyze, load_dumps
 from collective.trace.analyze import main as analyze_main
+from collective.transport.orchestrator import HEARTBEAT_INTERVAL
 from tests.conftest import outcomes_of_peers, run_peers, wait_until
-from tests.processes import finish_all, start_nodes
+from tests.processes import WORKER, finish_all, start_nodes
 
 HERE = Path(__file__).name
 
@@ -42,8 +43,8 @@ def _joined(runtime: Runtime, n: int = 4, timeout: float = 20.0) -> None:
     run_peers(n, lambda p: runtime.register(p, "cpu", config), runtime)
 
 
-def _line_of(text: str) -> int:
-    return next(i for i, line in enumerate(Path(__file__).read_text().splitlines(), 1) if text in line)
+def _line_of(text: str, path: str = __file__) -> int:
+    return next(i for i, line in enumerate(Path(path).read_text().splitlines(), 1) if text in line)
 
 
 def test_every_call_is_recorded_with_its_caller(tmp_path: Path) -> None:
@@ -154,6 +155,65 @@ def test_analyze_says_when_there_is_nothing_to_read(
     assert cli.main(["trace", "analyze", str(tmp_path)]) == 2
     out = capsys.readouterr().out
     assert "skipped junk.json" in out and "no flight recorder dumps" in out
+
+
+def test_a_timeout_names_what_the_missing_peer_does_instead() -> None:
+    """Live, without a dump: the error the others get says where the late peer is (its recorder)."""
+    with Runtime() as runtime:
+        _joined(runtime)
+
+        def body(peer: int) -> Any:
+            runtime.all_reduce(peer, np.ones(4))
+            if peer == 3:
+                return runtime.broadcast(peer, np.ones(4), group=[1, 3], timeout=2)  # ELSEWHERE
+            return runtime.all_reduce(peer, np.ones(4), timeout=0.5)
+
+        outcomes = outcomes_of_peers(4, body, runtime)
+    for outcome in outcomes[:3]:
+        assert isinstance(outcome, col.CollectiveTimeout), outcomes
+        (doing,) = [note for note in outcome.__notes__ if note.startswith("peer 3 ")]
+        assert doing.startswith("peer 3 is in broadcast #0 of group 1,3 (scheduled for 0."), doing
+        assert doing.endswith(f"{HERE}:{_line_of('# ELSEWHERE')}"), doing
+    assert isinstance(outcomes[3], col.CollectiveTimeout)  # (peer 1 had left for the failure)
+    (doing,) = [note for note in outcomes[3].__notes__ if note.startswith("peer 1 ")]
+    assert doing.startswith("peer 1 is in no call; its last was all_reduce #1 of group world (failed "), doing
+
+
+def test_a_timeout_across_nodes_names_what_the_missing_peer_does(orchestrator: str) -> None:
+    """What a peer of another node does comes from its node's heartbeats, through the orchestrator."""
+    procs = start_nodes(orchestrator, "trace-skip", 2, 1, "skip")
+    codes = finish_all(procs, 60)
+    assert codes == [3, 0], [proc.output() for proc in procs]
+    worker = WORKER
+    notes = [line for _, line in procs[0].lines if line.startswith("NOTE 0 peer 1 ")]
+    assert len(notes) == 1, procs[0].output()
+    assert notes[0].startswith("NOTE 0 peer 1 is in no call; its last was all_reduce #0 of group world"), (
+        notes
+    )
+    assert f"{worker}:{_line_of('# LAST_CALL', worker)}" in notes[0], notes
+
+
+def test_a_killed_node_is_named_live_and_by_the_analysis(orchestrator: str, tmp_path: Path) -> None:
+    """The survivors' PeerLostError says what the killed peer was doing (its last heartbeat's
+    account); their dumps, without its, name it as the peer that left none."""
+    settle = str(4 * HEARTBEAT_INTERVAL)  # (a few heartbeats have told what the peers do)
+    procs = start_nodes(orchestrator, "trace-kill", 3, 1, "loop", settle, shm=0, trace_dir=str(tmp_path))
+    try:
+        procs[0].wait_for("READY", 60)
+        procs[1].kill()
+        for survivor in (procs[0], procs[2]):
+            survivor.wait_for("ERROR", 15)
+            assert survivor.wait(30) == 3
+    finally:
+        finish_all(procs, 30)
+    loop_line = f"{WORKER}:{_line_of('col.all_reduce(peer, x)', WORKER)}"
+    for survivor in (procs[0], procs[2]):
+        said = [line for _, line in survivor.lines if "peer 1 is in" in line]
+        assert said and loop_line in said[0], survivor.output()
+    dumps, _ = load_dumps(str(tmp_path))
+    assert sorted(peer for dump in dumps for peer in dump.peers) == [0, 2]
+    report = analyze(dumps)
+    assert report.culprits and report.culprits[0].startswith("peer 1 left no dump (did its process die?)")
 
 
 def test_nodes_that_disagree_dump_and_the_analysis_names_the_call(orchestrator: str, tmp_path: Path) -> None:

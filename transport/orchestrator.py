@@ -5,12 +5,13 @@ Protocol (one msgpack map per message, over a ROUTER socket; every message has `
 node -> orchestrator                       orchestrator -> node
   register {num_nodes, address, peers,       topology {index, nodes: [{address, peers, info}], world}
             info}                            refused  {message}             (a RegistrationError)
-  heartbeat (from registration on)           pong                           (the job has formed)
+  heartbeat {doing?} (from registration on)  pong                           (the job has formed)
                                              waiting  {num_nodes, nodes: [{address, peers}], refused,
                                                        silent, bad_token?}  (it has not formed yet)
                                              evicted  {reason}              (not, or no longer, a member)
-  leave                                      lost     {node, peers, reason, gone: "left" | "lost"}
-                                                                            (to the other nodes)
+  leave                                      lost     {node, peers, reason, gone: "left" | "lost",
+                                                       doing}               (to the other nodes)
+  doing {id, peers}                          doing    {id, doing}          (what those peers do)
 
 The node side (registration, heartbeats) is transport.orchestrator_client.
 
@@ -27,6 +28,10 @@ A node whose connection closes without a ``leave`` (its process exited, crashed 
 the kernel closes its sockets) is declared lost at once (a socket monitor reports the close), not
 after ``lost_after``; a partitioned or stopped node closes nothing and is found by its silence.
 Jobs are told apart by name; one orchestrator serves many, at the same time and one after another.
+
+``doing`` is what a node's peers were doing at its last heartbeat, as [peer, text] pairs (each
+process's flight recorder: the call it is in, or its last one, and the caller's line): a node
+that times out waiting for peers asks for theirs, and a lost node's travels with the news.
 """
 
 from __future__ import annotations
@@ -48,10 +53,12 @@ from collective.transport.sockets import UNKNOWN_ADDRESS, connection_of, make_so
 from collective.transport.wire import WireError, decode_map
 
 __all__ = [
+    "DOING_TEXT",
     "HEARTBEAT_INTERVAL",
     "LOST_AFTER",
     "MAX_MESSAGE",
     "Orchestrator",
+    "is_doing",
     "is_peer_list",
     "pack",
     "unpack",
@@ -60,6 +67,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 HEARTBEAT_INTERVAL = 0.25
+DOING_TEXT = 1000  # the longest account of what a peer does that a heartbeat carries
 LOST_AFTER = 2.0
 MAX_MESSAGE = 1 << 20
 RECEIVE_HWM = 64  # messages queued per connection (the loop drains them continuously)
@@ -94,6 +102,18 @@ def _peer_address(frame: zmq.Frame) -> str:
         return UNKNOWN_ADDRESS
 
 
+def is_doing(value: Any) -> TypeGuard[list[list[Any]]]:
+    """[peer, text] pairs (what a node's peers do), each text at most DOING_TEXT characters."""
+    return isinstance(value, list) and all(
+        isinstance(pair, list)
+        and len(pair) == 2
+        and isinstance(pair[0], int)
+        and isinstance(pair[1], str)
+        and len(pair[1]) <= DOING_TEXT
+        for pair in value
+    )
+
+
 def is_peer_list(value: Any) -> TypeGuard[list[int]]:
     return (
         isinstance(value, list)
@@ -111,6 +131,7 @@ class _Node:
     info: dict[str, Any] = field(default_factory=dict)
     index: int = -1
     gone: str | None = None  # why it left or was lost
+    doing: list[list[Any]] = field(default_factory=list)  # [peer, what it does] at its last heartbeat
 
 
 @dataclass
@@ -269,7 +290,14 @@ class Orchestrator:
         if kind == "register":
             self._register(identity, message)
         elif kind == "heartbeat":
+            if node is not None and is_doing(message.get("doing")):
+                node.doing = message["doing"]
             self._answer_heartbeat(identity, message["job"], job, node)
+        elif kind == "doing" and job is not None and node is not None:
+            asked = message.get("peers")
+            wanted = set(asked) if is_peer_list(asked) else set()
+            doing = [pair for other in job.nodes.values() for pair in other.doing if pair[0] in wanted]
+            self._send(identity, {"t": "doing", "job": job.name, "id": message.get("id"), "doing": doing})
         elif kind == "leave" and job is not None and node is not None:
             if job.formed:
                 self._gone(job, node, "left the job", "left")
@@ -417,6 +445,7 @@ class Orchestrator:
                         "peers": node.peers,
                         "reason": reason,
                         "gone": how,
+                        "doing": node.doing,
                     },
                 )
         if all(n.gone is not None for n in job.nodes.values()):

@@ -17,11 +17,13 @@ error says this node was suspended; if not, the job goes on.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
+import queue
 import threading
 import time
 import uuid
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,9 +39,11 @@ from collective.errors import (
 )
 from collective.transport.auth import HANDSHAKE_FAILED, handshake_failure
 from collective.transport.orchestrator import (
+    DOING_TEXT,
     HEARTBEAT_INTERVAL,
     LOST_AFTER,
     MAX_MESSAGE,
+    is_doing,
     is_peer_list,
     pack,
     unpack,
@@ -52,6 +56,7 @@ log = logging.getLogger(__name__)
 
 CLIENT_HWM = 64  # control messages queued each way
 WAITING_LOG_EVERY = 3.0  # seconds between "still waiting for ..." lines while the job forms
+ASKED_POLL = 0.01  # the heartbeat thread's poll (seconds) while a question waits for its answer
 PAUSED = 0.5  # a heartbeat loop turn this much longer than it should take: this process did not run
 
 
@@ -152,6 +157,13 @@ class OrchestratorClient:
         self._lost: CollectiveError | None = None
         self._left: dict[int, tuple[str, float]] = {}  # node index -> (reason, when)
         self.topology: Topology | None = None
+        # What this node's peers do, sent with every heartbeat once the job formed ([peer, text]
+        # pairs; the node sets it: its flight recorder's account); and the questions of what
+        # other peers do, asked by any thread, sent and answered on the heartbeat thread.
+        self.doing: Callable[[], list[list[Any]]] | None = None
+        self._asks: queue.SimpleQueue[dict[str, Any]] = queue.SimpleQueue()
+        self._answers: dict[int, tuple[threading.Event, list[Any]]] = {}
+        self._asked = itertools.count()
 
     def _post(self, message: dict[str, Any]) -> None:
         """Send without ever blocking: a full queue means the orchestrator is not reading anyway."""
@@ -291,9 +303,11 @@ class OrchestratorClient:
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_beat:
-                self._post({"t": "heartbeat"})
+                self._post(self._beat())
                 next_beat = now + HEARTBEAT_INTERVAL
-            ready = self._socket.poll(int(1000 * poll))
+            while not self._asks.empty():
+                self._post(self._asks.get())
+            ready = self._socket.poll(int(1000 * (ASKED_POLL if self._answers else poll)))
             now = time.monotonic()
             gap, previous = now - previous - poll, now
             if gap > PAUSED:  # this process did not run (SIGSTOP, a debugger, a starved machine)
@@ -310,6 +324,8 @@ class OrchestratorClient:
                     last_heard = time.monotonic()
                     if message["t"] == "lost":
                         self._node_gone(message)
+                    elif message["t"] == "doing":
+                        self._answered(message)
                     elif message["t"] == "evicted":
                         self._evicted(message, suspended)
             elif now - last_heard > self._lost_after:
@@ -320,6 +336,33 @@ class OrchestratorClient:
                 )
         self._post({"t": "leave"})
         self._socket.close()
+
+    def _beat(self) -> dict[str, Any]:
+        """A heartbeat, with what this node's peers do (a failure to say is no reason to skip it)."""
+        beat: dict[str, Any] = {"t": "heartbeat"}
+        if self.doing is not None:
+            with contextlib.suppress(Exception):
+                beat["doing"] = [[peer, text[:DOING_TEXT]] for peer, text in self.doing()]
+        return beat
+
+    def ask_doing(self, peers: list[int], wait: float) -> dict[int, str]:
+        """What ``peers`` (of other nodes) were doing at their node's last heartbeat, as far as the
+        orchestrator answers within ``wait`` seconds (any thread)."""
+        number = next(self._asked)
+        done, found = threading.Event(), list[list[Any]]()
+        self._answers[number] = (done, found)
+        try:
+            self._asks.put({"t": "doing", "id": number, "peers": peers, "job": self.job})
+            done.wait(wait)
+        finally:
+            self._answers.pop(number, None)
+        return {peer: text for peer, text in found if peer in peers}
+
+    def _answered(self, message: dict[str, Any]) -> None:
+        waiting = self._answers.get(message.get("id"))  # type: ignore[arg-type]
+        if waiting is not None and is_doing(message.get("doing")):
+            waiting[1].extend(message["doing"])
+            waiting[0].set()
 
     def _fail(self, error: PeerLostError) -> None:
         if self._lost is None:
@@ -346,7 +389,13 @@ class OrchestratorClient:
         peers = raw_peers
         self._left[node] = (str(reason), time.monotonic())
         if message.get("gone") != "left":  # lost: it died or went silent
-            self._fail(PeerLostError(f"node {node} ({describe_peers(peers)}) {reason}", peers))
+            doing = message.get("doing")
+            said = (
+                "".join(f"; peer {p} {text} (at its last heartbeat)" for p, text in doing)
+                if is_doing(doing)
+                else ""
+            )
+            self._fail(PeerLostError(f"node {node} ({describe_peers(peers)}) {reason}{said}", peers))
 
     def close(self) -> None:
         """Leave the job (tell the orchestrator) and stop the heartbeats."""

@@ -158,6 +158,11 @@ class Rendezvous:
         self._live[index] = None
         entry = self._entry(index, item if item is not None else call)
         RECORDER.record(RECORDER.closed(entry, error))
+        if isinstance(error, CollectiveTimeout | PeerLostError) and hasattr(error, "add_note"):
+            missing = error.missing if isinstance(error, CollectiveTimeout) else error.peers
+            for line in RECORDER.whereabouts(self.members, entry[SEQ], missing):  # what they do instead
+                if line not in str(error):
+                    error.add_note(line)
         if isinstance(error, DUMPED_ON):
             where = RECORDER.dump_once(self.members, entry[SEQ], f"{type(error).__name__}: {error}")
             if where is not None and hasattr(error, "add_note"):  # (Python 3.11 and later)

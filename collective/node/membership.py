@@ -33,6 +33,7 @@ from collective.node.call_exchange import CallExchange
 from collective.node.messages import Messages
 from collective.node.protocol import FINISHED_TAG, P2PMessage
 from collective.shm.ring import HostRing
+from collective.trace import RECORDER
 from collective.transport.inproc import clone_error
 from collective.transport.network import NodeNetwork
 from collective.transport.orchestrator_client import OrchestratorClient, Topology
@@ -47,6 +48,8 @@ __all__ = ["Host", "NodeJob"]
 Host = tuple[Any, Any]  # a host identity and a user: processes sharing both share /dev/shm
 
 log = logging.getLogger(__name__)
+
+ASK_DOING_WAIT = 0.5  # seconds a timed-out call waits to learn what the peers it waited for do
 
 LEFT_GRACE = 1.0  # a node that left cleanly may still have data in flight: wait this long for it
 
@@ -138,6 +141,15 @@ class NodeJob:
             log.info(
                 "joined job %r as node %d of %d", self.config.job, topology.index, len(topology.addresses)
             )
+            self._tell_doing(tuple(local_peers))
+
+    def _tell_doing(self, local_peers: tuple[int, ...]) -> None:
+        """What the local peers do goes out with every heartbeat, and what other nodes' peers do
+        is asked of the orchestrator when a local call times out waiting for them (the flight
+        recorder's accounts: collective.trace)."""
+        client = self._client
+        client.doing = lambda: [[peer, text] for peer, text in RECORDER.doing(local_peers).items()]
+        RECORDER.remote = partial(client.ask_doing, wait=ASK_DOING_WAIT)
 
     def is_peer(self, peer: Any) -> bool:
         return isinstance(peer, int) and not isinstance(peer, bool) and peer in self._node_of
@@ -227,6 +239,8 @@ class NodeJob:
                 return
             self._closed = True
         self._outbox.close(min(self.config.timeout, 60.0))  # what was sent goes out before we leave
+        if getattr(RECORDER.remote, "func", None) == self._client.ask_doing:
+            RECORDER.remote = None
         self._client.close()
         self._network.close()
         self._context.destroy(linger=0)

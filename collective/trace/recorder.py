@@ -16,6 +16,7 @@ time_discovered_completed_ns, duration_ms, state, input_sizes, input_dtypes, fra
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import math
@@ -29,7 +30,7 @@ import time
 import types
 import weakref
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -332,10 +333,13 @@ class Recorder:
         self.world: tuple[int, ...] = ()
         self.peers: tuple[int, ...] = ()
         self._groups: weakref.WeakSet[Any] = weakref.WeakSet()  # whatever holds open calls: in_flight()
-        self._dumped: dict[tuple[tuple[int, ...], int], str | None] = {}
+        self._dumped: dict[tuple[tuple[int, ...], int], str | None] = {}  # by failed step
+        self._whereabouts: dict[tuple[tuple[int, ...], int], list[str]] = {}  # by failed step
         self._lock = threading.Lock()
         self._token = 0
         self._p2p: dict[tuple[int, int, int], int] = {}  # (src, dst, tag) -> the next p2p_seq_id
+        # what other processes' peers do (a multi-node job sets it: the orchestrator knows)
+        self.remote: Callable[[list[int]], dict[int, str]] | None = None
 
     @property
     def size(self) -> int:
@@ -356,6 +360,7 @@ class Recorder:
                 self._token = token
                 self._fold(len(self.ring))
                 self._dumped.clear()
+                self._whereabouts.clear()
                 self._p2p.clear()
             self.job, self.world, self.peers = job, world, peers
 
@@ -472,6 +477,65 @@ class Recorder:
                 path = None
             self._dumped[(group, seq)] = path
         return path
+
+    # -- what a peer is doing, for errors that name a missing peer -------------------------------
+
+    def doing(self, peers: Iterable[int]) -> dict[int, str]:
+        """What each of ``peers`` held in this process does now, as its own recorder says: the
+        call it is in (kind, number, group, state, since when, caller) or its last one."""
+        wanted = set(peers) & set(self.peers)
+        if not wanted or not self.enabled:
+            return {}
+        now = time.time_ns()
+        found: dict[int, str] = {}
+        for entry in reversed(self.entries()):  # (open calls come last: newest first)
+            peer = entry[PEER]
+            if peer in wanted and peer not in found:
+                found[peer] = activity(entry, self.world, now)
+                if len(found) == len(wanted):
+                    break
+        for peer in wanted - found.keys():
+            found[peer] = "has made no call yet"
+        return found
+
+    def whereabouts(self, group: tuple[int, ...], seq: int, peers: Iterable[int]) -> list[str]:
+        """'peer 3 is in broadcast #7 ... at train.py:90', for each of ``peers`` that can be
+        learned: from this process's recorder, else from the process that holds it (``remote``,
+        set for a multi-node job: through the orchestrator). Worked out once per failed step."""
+        with self._lock:
+            known = self._whereabouts.get((group, seq))
+        if known is not None:
+            return known
+        wanted = sorted(set(peers))
+        found = self.doing(wanted)
+        others = [peer for peer in wanted if peer not in found]
+        if others and self.remote is not None:
+            with contextlib.suppress(Exception):  # (whatever goes wrong, the error itself comes first)
+                heard = self.remote(others)
+                found.update((peer, f"{text} (at its node's last heartbeat)") for peer, text in heard.items())
+        lines = [f"peer {peer} {found[peer]}" for peer in wanted if peer in found]
+        with self._lock:
+            if len(self._whereabouts) > 1000:
+                self._whereabouts.clear()
+            self._whereabouts[(group, seq)] = lines
+        return lines
+
+
+def activity(entry: Sequence[Any], world: tuple[int, ...], now: int) -> str:
+    """What ``entry`` says its peer does: 'is in all_reduce #5 of group world (scheduled for 2.1
+    s) at train.py:88', or 'is in no call; its last was ...'."""
+    frame = frame_of(entry[FRAME])
+    at = f"{frame['filename']}:{frame['line']}"
+    if entry[PATH] == "p2p":
+        src, dst = entry[GROUP]
+        what = f"{entry[KIND]} #{entry[SEQ]} from {'any peer' if src < 0 else f'peer {src}'} to peer {dst}"
+    else:
+        what = f"{entry[KIND]} #{entry[SEQ]} of group {group_name(entry[GROUP], world)}"
+    if not entry[ENDED]:
+        return f"is in {what} ({entry[STATE]} for {(now - entry[CREATED]) / 1e9:.1f} s) at {at}"
+    return (
+        f"is in no call; its last was {what} ({entry[STATE]} {(now - entry[ENDED]) / 1e9:.1f} s ago) at {at}"
+    )
 
 
 def trace_dir(job: str) -> str:
