@@ -97,6 +97,31 @@ def test_a_process_that_never_imports_the_package_knows_the_backend() -> None:
         assert code == 0 and expected in proc.output(), f"rank {rank} (exit {code}):\n{proc.output()}"
 
 
+RECORDED = """
+import sys, torch, torch.distributed as dist
+import collective as col
+dist.init_process_group("collective")
+values = torch.ones(4)
+dist.all_reduce(values)  # LINE 6
+dist.all_reduce(values, async_op=True).wait()  # LINE 7
+dist.broadcast(values, src=0)  # LINE 8
+for entry in col.dump_trace(sys.argv[1]) and col.trace.RECORDER.entries():
+    print("ENTRY", entry[3], col.trace.recorder.frame_of(entry[4])["line"], flush=True)
+print("STATS", sorted((row["kind"], row["calls"]) for row in col.stats()), flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_the_backends_calls_are_recorded_with_the_scripts_lines(tmp_path: Path) -> None:
+    """The flight recorder sees the torch backend's calls, blocking or not, at the line of the
+    script that made them (not in torch.distributed, nor the worker that ran an async one)."""
+    proc = Proc([sys.executable, "-c", RECORDED, str(tmp_path / "dump.json")], torchrun(0, 1, free_port()))
+    assert finish_all([proc], 120) == [0], proc.output()
+    entries = [line.split()[1:] for _, line in proc.lines if line.startswith("ENTRY")]
+    assert entries == [["all_reduce", "6"], ["all_reduce", "7"], ["broadcast", "8"]], proc.output()
+    assert "STATS [('all_reduce', 2), ('broadcast', 1)]" in proc.output()
+
+
 MIXED = """
 import sys, torch.distributed as dist
 try:

@@ -69,6 +69,7 @@ from collective.torch.work import (
     seconds,
     store_back,
 )
+from collective.trace import RECORDER, caller, run_for
 from collective.work import Sequencer
 
 torch: Any = importlib.import_module("torch")
@@ -102,6 +103,8 @@ class Ops:
     ) -> TorchWork:
         """Run ``body`` now (a blocking call) or queued (``opts.asyncOp``); a TorchWork either way.
         A receive (from (source, tag)) is queued with that pair's, any other call on the group's."""
+        if RECORDER.enabled and (receive is not None or getattr(opts, "asyncOp", True)):
+            body = partial(run_for, caller(2), body)  # (run by a worker: recorded as called from here)
         if receive is not None:
             work = TorchWork(outputs, label)
             work.drive = self._receives.submit(receive, partial(work.run, body))

@@ -25,6 +25,7 @@ from collective.trace.recorder import (
     Entry,
     Recorder,
     caller,
+    run_for,
 )
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "Entry",
     "Recorder",
     "caller",
+    "run_for",
     "dump_trace",
     "install_signal",
     "stats",

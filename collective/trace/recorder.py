@@ -51,6 +51,7 @@ __all__ = [
     "Stats",
     "as_dict",
     "caller",
+    "run_for",
     "size_class",
     "trace_dir",
 ]
@@ -102,7 +103,20 @@ def caller(depth: int = 2) -> Where | None:
         frame = frame.f_back
         walked += 1
         if frame is None or walked == CALLER_DEPTH:
-            return None
+            return getattr(_queued, "where", None)  # (a call run for another thread: its caller)
+
+
+_queued = threading.local()  # where the work this thread runs for another was asked for
+
+
+def run_for(where: Where | None, work: Callable[[], Any]) -> Any:
+    """Run ``work`` (queued by another thread, that ``caller`` found at ``where``) so that the
+    calls it makes are recorded as made there, not in this thread's own frames."""
+    _queued.where = where
+    try:
+        return work()
+    finally:
+        _queued.where = None
 
 
 def frame_of(where: Where | None) -> dict[str, Any]:
