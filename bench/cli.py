@@ -8,7 +8,7 @@ import importlib.util
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import IO
 
 from collective.algorithms.strategies import parse_strategy
@@ -29,6 +29,9 @@ from collective.bench.sweep import Case, Row, resolve_dtype, run_case
 from collective.errors import ConfigError
 from collective.executors import DEFAULT_SHARE_BELOW
 from collective.launch import Stopped, seconds_argument, stop_status, stopped_by_signals
+from collective.trace import RECORDER, recorder
+from collective.trace.analyze import load_dumps
+from collective.trace.chrome import write as write_chrome_trace
 from collective.transport.wire import SMALL_BYTES
 
 __all__ = [
@@ -183,6 +186,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--plot", metavar="FILE.png", help="draw bus bandwidth and time against size (needs matplotlib)"
     )
     parser.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="keep every call in the flight recorder: each process's dumps and a Chrome trace "
+        "(DIR/trace.json, for Perfetto) go in DIR",
+    )
+    parser.add_argument(
         "--timeout",
         type=seconds_argument,
         default=120.0,
@@ -251,12 +260,53 @@ def unwritable(path: str) -> str | None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str], out: IO[str]) -> int:
     """Run the sweep described by ``args``; return the exit status (1 if any result was wrong, 128 +
     the signal when Ctrl-C, SIGTERM or SIGHUP stopped it: the rows measured are still printed)."""
-    with stopped_by_signals():
+    if args.trace:
+        try:
+            os.makedirs(args.trace, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"argument --trace: cannot make {args.trace}: {exc.strerror}")
+        if (problem := unwritable(os.path.join(args.trace, "trace.json"))) is not None:
+            parser.error(f"argument --trace: {problem}")
+    with stopped_by_signals(), tracing(args.trace, out):
         try:
             return _run(args, parser, argv, out)
         except Stopped as stop:  # (outside the sweep: writing its results, say)
             print(f"collective bench: stopped by signal {stop.signum}", file=sys.stderr)
             return stop_status(stop)
+
+
+TRACE_CALLS = 200_000  # the flight recorder's ring under --trace (each process, each job)
+
+
+@contextlib.contextmanager
+def tracing(folder: str | None, out: IO[str]) -> Iterator[None]:
+    """Under ``--trace DIR``: every process of the run dumps each job's calls into DIR as the job
+    ends (COLLECTIVE_TRACE_EVERY_JOB), with a ring that holds a whole sweep's; afterwards the
+    dumps become DIR/trace.json. This process's settings are put back after."""
+    if not folder:
+        yield
+        return
+    names = (recorder.DIR_VARIABLE, recorder.EVERY_JOB_VARIABLE, recorder.SIZE_VARIABLE)
+    saved, size = {name: os.environ.get(name) for name in names}, RECORDER.size
+    os.environ.update(dict(zip(names, (folder, "1", str(max(size, TRACE_CALLS))), strict=True)))
+    RECORDER.size = max(size, TRACE_CALLS)
+    try:
+        yield
+        RECORDER.dump_job("collective bench")  # (this process's last job: in-process rows)
+    finally:
+        RECORDER.size = size
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    dumps, _ = load_dumps(folder)
+    target = os.path.join(folder, "trace.json")
+    calls = write_chrome_trace(dumps, target)
+    print(
+        f"# flight recorder: {len(dumps)} dumps in {folder}; Chrome trace of {calls} calls: {target}",
+        file=out,
+    )
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str], out: IO[str]) -> int:

@@ -25,7 +25,7 @@ from collective.trace import RECORDER
 from collective.trace.analyze import analyze, load_dumps
 from collective.trace.analyze import main as analyze_main
 from collective.transport.orchestrator import HEARTBEAT_INTERVAL
-from tests.conftest import outcomes_of_peers, run_peers, wait_until
+from tests.conftest import outcomes_of_peers, run_cli, run_peers, wait_until
 from tests.processes import WORKER, finish_all, start_nodes
 
 HERE = Path(__file__).name
@@ -147,6 +147,32 @@ def test_a_chrome_trace_of_the_dumps_loads(tmp_path: Path, capsys: pytest.Captur
     assert {e["name"] for e in events if e["ph"] == "M"} == {"process_name", "thread_name"}
     assert "open it in https://ui.perfetto.dev" in capsys.readouterr().out
     assert cli.main(["trace", "analyze", str(tmp_path)]) == 0  # all consistent
+
+
+def test_bench_trace_records_every_process_and_writes_a_chrome_trace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``collective bench --trace DIR``: each node process's dump (every job), this process's
+    (the in-process rows), and DIR/trace.json: valid trace JSON with every call, the sends and
+    receives joined by flows; the recorder's settings are put back."""
+    size = RECORDER.size
+    argv = ["bench", "--nodes", "2", "--peers", "1", "-b", "8", "-e", "8", "-w", "1", "-n", "2"]
+    argv += ["--op", "all_reduce", "--op", "sendrecv", "--strategy", "ring", "--trace", str(tmp_path)]
+    status, out, _ = run_cli(argv, capsys)
+    assert status == 0, out
+    assert RECORDER.size == size and "COLLECTIVE_TRACE_EVERY_JOB" not in os.environ
+    dumps, problems = load_dumps(str(tmp_path))
+    assert not problems and sorted(peer for d in dumps for peer in d.peers) == [0, 1], problems
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    calls = sum(len(d.entries) for d in dumps)
+    assert len(slices) == calls and f"Chrome trace of {calls} calls" in out, out
+    kinds = {e["name"].split()[0] for e in slices}
+    assert {"all_reduce", "send", "recv"} <= kinds, kinds
+    flows = [e for e in trace["traceEvents"] if e["ph"] in "sf"]
+    sends = sum(1 for e in slices if e["name"].startswith("send"))
+    assert sends and len(flows) == 2 * sends and all(e["dur"] >= 0 for e in slices)
+    assert analyze_main(str(tmp_path), io.StringIO()) == 0
 
 
 def test_analyze_says_when_there_is_nothing_to_read(

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import signal
 import threading
@@ -48,6 +49,7 @@ __all__ = [
 
 RECORDER = Recorder()
 _installed = False
+_at_exit: list[Any] = []
 
 
 def dump_trace(path: str | None = None) -> str:
@@ -63,8 +65,11 @@ def stats() -> list[dict[str, Any]]:
 
 
 def install_signal() -> None:
-    """Dump on SIGUSR1 (once per process, from the main thread, where no handler is set)."""
+    """Dump on SIGUSR1 (once per process, from the main thread, where no handler is set), and at
+    exit where COLLECTIVE_TRACE_EVERY_JOB=1 asks for every job's calls."""
     global _installed
+    if RECORDER.every_job and not _at_exit:
+        _at_exit.append(atexit.register(RECORDER.dump_job, "exit"))
     if (
         _installed
         or threading.current_thread() is not threading.main_thread()

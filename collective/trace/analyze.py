@@ -88,6 +88,8 @@ def load_dumps(folder: str) -> tuple[list[Dump], list[str]]:
                 raise ValueError("larger than a dump can be")
             with open(path, encoding="utf-8") as file:
                 document = json.load(file)
+            if isinstance(document, dict) and "traceEvents" in document:
+                continue  # (a Chrome trace written beside the dumps: collective bench --trace)
             if document.get("schema") != FORMAT or document.get("version") != VERSION:
                 raise ValueError(f"not a flight recorder dump of version {VERSION}")
             dumps.append(

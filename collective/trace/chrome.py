@@ -1,6 +1,7 @@
 """``collective trace chrome DIR -o trace.json``: the dumps as a Chrome trace (opens in Perfetto,
 https://ui.perfetto.dev, or chrome://tracing): a process per dumped process, a track per peer, a
-slice per call (its kind and number, bytes, path, algorithm, group, state, caller)."""
+slice per call (its kind and number, bytes, path, algorithm, group, state, caller), and an arrow
+(a flow) from each send to the receive that took it."""
 
 from __future__ import annotations
 
@@ -59,7 +60,30 @@ def chrome_trace(dumps: list[Dump]) -> dict[str, Any]:
                     },
                 }
             )
+    events += _flows(dumps, origin)
     return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _flows(dumps: list[Dump], origin: int) -> list[dict[str, Any]]:
+    """A flow from each send's slice to its receive's: the n-th send from a peer to another with a
+    tag met the n-th receive of that pair and tag (a receive from any peer is matched by none)."""
+    sends: dict[tuple[Any, ...], tuple[Dump, dict[str, Any]]] = {}
+    receives: dict[tuple[Any, ...], tuple[Dump, dict[str, Any]]] = {}
+    for dump in dumps:
+        for entry in dump.entries:
+            if entry.get("is_p2p") and entry.get("state") == "completed":
+                key = (*entry["ranks"], entry.get("tag"), entry["collective_seq_id"])
+                (sends if entry["kind"] == "send" else receives)[key] = (dump, entry)
+    flows: list[dict[str, Any]] = []
+    for number, key in enumerate(sorted(set(sends) & set(receives), key=str)):
+        for phase, (dump, entry) in (("s", sends[key]), ("f", receives[key])):
+            at = entry["time_created_ns"] if phase == "s" else entry["time_discovered_completed_ns"] - 1
+            flow = {"name": "p2p", "cat": "p2p", "ph": phase, "id": number, "pid": dump.pid}
+            flow.update(tid=int(entry["peer"]), ts=(at - origin) / 1e3)
+            if phase == "f":
+                flow["bp"] = "e"  # (bound to the receive's slice, which encloses its end)
+            flows.append(flow)
+    return flows
 
 
 def write(dumps: list[Dump], path: str) -> int:

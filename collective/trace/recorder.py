@@ -61,6 +61,7 @@ VERSION = 1
 DEFAULT_SIZE = 2000
 SIZE_VARIABLE = "COLLECTIVE_TRACE_SIZE"
 DIR_VARIABLE = "COLLECTIVE_TRACE_DIR"
+EVERY_JOB_VARIABLE = "COLLECTIVE_TRACE_EVERY_JOB"  # 1: dump each job's calls as it ends, and at exit
 CALLER_DEPTH = 10  # frames walked up to find the caller outside this package
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # collective/
 _ROOT = os.path.dirname(_OURS.rstrip(os.sep)) + os.sep
@@ -179,13 +180,15 @@ def as_dict(entry: Sequence[Any], record_id: int, world: tuple[int, ...]) -> dic
     """An entry as a dump holds it (torch's Flight Recorder field names where they fit)."""
     op, root, shapes, dtypes, nbytes = described(entry[SIGNATURE])
     ended, created = entry[ENDED], entry[CREATED]
-    return {
+    p2p = entry[PATH] == "p2p"
+    group = entry[GROUP][:2] if p2p else entry[GROUP]  # (a send or receive's: source, destination, tag)
+    document = {
         "record_id": record_id,
-        "pg_id": group_name(entry[GROUP], world),
-        "ranks": list(entry[GROUP]),
+        "pg_id": group_name(group, world),
+        "ranks": list(group),
         "peer": entry[PEER],
         "collective_seq_id": entry[SEQ],
-        "is_p2p": entry[PATH] == "p2p",
+        "is_p2p": p2p,
         "profiling_name": f"collective:{entry[KIND]}",
         "kind": entry[KIND],
         "op": op,
@@ -203,6 +206,9 @@ def as_dict(entry: Sequence[Any], record_id: int, world: tuple[int, ...]) -> dic
         "error": entry[ERROR],
         "frames": [frame_of(entry[FRAME])],
     }
+    if p2p:
+        document["tag"] = entry[GROUP][2]
+    return document
 
 
 def group_name(group: tuple[int, ...], world: tuple[int, ...]) -> str:
@@ -371,12 +377,31 @@ class Recorder:
         job (another ``token``) starts an empty ring: its calls are numbered afresh."""
         with self._lock:
             if token != self._token:
+                if self.every_job and self._token:
+                    self.dump_job("the job ended")
                 self._token = token
                 self._fold(len(self.ring))
                 self._dumped.clear()
                 self._whereabouts.clear()
                 self._p2p.clear()
             self.job, self.world, self.peers = job, world, peers
+
+    @property
+    def every_job(self) -> bool:
+        """Whether each job's calls are dumped as it ends (COLLECTIVE_TRACE_EVERY_JOB=1)."""
+        return os.environ.get(EVERY_JOB_VARIABLE, "").strip() == "1"
+
+    def dump_job(self, reason: str) -> str | None:
+        """Dump the calls of the job this process is in, to a file of their own in ``trace_dir``
+        (for COLLECTIVE_TRACE_EVERY_JOB); the path (None: none recorded, or the write failed)."""
+        if not self.enabled or not self.ring:
+            return None
+        folder = trace_dir(self.job)
+        first = min(self.peers) if self.peers else 0
+        with contextlib.suppress(OSError):
+            os.makedirs(folder, exist_ok=True)
+            return self.dump(os.path.join(folder, f"peer{first}-{os.getpid()}-job{self._token}.json"), reason)
+        return None
 
     def watch(self, group: Any) -> None:
         """Read ``group.in_flight()`` (the entries of its open calls) into every dump."""
@@ -407,7 +432,21 @@ class Recorder:
         with self._lock:
             seq = self._p2p.get(key, 0)
             self._p2p[key] = seq + 1
-        entry = [peer, (src, dst), seq, kind, frame, None, "p2p", None, "started", time.time_ns(), 0, 0, None]
+        entry = [
+            peer,
+            (src, dst, tag),
+            seq,
+            kind,
+            frame,
+            None,
+            "p2p",
+            None,
+            "started",
+            time.time_ns(),
+            0,
+            0,
+            None,
+        ]
         self.record(entry)
         return entry
 
@@ -541,7 +580,7 @@ def activity(entry: Sequence[Any], world: tuple[int, ...], now: int) -> str:
     frame = frame_of(entry[FRAME])
     at = f"{frame['filename']}:{frame['line']}"
     if entry[PATH] == "p2p":
-        src, dst = entry[GROUP]
+        src, dst, _ = entry[GROUP]
         what = f"{entry[KIND]} #{entry[SEQ]} from {'any peer' if src < 0 else f'peer {src}'} to peer {dst}"
     else:
         what = f"{entry[KIND]} #{entry[SEQ]} of group {group_name(entry[GROUP], world)}"
