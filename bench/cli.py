@@ -290,6 +290,7 @@ def tracing(folder: str | None, out: IO[str]) -> Iterator[None]:
     saved, size = {name: os.environ.get(name) for name in names}, RECORDER.size
     os.environ.update(dict(zip(names, (folder, "1", str(max(size, TRACE_CALLS))), strict=True)))
     RECORDER.size = max(size, TRACE_CALLS)
+    RECORDER.fresh()  # (calls before this run are not its)
     try:
         yield
         RECORDER.dump_job("collective bench")  # (this process's last job: in-process rows)

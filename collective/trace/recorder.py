@@ -403,6 +403,12 @@ class Recorder:
             return self.dump(os.path.join(folder, f"peer{first}-{os.getpid()}-job{self._token}.json"), reason)
         return None
 
+    def fresh(self) -> None:
+        """Start an empty ring (counted into ``stats``), to be numbered by the next job to come."""
+        with self._lock:
+            self._fold(len(self.ring))
+            self._token = 0
+
     def watch(self, group: Any) -> None:
         """Read ``group.in_flight()`` (the entries of its open calls) into every dump."""
         self._groups.add(group)
