@@ -58,6 +58,7 @@ from collective.groups import Group, as_group
 from collective.job import LocalJob, ProbeCalls
 from collective.p2p import Mailbox
 from collective.trace import RECORDER, SIGNATURE, caller, install_signal
+from collective.trace.metrics import serve_from_env as serve_metrics
 from collective.tuning import Explanation
 from collective.tuning.overrides import pinned
 from collective.tuning.probe import intent
@@ -121,6 +122,7 @@ class Runtime:
         if not isinstance(config, CollectiveConfig):
             raise ConfigError(f"config must be a CollectiveConfig, got {type(config).__name__}")
         config = pinned(config)  # COLLECTIVE_ALGO's strategies (a bad value: ConfigError)
+        serve_metrics()  # COLLECTIVE_METRICS_PORT's (a bad value: ConfigError, before joining)
         parsed = Device.parse(device)
         number = integer(peer_id)  # (a numpy integer is an id too)
         if config.is_multi_node and (number is None or number < 0):

@@ -20,6 +20,7 @@ import pytest
 import collective as col
 from collective import cli
 from collective.config import CollectiveConfig
+from collective.launch import free_port
 from collective.runtime import Runtime
 from collective.trace import RECORDER
 from collective.trace.analyze import analyze, load_dumps
@@ -173,6 +174,71 @@ def test_bench_trace_records_every_process_and_writes_a_chrome_trace(
     sends = sum(1 for e in slices if e["name"].startswith("send"))
     assert sends and len(flows) == 2 * sends and all(e["dur"] >= 0 for e in slices)
     assert analyze_main(str(tmp_path), io.StringIO()) == 0
+
+
+METRICS = textwrap.dedent(
+    """
+    import sys, threading, urllib.request
+    import numpy as np
+    import collective as col
+
+    if sys.argv[1] == "without":
+        sys.modules["prometheus_client"] = None  # (as where it is not installed)
+    runtime = col.Runtime(0, 0)  # (no fast path: the ring runs)
+    if sys.argv[1] != "serve":
+        try:
+            runtime.register(0, "cpu", col.CollectiveConfig(num_devices=1))
+        except col.ConfigError as exc:
+            print("ConfigError", exc)
+        sys.exit(0)
+    config = col.CollectiveConfig(num_devices=2)
+    def peer(p):
+        runtime.register(p, "cpu", config)
+        for _ in range(3):
+            runtime.all_reduce(p, np.ones(4, np.float32), strategy="ring")
+    threads = [threading.Thread(target=peer, args=(p,)) for p in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    port = col.trace.metrics.serve_from_env()  # (served since the first register: its port)
+    print(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode())
+    """
+)
+
+
+def test_metrics_are_served_to_prometheus() -> None:
+    pytest.importorskip("prometheus_client")
+    port = str(free_port())
+    env = {**os.environ, "COLLECTIVE_METRICS_PORT": port}
+    env.pop("LOCAL_RANK", None)
+    said = subprocess.run(
+        [sys.executable, "-c", METRICS, "serve"], env=env, capture_output=True, text=True, timeout=60
+    )
+    labels = 'algorithm="ring",group="world",kind="all_reduce",rank="0,1",size_class="<=1KiB"'
+    lines = said.stdout.splitlines()
+    assert f"collective_calls_total{{{labels}}} 6.0" in lines, said.stdout + said.stderr
+    assert f"collective_failed_calls_total{{{labels}}} 0.0" in lines
+    assert f"collective_bytes_total{{{labels}}} 96.0" in lines
+    assert f"collective_call_seconds_count{{{labels}}} 6.0" in lines
+    infinite = labels.replace(",rank=", ',le="+Inf",rank=')
+    assert f"collective_call_seconds_bucket{{{infinite}}} 6.0" in lines
+
+
+@pytest.mark.parametrize(
+    ("value", "how", "problem"),
+    [
+        ("99999", "with", "is not a port"),
+        ("9400", "without", "pip install prometheus_client"),
+    ],
+)
+def test_a_metrics_port_that_cannot_be_served_is_a_config_error(value: str, how: str, problem: str) -> None:
+    env = {**os.environ, "COLLECTIVE_METRICS_PORT": value}
+    env.pop("LOCAL_RANK", None)
+    said = subprocess.run(
+        [sys.executable, "-c", METRICS, how], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert said.stdout.startswith("ConfigError COLLECTIVE_METRICS_PORT") and problem in said.stdout, said
 
 
 def test_analyze_says_when_there_is_nothing_to_read(
