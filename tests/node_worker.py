@@ -463,6 +463,15 @@ def skip(peer: int, world: int) -> int:
     return 2
 
 
+def straggle(peer: int, world: int) -> int:
+    """Five all_reduces, to each of which the last peer comes late (0.05 s)."""
+    for _ in range(5):
+        if peer == world - 1:
+            time.sleep(0.05)  # the condition under test: a slow peer
+        col.all_reduce(peer, np.ones(4))
+    return 5
+
+
 MODES = {
     "byte_order": byte_order,
     "remote_finish": remote_finish,
@@ -478,6 +487,7 @@ MODES = {
     "collective_set": collective_set,
     "until": until,
     "skip": skip,
+    "straggle": straggle,
 }
 
 

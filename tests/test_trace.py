@@ -135,6 +135,22 @@ def test_a_straggler_is_named(tmp_path: Path) -> None:
     assert [line.split(" of group")[0] for line in report.stragglers] == ["peer 2"], report.lines()
 
 
+def test_a_straggler_among_nodes_is_named_from_the_dumps_each_process_writes_at_exit(
+    orchestrator: str, tmp_path: Path
+) -> None:
+    """COLLECTIVE_TRACE_EVERY_JOB=1: every process dumps its calls as it exits; the analysis of
+    the three processes' dumps names the slow one."""
+    procs = start_nodes(
+        orchestrator, "trace-straggle", 3, 1, "straggle", trace_dir=str(tmp_path), trace_every_job=1
+    )
+    assert finish_all(procs, 60) == [0, 0, 0], [proc.output() for proc in procs]
+    dumps, problems = load_dumps(str(tmp_path))
+    assert not problems and sorted(peer for dump in dumps for peer in dump.peers) == [0, 1, 2]
+    assert {dump.reason for dump in dumps} == {"exit"}
+    report = analyze(dumps)
+    assert [line.split(" of group")[0] for line in report.stragglers] == ["peer 2"], report.lines()
+
+
 def test_a_chrome_trace_of_the_dumps_loads(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with Runtime() as runtime:
         _joined(runtime, 2)
