@@ -1,6 +1,6 @@
-"""What the flight recorder costs: an 8 B all_reduce with the recorder on and off, side by side.
+"""What the flight recorder costs: an all_reduce with the recorder on and off, side by side.
 
-    python -m collective.bench.studies.trace_overhead [--rounds 7] [--calls 2000]
+    python -m collective.bench.studies.trace_overhead [--rounds 7] [--calls 2000] [--bytes 8 65536]
 
 Threads: 4 peers of one process, rounds of ``--calls`` all_reduces each, the recorder switched on
 and off between rounds (medians of the per-call time). Processes: ``collective bench --nodes 2
@@ -28,7 +28,7 @@ from collective.trace import RECORDER
 __all__ = ["main"]
 
 
-def threads(rounds: int, calls: int) -> dict[str, float]:
+def threads(rounds: int, calls: int, nbytes: int) -> dict[str, float]:
     """Median microseconds per call with the recorder on and off (4 thread peers)."""
     times: dict[str, list[float]] = {"on": [], "off": []}
     size = RECORDER.size or 2000
@@ -39,7 +39,7 @@ def threads(rounds: int, calls: int) -> dict[str, float]:
 
         def peer(p: int) -> None:
             runtime.register(p, "cpu", config)
-            x = np.ones(2, np.float32)
+            x = np.ones(nbytes // 4, np.float32)
             out = np.empty_like(x)
             while True:
                 start.wait()
@@ -67,7 +67,7 @@ def threads(rounds: int, calls: int) -> dict[str, float]:
     return {state: statistics.median(values) for state, values in times.items()}
 
 
-def processes(rounds: int, calls: int) -> dict[str, float]:
+def processes(rounds: int, calls: int, nbytes: int) -> dict[str, float]:
     """Median microseconds per call with the recorder on and off (2 processes, `collective bench`)."""
     times: dict[str, list[float]] = {"on": [], "off": []}
     for index in range(2 * rounds):
@@ -85,9 +85,9 @@ def processes(rounds: int, calls: int) -> dict[str, float]:
                 "--op",
                 "all_reduce",
                 "-b",
-                "8",
+                str(nbytes),
                 "-e",
-                "8",
+                str(nbytes),
                 "--strategy",
                 "auto",
             ]
@@ -115,13 +115,20 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m collective.bench.studies.trace_overhead", description=__doc__
     )
     parser.add_argument("--rounds", type=int, default=7, help="rounds with the recorder on, and as many off")
-    parser.add_argument("--calls", type=int, default=2000, help="8 B all_reduces per round")
+    parser.add_argument("--calls", type=int, default=2000, help="all_reduces per round")
+    parser.add_argument(
+        "--bytes", type=int, nargs="+", default=[8], help="message sizes (multiples of 4; default 8)"
+    )
     args = parser.parse_args(argv)
-    print("# 8 B all_reduce, recorder on vs off (medians, us per call)")
-    for name, measure in (("4 threads", threads), ("2 processes", processes)):
-        found = measure(args.rounds, args.calls)
-        ratio = found["on"] / found["off"]
-        print(f"{name:>12}: on {found['on']:8.2f}  off {found['off']:8.2f}  on/off {ratio:.3f}")
+    print("# all_reduce, recorder on vs off (medians, us per call)")
+    for nbytes in args.bytes:
+        for name, measure in (("4 threads", threads), ("2 processes", processes)):
+            found = measure(args.rounds, args.calls, nbytes)
+            ratio = found["on"] / found["off"]
+            print(
+                f"{nbytes:>8} B {name:>12}: on {found['on']:8.2f}  off {found['off']:8.2f}  "
+                f"on/off {ratio:.3f}"
+            )
     return 0
 
 
