@@ -25,6 +25,7 @@ from collective.runtime import Runtime
 from collective.trace import RECORDER
 from collective.trace.analyze import analyze, load_dumps
 from collective.trace.analyze import main as analyze_main
+from collective.trace.chrome import chrome_trace
 from collective.transport.orchestrator import HEARTBEAT_INTERVAL
 from tests.conftest import outcomes_of_peers, run_cli, run_peers, wait_until
 from tests.processes import WORKER, finish_all, start_nodes
@@ -257,6 +258,19 @@ def test_a_metrics_port_that_cannot_be_served_is_a_config_error(value: str, how:
     assert said.stdout.startswith("ConfigError COLLECTIVE_METRICS_PORT") and problem in said.stdout, said
 
 
+def test_dumps_of_jobs_one_after_another_are_analysed_apart(trace_dir: Path) -> None:
+    """COLLECTIVE_TRACE_EVERY_JOB: a process's jobs of one name are told apart by their number in
+    it: the calls of one job are not read as disagreeing with another's."""
+    for shape in (4, 8):  # two jobs, each consistent, of different calls
+        with Runtime() as runtime:
+            _joined(runtime, 2)
+            run_peers(2, lambda p, n=shape: runtime.all_reduce(p, np.ones(n)), runtime)
+            RECORDER.dump_job("the job ended")
+    out = io.StringIO()
+    assert analyze_main(str(trace_dir), out) == 0, out.getvalue()
+    assert out.getvalue().count("# consistent") == 2 and ", its job #" in out.getvalue(), out.getvalue()
+
+
 def test_analyze_says_when_there_is_nothing_to_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -430,6 +444,9 @@ def test_sends_and_receives_are_recorded_apart_from_the_collectives(tmp_path: Pa
     assert sent["is_p2p"] and sent["peer"] == 0 and sent["ranks"] == [0, 1] and sent["collective_seq_id"] == 0
     assert received["peer"] == 1 and received["state"] == "completed" and received["input_sizes"] == [[2, 3]]
     assert sent["bytes"] == 48 and sent["frames"][0]["filename"].endswith(HERE)
+    assert received["collective_seq_id"] == 0 and sent["tag"] == received["tag"] == 7  # (numbered apart)
+    flows = [e for e in chrome_trace([dump])["traceEvents"] if e["ph"] in "sf"]
+    assert [(e["ph"], e["tid"]) for e in flows] == [("s", 0), ("f", 1)]  # the send's arrow to its receive
     report = analyze([dump])
     assert report.consistent, report.lines()  # (point-to-point calls are no group's collectives)
     assert all("2 calls recorded" in line for line in report.summary), (

@@ -27,7 +27,7 @@ from typing import IO, Any
 
 from collective.trace.recorder import FORMAT, VERSION
 
-__all__ = ["STRAGGLER_FACTOR", "Dump", "Report", "analyze", "load_dumps", "main"]
+__all__ = ["STRAGGLER_FACTOR", "Dump", "Report", "analyze", "load_dumps", "main", "runs"]
 
 STRAGGLER_FACTOR = 4.0
 STRAGGLER_FLOOR_S = 0.001
@@ -44,6 +44,8 @@ class Dump:
     world: int
     reason: str
     entries: list[dict[str, Any]]
+    serial: int = 0  # which of its process's jobs (COLLECTIVE_TRACE_EVERY_JOB dumps one per job)
+    dumped_ns: int = 0
 
 
 @dataclass
@@ -102,6 +104,8 @@ def load_dumps(folder: str) -> tuple[list[Dump], list[str]]:
                     int(document["world"]),
                     str(document.get("reason", "")),
                     [e for e in document["entries"] if isinstance(e, dict)],
+                    int(document.get("job_serial", 0)),
+                    int(document.get("dumped_ns", 0)),
                 )
             )
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -245,12 +249,33 @@ def main(folder: str, out: IO[str]) -> int:
     if not dumps:
         print(f"collective trace analyze: no flight recorder dumps in {folder}", file=out)
         return 2
-    jobs = sorted({d.job for d in dumps})
-    print(
-        f"# {len(dumps)} dumps of job {', '.join(jobs)} ({sum(len(d.entries) for d in dumps)} calls)",
-        file=out,
-    )
-    report = analyze(dumps)
-    for line in report.lines():
-        print(line, file=out)
-    return 0 if report.consistent else 1
+    status = 0
+    every = runs(dumps)
+    for run in every:
+        calls = sum(len(d.entries) for d in run)
+        which = f"job {run[0].job}"
+        if sum(other[0].job == run[0].job for other in every) > 1:
+            which += f", its job #{run[0].serial} in each process"
+        print(f"# {len(run)} dumps of {which} ({calls} calls)", file=out)
+        report = analyze(run)
+        for line in report.lines():
+            print(line, file=out)
+        status = max(status, 0 if report.consistent else 1)
+    return status
+
+
+def runs(dumps: list[Dump]) -> list[list[Dump]]:
+    """The dumps by job, each analysed apart: by name, and where a process left several dumps of
+    one name (a job after another, COLLECTIVE_TRACE_EVERY_JOB), by its number in each process
+    (processes that make the same jobs in the same order number them alike). Of several dumps of
+    one process and job (SIGUSR1, then a failure), the newest."""
+    found: dict[tuple[str, int], dict[int, Dump]] = {}
+    for job in sorted({d.job for d in dumps}):
+        mine = [d for d in dumps if d.job == job]
+        pids = [d.pid for d in mine]
+        apart = len(set(pids)) < len(pids) and len({d.serial for d in mine}) > 1
+        for dump in mine:
+            newest = found.setdefault((job, dump.serial if apart else 0), {})
+            if dump.pid not in newest or newest[dump.pid].dumped_ns < dump.dumped_ns:
+                newest[dump.pid] = dump
+    return [list(run.values()) for _, run in sorted(found.items())]

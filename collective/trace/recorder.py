@@ -357,7 +357,7 @@ class Recorder:
         self._whereabouts: dict[tuple[tuple[int, ...], int], list[str]] = {}  # by failed step
         self._lock = threading.Lock()
         self._token = 0
-        self._p2p: dict[tuple[int, int, int], int] = {}  # (src, dst, tag) -> the next p2p_seq_id
+        self._p2p: dict[tuple[str, int, int, int], int] = {}  # (kind, src, dst, tag) -> the next number
         # what other processes' peers do (a multi-node job sets it: the orchestrator knows)
         self.remote: Callable[[list[int]], dict[int, str]] | None = None
 
@@ -433,8 +433,9 @@ class Recorder:
 
     def open_p2p(self, peer: int, src: int, dst: int, tag: int, kind: str, frame: Where | None) -> list[Any]:
         """An entry for a send or receive of ``peer`` (``src`` -1: from any peer), numbered per
-        (source, destination, tag) as a receiver matches them, in the ring from now: ``close`` it."""
-        key = (src, dst, tag)
+        kind, source, destination and tag (the n-th send of a pair and tag meets the n-th receive),
+        in the ring from now: ``close`` it."""
+        key = (kind, src, dst, tag)
         with self._lock:
             seq = self._p2p.get(key, 0)
             self._p2p[key] = seq + 1
@@ -499,6 +500,7 @@ class Recorder:
             "pid": os.getpid(),
             "host": socket.gethostname(),
             "job": self.job,
+            "job_serial": self._token,  # (which of this process's jobs)
             "world": len(self.world),
             "peers": list(self.peers),
             "dumped_ns": time.time_ns(),
