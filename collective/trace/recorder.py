@@ -483,8 +483,11 @@ class Recorder:
         """The entries a dump holds, oldest first: calls still open from long ago, the newest
         ``size`` ended, sends and receives, then every collective still open."""
         ring = self.ring[-self._size :] if self._size > 0 else []
-        flying = [entry for group in list(self._groups) for entry in group.in_flight()]
-        return [*self._open, *ring, *sorted(flying, key=lambda entry: entry[CREATED])]
+        return [*self._open, *ring, *sorted(self._flying(), key=_CREATED)]
+
+    def _flying(self) -> list[Sequence[Any]]:
+        """The entries of the collectives open now, from the groups they wait or run in."""
+        return [entry for group in list(self._groups) for entry in group.in_flight()]
 
     def snapshot(self) -> list[dict[str, Any]]:
         """``stats`` as ``col.stats()`` returns them: every call ended so far counted."""
@@ -549,7 +552,8 @@ class Recorder:
             return {}
         now = time.time_ns()
         found: dict[int, str] = {}
-        for entry in reversed(self.entries()):  # (open calls come last: newest first)
+        flying = sorted(self._flying(), key=_CREATED, reverse=True)
+        for entry in itertools.chain(flying, reversed(self.ring), reversed(self._open)):  # (newest first)
             peer = entry[PEER]
             if peer in wanted and peer not in found:
                 found[peer] = activity(entry, self.world, now)
