@@ -85,6 +85,14 @@ def _trace(args: argparse.Namespace, chrome: argparse.ArgumentParser) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # (the output piped into a reader that left, as head does: no traceback)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # (nor at exit's flush)
+        return 1
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from collective.bench import cli as bench_cli
     from collective.bench import tune
 
