@@ -1,9 +1,12 @@
-"""docs/deploy.md's recipes, run as written: its sbatch scripts inside a simulated Slurm job.
+"""docs/deploy.md's recipes, run as written: its sbatch scripts inside a simulated Slurm job, its
+Kubernetes manifest's containers as local processes.
 
-The job is what sbatch would make of the scripts' #SBATCH lines (2 nodes, their tasks), on this
-machine: Slurm's variables of the allocation, and tests/fake_slurm's srun and scontrol on PATH
-(srun runs the tasks here, each with the variables a task gets). The scripts are the files in
-docs/examples/deploy, and docs/deploy.md shows them verbatim.
+The Slurm job is what sbatch would make of the scripts' #SBATCH lines (2 nodes, their tasks), on
+this machine: Slurm's variables of the allocation, and tests/fake_slurm's srun and scontrol on
+PATH (srun runs the tasks here, each with the variables a task gets). The manifest is read as
+YAML; its containers run with their commands and environment as written, the cluster's names,
+ports and secret replaced by this machine's. The recipes are the files in docs/examples/deploy,
+and docs/deploy.md shows them verbatim.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,7 +55,7 @@ def sbatch(script: str, tasks_per_node: int, **extra: str) -> subprocess.Complet
 
 def test_the_docs_show_the_recipes_as_they_are() -> None:
     text = (ROOT / "docs" / "deploy.md").read_text()
-    for name in ("slurm_tasks.sbatch", "slurm_torchrun.sbatch", "train.py"):
+    for name in ("slurm_tasks.sbatch", "slurm_torchrun.sbatch", "kubernetes.yaml", "train.py"):
         assert (RECIPES / name).read_text().strip() in text, f"docs/deploy.md does not show {name} as it is"
 
 
@@ -66,3 +70,89 @@ def test_one_slurm_task_per_node_running_torchrun() -> None:
     done = sbatch("slurm_torchrun.sbatch", 1, RDZV_PORT=str(free_port()))
     assert done.returncode == 0, done.stdout + done.stderr
     assert "all_reduce over 4 processes: mean 1.50" in done.stdout, done.stdout + done.stderr
+
+
+# What the manifest's containers may set: the variables the runtime reads (collective.config,
+# collective.launch), nothing misspelt.
+READ = {
+    "COLLECTIVE_GLOBAL_ADDRESS",
+    "COLLECTIVE_JOB",
+    "COLLECTIVE_TOKEN",
+    "COLLECTIVE_TIMEOUT",
+    "COLLECTIVE_NODE_ADDRESS",
+    "COLLECTIVE_DATA_SERVICE_PORT",
+}
+
+
+def containers(documents: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every container of the manifest by the kind of what holds it."""
+    found = {}
+    for document in documents:
+        spec = document["spec"]
+        if document["kind"] == "Deployment":
+            found["Deployment"] = spec["template"]["spec"]["containers"][0]
+        elif document["kind"] == "JobSet":
+            job = spec["replicatedJobs"][0]["template"]["spec"]
+            found["JobSet"] = job["template"]["spec"]["containers"][0]
+    return found
+
+
+def test_the_kubernetes_manifest_runs_as_written(tmp_path: Path) -> None:
+    yaml = pytest.importorskip("yaml")
+    pytest.importorskip("torch")
+    documents = list(yaml.safe_load_all((RECIPES / "kubernetes.yaml").read_text()))
+    assert [d["kind"] for d in documents] == ["Service", "Deployment", "JobSet"]
+    service, _, jobset = documents
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["ports"][0]["port"] == 29400
+    found = containers(documents)
+    for container in found.values():
+        assert {e["name"] for e in container["env"]} <= READ, container["env"]
+    workers = jobset["spec"]["replicatedJobs"][0]["template"]["spec"]
+    assert workers["completionMode"] == "Indexed" and workers["parallelism"] == workers["completions"] == 2
+    env_of = {e["name"]: e.get("value") for e in found["JobSet"]["env"]}
+    assert env_of["COLLECTIVE_GLOBAL_ADDRESS"] == f"{service['metadata']['name']}:29400"
+    # this machine's names, ports and secret for the cluster's
+    orchestrator_port, master_port = free_port(), free_port()
+    here = {
+        "0.0.0.0": "127.0.0.1",
+        "collective-orchestrator:29400": f"127.0.0.1:{orchestrator_port}",
+        "29400": str(orchestrator_port),
+        "train-workers-0-0.train": "127.0.0.1",
+        "29500": str(master_port),
+    }
+
+    def local(text: str, index: int = 0) -> str:
+        for cluster, mine in here.items():
+            text = text.replace(cluster, mine)
+        return text.replace("$(JOB_COMPLETION_INDEX)", str(index))
+
+    def environment(container: dict[str, Any], index: int = 0) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
+        env = {k: v for k, v in env.items() if k not in LAUNCHER_VARIABLES}
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+        env["OMP_NUM_THREADS"] = "1"
+        for item in container["env"]:
+            secret = item.get("valueFrom", {}).get("secretKeyRef")
+            env[item["name"]] = "a test token" if secret else local(item["value"], index)
+        return env
+
+    server = found["Deployment"]
+    orchestrator = subprocess.Popen([local(arg) for arg in server["command"]], env=environment(server))
+    try:
+        pods = [
+            subprocess.Popen(
+                [local(arg, index) for arg in found["JobSet"]["command"]],
+                env=environment(found["JobSet"], index),
+                cwd=RECIPES,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for index in range(workers["completions"])
+        ]
+        outputs = [pod.communicate(timeout=150)[0] for pod in pods]
+        assert [pod.returncode for pod in pods] == [0, 0], outputs
+        assert "all_reduce over 4 processes: mean 1.50" in outputs[0], outputs
+    finally:
+        orchestrator.kill()
+        orchestrator.wait(10)
