@@ -23,9 +23,12 @@ def test_consecutive_small_all_reduces_do_not_grow(limits: dict[str, int], itera
     threads_before = set(threading.enumerate())  # a parked worker of an earlier test may end meanwhile
     config = col.CollectiveConfig(num_devices=n, local_all_reduce_strategy="ring", timeout=30)
     traced: dict[str, int] = {}
-    # Measured twice with the flight recorder's ring as full (it grows to twice its size, then its
-    # older half is dropped: every size // n calls of each peer), once it was first dropped.
-    last, period = iterations - 1, RECORDER.size // n
+    # Measured twice at the same fill of the flight recorder's ring, half way between two of its
+    # drops (it grows to twice its size, then its older half is dropped: every size // n calls of
+    # each peer), once it was first dropped; at a drop, the peers' few calls apart would decide
+    # whether the ring holds its size or twice it.
+    period = RECORDER.size // n
+    last = iterations - 1 - period // 2
     early = last - period * ((last - RECORDER.limit // n) // period)
     tracemalloc.start()
     try:
