@@ -248,6 +248,30 @@ def test_torch_hooks_sync_after_backward_and_survive_zero_grad() -> None:
     assert per_peer[0] == [4.0, 4.0]  # d(sum)/d(bias) = 2 rows x 2 backward passes, on every peer
 
 
+def test_the_flight_recorder_sees_the_hooks_calls_at_the_scripts_backward() -> None:
+    """A bucket's all_reduce, started from a gradient hook inside backward, is recorded at the
+    script's backward() line (not in torch.autograd nor collective.ddp)."""
+    torch = pytest.importorskip("torch")
+    from collective.trace import RECORDER
+    from collective.trace.recorder import frame_of
+
+    with col.Runtime() as rt:
+
+        def body(peer: int) -> None:
+            rt.register(peer, "cpu", cfg())
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+            sync = GradientSync(peer, dict(model.named_parameters()), bucket_bytes=64, runtime=rt)
+            attach_torch(model, sync)
+            model(torch.ones(2, 4)).sum().backward()  # BACKWARD
+            sync.wait()
+
+        run_peers(N, body, rt)
+        frames = [frame_of(entry[4]) for entry in RECORDER.entries() if entry[3] == "all_reduce"]
+    source = Path(__file__).read_text().splitlines()
+    backward = next(i for i, line in enumerate(source, 1) if line.strip().endswith("# BACKWARD"))
+    assert (__file__, backward) in {(frame["filename"], frame["line"]) for frame in frames}, frames
+
+
 def test_mixed_dtypes_share_a_bucket_one_all_reduce_per_dtype() -> None:
     """float32, float64, float16 and int64 gradients in one bucket: each keeps its dtype and its values."""
     mixed = {

@@ -62,20 +62,23 @@ DEFAULT_SIZE = 2000
 SIZE_VARIABLE = "COLLECTIVE_TRACE_SIZE"
 DIR_VARIABLE = "COLLECTIVE_TRACE_DIR"
 EVERY_JOB_VARIABLE = "COLLECTIVE_TRACE_EVERY_JOB"  # 1: dump each job's calls as it ends, and at exit
-CALLER_DEPTH = 10  # frames walked up to find the caller outside this package
+CALLER_DEPTH = 16  # frames walked up to find the caller outside this package
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # collective/
 _ROOT = os.path.dirname(_OURS.rstrip(os.sep)) + os.sep
 # Frames skipped on the way to a call's caller: the runtime (with the folders linked beside it),
-# threading (an async call's worker), and torch.distributed (the torch backend's callers' calls).
+# threading (an async call's worker), torch.distributed (the torch backend's callers' calls) and
+# torch's autograd (a gradient hook's call is made at the script's backward()).
 _SKIPPED = (_OURS, _ROOT + "algorithms" + os.sep, _ROOT + "transport" + os.sep, threading.__file__)
-_SKIPPED_WITHIN = os.sep + os.path.join("torch", "distributed") + os.sep
+_SKIPPED_WITHIN = tuple(
+    os.sep + os.path.join("torch", *part) for part in (("distributed", ""), ("autograd", ""), ("_tensor.py",))
+)
 # ... but the benchmarks are callers like any script.
 _CALLERS = (_OURS + "bench" + os.sep, _ROOT + "bench" + os.sep)
 
 
 def _ours(filename: str) -> bool:
     skipped = filename.startswith(_SKIPPED) and not filename.startswith(_CALLERS)
-    return skipped or _SKIPPED_WITHIN in filename
+    return skipped or any(part in filename for part in _SKIPPED_WITHIN)
 
 
 Where = tuple[Any, int]  # (code object, byte offset of its instruction) of a caller's frame
