@@ -16,7 +16,7 @@ above nor a package beside it in its layer)::
     collective.executors                    the ways a step runs, and choose()
     core (job, p2p, runtime, api)
     collective.launch                       who this process is, init(), collective launch
-    collective.torch | collective.ddp       the frameworks' faces (neither imports the other)
+    collective.torch | ddp | ray            the frameworks' faces (none imports another)
     collective (the package face)           the API, re-exported
     collective.bench                        benchmarks
     collective.cli, collective.__main__     the command
@@ -55,7 +55,7 @@ LAYERS: list[tuple[tuple[str, ...], bool]] = [
     (("collective.executors",), False),
     (tuple(f"collective.{name}" for name in CORE), True),
     (("collective.launch",), False),
-    (("collective.torch", "collective.ddp"), False),
+    (("collective.torch", "collective.ddp", "collective.ray"), False),
     (("collective",), False),  # the package face: the API, re-exported
     (("collective.bench",), False),
     (("collective.cli", "collective.__main__"), True),

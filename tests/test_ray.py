@@ -1,0 +1,146 @@
+"""The Ray collective backend (collective.ray): a group of 2 actors on a local Ray cluster, every
+op of ray.util.collective against numpy references, with numpy arrays and torch tensors.
+
+Skipped where Ray is not installed (the optional extra ``[ray]``; CI installs it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+pytest.importorskip("ray.util.collective.backend_registry")
+
+pytestmark = pytest.mark.timeout(180)
+
+WORLD = 2
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Any:
+    ray.init(num_cpus=WORLD + 1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=1)
+class Worker:
+    """One rank: the ops of ray.util.collective on its arrays, results back to the test."""
+
+    def setup(self, rank: int, group: str) -> int:
+        import ray.util.collective as rc
+
+        import collective.ray  # noqa: F401  (registers the backend in this actor's process)
+
+        self.rank, self.group = rank, group
+        rc.init_collective_group(WORLD, rank, backend="collective", group_name=group)
+        return int(rc.get_rank(group))
+
+    def every_op(self, kind: str) -> dict[str, Any]:
+        import ray.util.collective as rc
+        from ray.util.collective.types import ReduceOp
+
+        rank, group, found = self.rank, self.group, {}
+
+        def array(values: Any) -> Any:
+            data = np.asarray(values, np.float32)
+            if kind == "torch":
+                import torch
+
+                return torch.from_numpy(data.copy())
+            return data.copy()
+
+        def out(value: Any) -> list[float]:
+            return [float(v) for v in np.asarray(value).reshape(-1)]
+
+        x = array([rank + 1, 10 * (rank + 1)])
+        rc.allreduce(x, group_name=group)
+        found["allreduce"] = out(x)
+        x = array([rank + 2, 1])
+        rc.allreduce(x, group_name=group, op=ReduceOp.PRODUCT)
+        found["allreduce prod"] = out(x)
+        x = array([rank, -rank])
+        rc.allreduce(x, group_name=group, op=ReduceOp.MAX)
+        found["allreduce max"] = out(x)
+        rc.barrier(group_name=group)
+        x = array([rank + 1, 1])
+        rc.reduce(x, dst_rank=1, group_name=group)
+        found["reduce"] = out(x)
+        x = array([rank * 7, 3])
+        rc.broadcast(x, src_rank=1, group_name=group)
+        found["broadcast"] = out(x)
+        rows = [array([0, 0]) for _ in range(WORLD)]
+        rc.allgather(rows, array([rank, rank + 100]), group_name=group)
+        found["allgather"] = [out(row) for row in rows]
+        y = array([0, 0])
+        rc.reducescatter(y, [array([rank + r, 2 * r]) for r in range(WORLD)], group_name=group)
+        found["reducescatter"] = out(y)
+        if rank == 0:
+            rc.send(array([5, 6]), 1, group_name=group)
+        else:
+            z = array([0, 0])
+            rc.recv(z, 0, group_name=group)
+            found["recv"] = out(z)
+        return found
+
+    def alone(self, milliseconds: int) -> str:
+        """Rank 0's all_reduce that rank 1 never joins, bounded by Ray's ``timeout_ms``: the error."""
+        from datetime import timedelta
+
+        import ray.util.collective as rc
+        from ray.util.collective.types import AllReduceOptions
+
+        options = AllReduceOptions()
+        options.timeout_ms = timedelta(milliseconds=milliseconds)
+        try:
+            rc.get_group_handle(self.group).allreduce([np.ones(2, np.float32)], options)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    def destroy(self) -> None:
+        import ray.util.collective as rc
+
+        rc.destroy_collective_group(self.group)
+
+
+def expected(rank: int) -> dict[str, Any]:
+    found: dict[str, Any] = {
+        "allreduce": [3.0, 30.0],  # (1 + 2, 10 + 20)
+        "allreduce prod": [6.0, 1.0],  # (2 x 3, 1 x 1)
+        "allreduce max": [1.0, 0.0],
+        "reduce": [3.0, 2.0] if rank == 1 else [rank + 1.0, 1.0],  # (the root's, in place)
+        "broadcast": [7.0, 3.0],
+        "allgather": [[0.0, 100.0], [1.0, 101.0]],
+        "reducescatter": [2.0 * rank + 1.0, 4.0 * rank],  # (row r: sum over ranks of rank + r, 2r)
+    }
+    if rank == 1:
+        found["recv"] = [5.0, 6.0]
+    return found
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_every_op_of_a_two_actor_group(cluster: Any, kind: str) -> None:
+    if kind == "torch":
+        pytest.importorskip("torch")
+    workers = [Worker.remote() for _ in range(WORLD)]
+    group = f"test-{kind}"
+    assert ray.get([w.setup.remote(rank, group) for rank, w in enumerate(workers)], timeout=120) == [0, 1]
+    results = ray.get([w.every_op.remote(kind) for w in workers], timeout=120)
+    for rank, found in enumerate(results):
+        assert found == expected(rank), (rank, found)
+    ray.get([w.destroy.remote() for w in workers], timeout=60)
+    for worker in workers:
+        ray.kill(worker)
+
+
+def test_rays_timeout_bounds_a_call_and_our_error_names_the_missing_rank(cluster: Any) -> None:
+    workers = [Worker.remote() for _ in range(WORLD)]
+    assert ray.get([w.setup.remote(rank, "test-timeout") for rank, w in enumerate(workers)], timeout=120)
+    said = ray.get(workers[0].alone.remote(500), timeout=60)
+    assert said.startswith("CollectiveTimeout: all_reduce #0") and "peer 1" in said, said
+    for worker in workers:
+        ray.kill(worker)
