@@ -1,11 +1,14 @@
-"""The Ray collective backend (collective.ray): a group of 2 actors on a local Ray cluster, every
-op of ray.util.collective against numpy references, with numpy arrays and torch tensors.
+"""Ray: the collective backend (collective.ray), a group of 2 actors on a local Ray cluster, every
+op of ray.util.collective against numpy references, with numpy arrays and torch tensors; and Ray
+Train over the torch backend, trained alike under gloo.
 
 Skipped where Ray is not installed (the optional extra ``[ray]``; CI installs it).
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -144,3 +147,48 @@ def test_rays_timeout_bounds_a_call_and_our_error_names_the_missing_rank(cluster
     assert said.startswith("CollectiveTimeout: all_reduce #0") and "peer 1" in said, said
     for worker in workers:
         ray.kill(worker)
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """Ray Train's loop on each worker: a linear model under DDP (prepare_model), 3 SGD steps on
+    rank-dependent data; each rank writes its final weights and the process group's backend."""
+    import ray.train.torch
+    import torch
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = ray.train.torch.prepare_model(torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rank = dist.get_rank()
+    for step in range(3):
+        loss = model(torch.full((8, 4), float(rank + step + 1))).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    weights = [p.detach().reshape(-1).tolist() for p in model.parameters()]
+    Path(f"{config['out']}-{rank}.json").write_text(json.dumps([dist.get_backend(), weights]))
+
+
+def test_ray_train_over_the_torch_backend_trains_as_under_gloo(cluster: Any, tmp_path: Path) -> None:
+    """TorchTrainer(torch_config=TorchConfig(backend="collective")): torch finds the backend by its
+    entry point in every worker (nothing to import); the final weights equal gloo's."""
+    pytest.importorskip("torch")
+    try:
+        from ray.train import ScalingConfig
+        from ray.train.torch import TorchConfig, TorchTrainer
+    except ImportError as exc:
+        pytest.skip(f"Ray Train is not installed: {exc}")
+    found = {}
+    for backend in ("collective", "gloo"):
+        out = str(tmp_path / backend)
+        trainer = TorchTrainer(
+            train_loop,
+            train_loop_config={"out": out},
+            scaling_config=ScalingConfig(num_workers=WORLD),
+            torch_config=TorchConfig(backend=backend),
+        )
+        trainer.fit()
+        found[backend] = [json.loads(Path(f"{out}-{rank}.json").read_text()) for rank in range(WORLD)]
+    assert [backend for backend, _ in found["collective"]] == ["collective"] * WORLD
+    weights = [w for _, w in found["collective"]]
+    assert weights[0] == weights[1] == next(w for _, w in found["gloo"]), found
