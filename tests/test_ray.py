@@ -29,7 +29,7 @@ def cluster() -> Any:
     ray.shutdown()
 
 
-@ray.remote(num_cpus=1)
+@ray.remote(num_cpus=0.5)
 class Worker:
     """One rank: the ops of ray.util.collective on its arrays, results back to the test."""
 
@@ -103,6 +103,20 @@ class Worker:
         except Exception as exc:
             return f"{type(exc).__name__}: {exc}"
         return "no error"
+
+    def join(self, world: int, rank: int, group: str) -> None:
+        import ray.util.collective as rc
+
+        import collective.ray  # noqa: F401
+
+        rc.init_collective_group(world, rank, backend="collective", group_name=group)
+
+    def total(self, group: str, value: float) -> float:
+        import ray.util.collective as rc
+
+        x = np.full(3, value, np.float32)
+        rc.allreduce(x, group_name=group)
+        return float(x[0])
 
     def destroy(self) -> None:
         import ray.util.collective as rc
@@ -192,3 +206,17 @@ def test_ray_train_over_the_torch_backend_trains_as_under_gloo(cluster: Any, tmp
     assert [backend for backend, _ in found["collective"]] == ["collective"] * WORLD
     weights = [w for _, w in found["collective"]]
     assert weights[0] == weights[1] == next(w for _, w in found["gloo"]), found
+
+
+def test_groups_of_some_actors_and_of_all_run_side_by_side(cluster: Any) -> None:
+    """Ray's groups are named sets of actors with ranks of their own: a pair among three actors,
+    beside the group of all three, each a job of its own."""
+    workers = [Worker.remote() for _ in range(3)]
+    ray.get([w.join.remote(3, rank, "all-three") for rank, w in enumerate(workers)], timeout=120)
+    ray.get([w.join.remote(2, rank, "the-pair") for rank, w in enumerate(workers[1:])], timeout=120)
+    for _ in range(2):  # (interleaved: each group's steps are its own)
+        in_pair = ray.get([w.total.remote("the-pair", 10.0 * (i + 1)) for i, w in enumerate(workers[1:])])
+        in_all = ray.get([w.total.remote("all-three", float(i)) for i, w in enumerate(workers)])
+        assert in_pair == [30.0, 30.0] and in_all == [3.0, 3.0, 3.0], (in_pair, in_all)
+    for worker in workers:
+        ray.kill(worker)
