@@ -550,10 +550,10 @@ class Runtime:
         try:
             p2p.send(job, self._mailbox, peer_id, member.device, x, dst, tag)
         except BaseException as exc:
-            RECORDER.close(entry, exc)
+            RECORDER.closed(entry, exc)
             raise
         entry[SIGNATURE] = _described(x)
-        RECORDER.close(entry)
+        RECORDER.closed(entry)
 
     def recv(
         self, peer_id: int, src: int, tag: int = 0, *, timeout: float | None = None, out: Array | None = None
@@ -580,10 +580,10 @@ class Runtime:
         try:
             sender, got = p2p.recv(job, self._mailbox, peer_id, member.device, src, tag, seconds, out)
         except BaseException as exc:
-            RECORDER.close(entry, exc)
+            RECORDER.closed(entry, exc)
             raise
         entry[SIGNATURE] = _described(got)
-        RECORDER.close(entry)
+        RECORDER.closed(entry)
         return sender, got
 
     # -- the one road ---------------------------------------------------------------------------

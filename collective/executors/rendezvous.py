@@ -129,8 +129,7 @@ class Rendezvous:
         live[index] = None
         plan = step.plan
         executor = plan.executor
-        ring = RECORDER.ring
-        ring.append(
+        RECORDER.record(
             (
                 peer,
                 self.members,
@@ -147,8 +146,6 @@ class Rendezvous:
                 None,
             )
         )
-        if len(ring) >= RECORDER.limit:
-            RECORDER.fold()
         return result
 
     def _failed(self, index: int, call: Call, error: BaseException) -> None:

@@ -1,12 +1,13 @@
 """The flight recorder: a bounded ring of this process's recent calls, always on.
 
-Every collective a peer of this process makes is one entry: opened as the peer enters the call
-(state ``scheduled``), told when its step is agreed (``started``: the call as agreed, the path and
-schedule it takes), closed when it ends (``completed`` or ``failed``, with the error). An entry is a
-small list holding the call's Signature; what the call was (op, shapes, bytes) is read from it only
-when the ring is dumped, so a call pays for a list, three clock reads and a counter. The ring keeps the newest
-COLLECTIVE_TRACE_SIZE entries (default 2000; 0 turns the recorder off); ``Stats`` keeps counts and
-time histograms of every call since the process started, whatever the ring dropped.
+Every collective a peer of this process makes is one entry, in the states ``scheduled`` (the peer
+entered the call), ``started`` (its step is agreed: the call as agreed, the path and schedule it
+takes), ``completed`` or ``failed`` (with the error). While a call is open its rendezvous holds it
+and a dump reads it from there (``Recorder.watch``); once it ends, the rendezvous appends one tuple
+to the ring. What the call was (op, shapes, bytes) is read from its Signature only when dumped, so
+a call pays for a tuple and three clock reads; ``Stats`` tallies the ring in batches (counts and
+time histograms of every call since the process started, whatever the ring dropped). The ring
+keeps the newest COLLECTIVE_TRACE_SIZE entries (default 2000; 0 turns the recorder off).
 
 A dump is one JSON document per process (``dump``): what the process is (pid, host, job, its
 peers) and its entries, oldest first, with torch's Flight Recorder field names where they fit
@@ -147,11 +148,10 @@ def size_class(nbytes: int) -> str:
     return f"<={bound}B"
 
 
-# An entry is a list (cheaper to make than an object, on every call of every peer), by these indices:
+# An entry is a sequence (cheaper to make than an object, on every call of every peer): a tuple
+# once ended, a list while open, by these indices (an entry's fields are named as they are):
 PEER, GROUP, SEQ, KIND, FRAME, SIGNATURE, PATH, ALGORITHM, STATE, CREATED, STARTED, ENDED, ERROR = range(13)
-Entry = (
-    list  # [peer, group, seq, kind, frame, signature, path, algorithm, state, created, started, ended, error]
-)
+Entry = Sequence
 
 
 def described(signature: Any) -> tuple[str | None, int | None, list[list[int]], list[str], int]:
@@ -166,10 +166,7 @@ def described(signature: Any) -> tuple[str | None, int | None, list[list[int]], 
         shapes, dtypes = [list(signature.shape)], [str(signature.dtype)]
     else:
         return op, signature.root, [], [], 0
-    nbytes = sum(
-        math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in zip(shapes, dtypes, strict=True)
-    )
-    return op, signature.root, shapes, dtypes, nbytes
+    return op, signature.root, shapes, dtypes, _nbytes(signature.shape, signature.dtype, signature.parts)
 
 
 def _nbytes(shape: tuple[int, ...] | None, dtype: Any, parts: tuple[Any, ...]) -> int:
@@ -399,11 +396,8 @@ class Recorder:
         (for COLLECTIVE_TRACE_EVERY_JOB); the path (None: none recorded, or the write failed)."""
         if not self.enabled or not self.ring:
             return None
-        folder = trace_dir(self.job)
-        first = min(self.peers) if self.peers else 0
         with contextlib.suppress(OSError):
-            os.makedirs(folder, exist_ok=True)
-            return self.dump(os.path.join(folder, f"peer{first}-{os.getpid()}-job{self._token}.json"), reason)
+            return self.dump(self._own_path(f"-job{self._token}"), reason)
         return None
 
     def fresh(self) -> None:
@@ -437,7 +431,7 @@ class Recorder:
     def open_p2p(self, peer: int, src: int, dst: int, tag: int, kind: str, frame: Where | None) -> list[Any]:
         """An entry for a send or receive of ``peer`` (``src`` -1: from any peer), numbered per
         kind, source, destination and tag (the n-th send of a pair and tag meets the n-th receive),
-        in the ring from now: ``close`` it."""
+        in the ring from now: end it with ``closed``."""
         key = (kind, src, dst, tag)
         with self._lock:
             seq = self._p2p.get(key, 0)
@@ -459,10 +453,6 @@ class Recorder:
         ]
         self.record(entry)
         return entry
-
-    def close(self, entry: list[Any], error: BaseException | None = None) -> None:
-        """The send or receive of ``entry`` ended (``error``: failed)."""
-        self.closed(entry, error)
 
     def fold(self) -> None:
         """Tally the ring's older half into ``stats`` and drop it (a thread at a time: the others
@@ -517,16 +507,20 @@ class Recorder:
     def dump(self, path: str | None = None, reason: str = "dump_trace") -> str:
         """Write this process's dump to ``path`` (default: its file in ``trace_dir``); the path."""
         if path is None:
-            folder = trace_dir(self.job)
-            os.makedirs(folder, exist_ok=True)
-            first = min(self.peers) if self.peers else 0
-            path = os.path.join(folder, f"peer{first}-{os.getpid()}.json")
+            path = self._own_path()
         text = json.dumps(self.document(reason))
         temporary = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
         with open(temporary, "w") as file:
             file.write(text)
         os.replace(temporary, path)
         return path
+
+    def _own_path(self, suffix: str = "") -> str:
+        """This process's dump file in ``trace_dir`` (made if missing): peer<first>-<pid><suffix>.json."""
+        folder = trace_dir(self.job)
+        os.makedirs(folder, exist_ok=True)
+        first = min(self.peers) if self.peers else 0
+        return os.path.join(folder, f"peer{first}-{os.getpid()}{suffix}.json")
 
     def dump_once(self, group: tuple[int, ...], seq: int, reason: str) -> str | None:
         """Dump for the failure of step ``seq`` of ``group``, once for all this process's peers
