@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from collective.launch import free_port
+from collective.launch import free_port, stop_processes
 from tests.conftest import RUN_SETTINGS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,9 +48,20 @@ def sbatch(script: str, tasks_per_node: int, **extra: str) -> subprocess.Complet
         OMP_NUM_THREADS="1",
         **extra,
     )
-    return subprocess.run(
-        ["bash", str(RECIPES / script)], cwd=RECIPES, env=env, capture_output=True, text=True, timeout=150
+    job = subprocess.Popen(
+        ["bash", str(RECIPES / script)],
+        cwd=RECIPES,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # (its tasks in its process group: stopped with it, whatever happens)
     )
+    try:
+        out, err = job.communicate(timeout=150)
+    finally:
+        stop_processes([job], groups=True)
+    return subprocess.CompletedProcess(job.args, job.returncode, out, err)
 
 
 def test_the_docs_show_the_recipes_as_they_are() -> None:
@@ -137,7 +148,8 @@ def test_the_kubernetes_manifest_runs_as_written(tmp_path: Path) -> None:
         return env
 
     server = found["Deployment"]
-    orchestrator = subprocess.Popen([local(arg) for arg in server["command"]], env=environment(server))
+    command = [local(arg) for arg in server["command"]]
+    started = [subprocess.Popen(command, env=environment(server), start_new_session=True)]
     try:
         pods = [
             subprocess.Popen(
@@ -147,12 +159,13 @@ def test_the_kubernetes_manifest_runs_as_written(tmp_path: Path) -> None:
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
+                start_new_session=True,  # (torchrun's workers in its group: stopped with it)
             )
             for index in range(workers["completions"])
         ]
+        started += pods
         outputs = [pod.communicate(timeout=150)[0] for pod in pods]
         assert [pod.returncode for pod in pods] == [0, 0], outputs
         assert "all_reduce over 4 processes: mean 1.50" in outputs[0], outputs
     finally:
-        orchestrator.kill()
-        orchestrator.wait(10)
+        stop_processes(started, groups=True)
