@@ -12,6 +12,7 @@ node -> orchestrator                       orchestrator -> node
   leave                                      lost     {node, peers, reason, gone: "left" | "lost",
                                                        doing}               (to the other nodes)
   doing {id, peers}                          doing    {id, doing}          (what those peers do)
+  kv {id, op, ...}                           kv       {id, value(s) | error} (a key-value store)
 
 The node side (registration, heartbeats) is transport.orchestrator_client.
 
@@ -28,6 +29,9 @@ A node whose connection closes without a ``leave`` (its process exited, crashed 
 the kernel closes its sockets) is declared lost at once (a socket monitor reports the close), not
 after ``lost_after``; a partitioned or stopped node closes nothing and is found by its silence.
 Jobs are told apart by name; one orchestrator serves many, at the same time and one after another.
+
+``kv`` messages use key-value stores, named by their ``job`` and apart from the jobs
+(transport.kv_store): torchrun's agents meet through one (collective.torch.rendezvous).
 
 ``doing`` is what a node's peers were doing at its last heartbeat, as [peer, text] pairs (each
 process's flight recorder: the call it is in, or its last one, and the caller's line): a node
@@ -48,6 +52,7 @@ import msgpack
 import zmq
 
 from collective.errors import RegistrationError, describe_peers
+from collective.transport.kv_store import Stores
 from collective.transport.logs import Throttle
 from collective.transport.sockets import UNKNOWN_ADDRESS, connection_of, make_socket, watch_connections
 from collective.transport.wire import WireError, decode_map
@@ -82,10 +87,11 @@ def pack(message: dict[str, Any]) -> bytes:
 
 
 def unpack(frame: bytes) -> dict[str, Any] | None:
-    """A bounded msgpack map with a string ``t`` and ``job``, or None for anything else."""
+    """A bounded msgpack map with a string ``t`` and ``job``, or None for anything else (binary
+    values: a key-value store's)."""
     try:
         message = decode_map(
-            frame, MAX_MESSAGE, "message", strings=4096, binary=0, arrays=1 << 16, entries=64
+            frame, MAX_MESSAGE, "message", strings=4096, binary=MAX_MESSAGE, arrays=1 << 16, entries=64
         )
     except WireError:
         return None
@@ -201,6 +207,7 @@ class Orchestrator:
         )
         self._lost_after = lost_after
         self._jobs: dict[str, _Job] = {}
+        self._stores = Stores()
         self._departed: OrderedDict[bytes, str] = OrderedDict()  # routing id -> why it left (latest last)
         self._stopping = threading.Event()
         # Random bytes parse as many ZMTP/1.0 messages: one line each would flood the log.
@@ -237,6 +244,8 @@ class Orchestrator:
                     self._receive()  # (what a node sent before its connection closed comes first)
                     self._check_closed()
                 self._check_heartbeats()
+                for identity, answer in self._stores.expire():
+                    self._send(identity, answer)
                 for throttle in (self._malformed, self._ignored, self._refusals):
                     throttle.flush()
                 if self._until_done and self._formed_any and not self._jobs:
@@ -298,6 +307,9 @@ class Orchestrator:
             wanted = set(asked) if is_peer_list(asked) else set()
             doing = [pair for other in job.nodes.values() for pair in other.doing if pair[0] in wanted]
             self._send(identity, {"t": "doing", "job": job.name, "id": message.get("id"), "doing": doing})
+        elif kind == "kv":
+            for recipient, answer in self._stores.handle(identity, message):
+                self._send(recipient, answer)
         elif kind == "leave" and job is not None and node is not None:
             if job.formed:
                 self._gone(job, node, "left the job", "left")
@@ -464,6 +476,7 @@ class Orchestrator:
 
     def _disconnected(self, identity: bytes) -> None:
         """The node of ``identity`` closed its connection: lost, unless it left first."""
+        self._stores.forget(identity)
         for job in list(self._jobs.values()):
             node = job.nodes.get(identity)
             if node is not None and node.gone is None:

@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import Protocol
 
-from collective.config import CollectiveConfig
+from collective.config import CollectiveConfig, address_problem
 from collective.errors import ConfigError, RegistrationError
 from collective.launch.launchers import Launched, launched_from, reaching, resolve
 from collective.runtime import Runtime
@@ -265,16 +265,24 @@ def init_with_store(
     """Join as peer ``rank`` of ``world``, one peer per process, meeting through ``store``.
 
     What ``init_process_group("collective")`` does with the store torch hands its backend. The job
-    name is rank 0's, published in the store; this host's address is the one that reaches
-    MASTER_ADDR (127.0.0.1 when it is unset). Raises as ``init`` does.
+    name is COLLECTIVE_JOB, else rank 0's, published in the store; the orchestrator is the
+    one COLLECTIVE_GLOBAL_ADDRESS names, else rank 0 starts one and publishes its address. This
+    host's address is the one that reaches the orchestrator's host, else MASTER_ADDR (127.0.0.1
+    when neither is set). Raises as ``init`` does.
     """
     env = os.environ if environ is None else environ
     if runtime.has_job():
         raise RegistrationError(
             "this process already joined a job (init() or register()); join once per process"
         )
+    given = env.get("COLLECTIVE_GLOBAL_ADDRESS", "").strip()
+    if given and (problem := address_problem(given, lowest_port=1)) is not None:
+        raise ConfigError(f"COLLECTIVE_GLOBAL_ADDRESS {problem}: name the orchestrator's host and port")
     master = env.get("MASTER_ADDR", "").strip()
-    host = reaching(master) if master else "127.0.0.1"
+    if given:
+        host = reaching(given.rpartition(":")[0], "COLLECTIVE_GLOBAL_ADDRESS")
+    else:
+        host = reaching(master) if master else "127.0.0.1"
     named = env.get("COLLECTIVE_JOB", "").strip()
     settings = CollectiveConfig.from_env(  # every setting checked before rank 0 starts an orchestrator
         env,
@@ -286,11 +294,11 @@ def init_with_store(
         job=named or "pending",
         **({"timeout": timeout} if timeout is not None else {}),
     )
-    if rank == 0:
-        store.set("collective/job", named or f"store-{os.getpid()}-{time.time_ns()}")
-    job = bytes(store.get("collective/job")).decode()
+    if not named and rank == 0:
+        store.set("collective/job", f"store-{os.getpid()}-{time.time_ns()}")
+    job = named or bytes(store.get("collective/job")).decode()
     with _stopped_on_failure():
-        address = meet_through_store(store, rank, job, host, settings.token, settings.timeout)
+        address = given or meet_through_store(store, rank, job, host, settings.token, settings.timeout)
         runtime.register(rank, device, dataclasses.replace(settings, global_address=address, job=job))
         _joined.add(runtime)
     return rank

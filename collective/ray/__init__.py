@@ -89,6 +89,7 @@ class CollectiveGroup(BaseGroup):
             "MASTER_ADDR": ray.util.get_node_ip_address(),  # (this actor's node: where it listens)
             "COLLECTIVE_TOKEN": store.get("token").decode(),
             "COLLECTIVE_JOB": "",  # (rank 0 names the job, one of its own: init_with_store)
+            "COLLECTIVE_GLOBAL_ADDRESS": "",  # (and rank 0 serves it, with the group's own token)
         }
         init_with_store(self.runtime, store, rank, world_size, environ=environ)
         if rank == 0:  # every rank has joined (register blocks until then): the keys are spent

@@ -1,0 +1,246 @@
+"""torchrun's agents meeting through the orchestrator (``--rdzv-backend collective``): the key-value
+stores it serves, the torch store over them, and torchrun itself with two agents, elastic."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from collective.launch import free_port, stop_processes
+from collective.transport.kv_client import StoreClient, StoreError
+from collective.transport.kv_store import Stores
+from collective.transport.orchestrator import Orchestrator
+from tests.conftest import wait_until
+
+# -- the stores (one orchestrator's, called directly) ---------------------------------------------
+
+
+def kv(op: str, store: str = "s", **fields: object) -> dict[str, object]:
+    return {"t": "kv", "job": store, "id": fields.pop("id", 1), "op": op, **fields}
+
+
+def answer(stores: Stores, message: dict[str, object], identity: bytes = b"a") -> dict[str, object]:
+    (only,) = stores.handle(identity, message)
+    return only[1]
+
+
+def test_a_store_sets_gets_adds_and_compares_as_torch_stores_do() -> None:
+    stores = Stores()
+    assert answer(stores, kv("set", keys=["a", "b"], values=[b"1", "two"])) == {"t": "kv", "job": "s", "id": 1}
+    assert answer(stores, kv("get", keys=["b", "a"]))["values"] == [b"two", b"1"]
+    assert answer(stores, kv("add", keys=["n"], amount=5))["value"] == 5
+    assert answer(stores, kv("add", keys=["n"], amount=-2))["value"] == 3
+    assert answer(stores, kv("get", keys=["n"]))["values"] == [b"3"]
+    assert "holds no integer" in str(answer(stores, kv("add", keys=["b"], amount=1))["error"])
+    # compare_set: a missing key counts as b""; the answer is the value now
+    assert answer(stores, kv("compare_set", keys=["c"], expected=b"x", desired=b"y"))["value"] == b"x"
+    assert answer(stores, kv("check", keys=["c"]))["value"] is False
+    assert answer(stores, kv("compare_set", keys=["c"], expected=b"", desired=b"y"))["value"] == b"y"
+    assert answer(stores, kv("compare_set", keys=["c"], expected=b"x", desired=b"z"))["value"] == b"y"
+    assert answer(stores, kv("compare_set", keys=["c"], expected=b"y", desired=b"z"))["value"] == b"z"
+    assert answer(stores, kv("count"))["value"] == 4
+    assert answer(stores, kv("delete", keys=["c"]))["value"] is True
+    assert answer(stores, kv("delete", keys=["c"]))["value"] is False
+    assert answer(stores, kv("check", keys=["a", "n"]))["value"] is True
+    # stores are apart by name
+    assert answer(stores, kv("check", "other", keys=["a"]))["value"] is False
+    assert sorted(stores.names()) == ["other", "s"]
+
+
+def test_a_get_or_wait_is_held_until_its_keys_are_set_or_its_time_is_up() -> None:
+    stores = Stores()
+    assert stores.handle(b"getter", kv("get", keys=["a", "b"], wait=30, id=7)) == []
+    assert stores.handle(b"waiter", kv("wait", keys=["a"], wait=30, id=8)) == []
+    assert stores.handle(b"late", kv("get", keys=["never"], wait=0, id=9)) == []
+    answers = stores.handle(b"setter", kv("set", keys=["a"], values=[b"1"]))
+    assert [(who, reply.get("id")) for who, reply in answers] == [(b"setter", 1), (b"waiter", 8)]
+    answers = stores.handle(b"adder", kv("add", keys=["b"], amount=2))
+    assert answers[1] == (b"getter", {"t": "kv", "job": "s", "id": 7, "values": [b"1", b"2"]})
+    (expired,) = stores.expire()
+    assert expired[0] == b"late" and expired[1]["error"] == "timeout: key 'never' still not set in store 's'"
+    assert stores.expire() == []
+    # a connection that closed waits for nothing
+    assert stores.handle(b"gone", kv("wait", keys=["x"], wait=30)) == []
+    stores.forget(b"gone")
+    assert [who for who, _ in stores.handle(b"setter", kv("set", keys=["x"], values=[b""]))] == [b"setter"]
+
+
+def test_a_store_refuses_what_is_malformed_or_too_much() -> None:
+    stores = Stores(most_bytes=100)
+    for message, error in [
+        (kv("set", keys="a", values=[b"1"]), "keys must be a list of strings"),
+        (kv("set", keys=["a"], values=[]), "one value per key"),
+        (kv("set", keys=["a"], values=[3]), "values must be bytes or strings"),
+        (kv("get", keys=["a"], wait=-1), "wait must be 0 to"),
+        (kv("add", keys=["a", "b"], amount=1), "'add' takes one key"),
+        (kv("add", keys=["a"], amount="1"), "integer amount"),
+        (kv("rename", keys=["a"]), "unknown op 'rename'"),
+        (kv("set", keys=["big"], values=[b"x" * 98]), "full: store 's' holds 0 bytes, at most 100"),
+    ]:
+        assert error in str(answer(stores, message)["error"]), error
+    assert answer(stores, kv("set", keys=["ok"], values=[b"x" * 98]))  # (2 + 98 bytes: just fits)
+    assert "full" in str(answer(stores, kv("set", keys=["o"], values=[b""]))["error"])
+    assert "error" not in answer(stores, kv("set", keys=["ok"], values=[b"y" * 98]))  # (a value replaced)
+
+
+def test_an_idle_store_is_dropped() -> None:
+    stores = Stores(idle=0.0)
+    answer(stores, kv("set", keys=["a"], values=[b"1"]))
+    assert stores.handle(b"w", kv("wait", "held", keys=["a"], wait=30)) == []
+    time.sleep(0.01)  # (older than an idle time of 0)
+    assert stores.expire() == [] and stores.names() == ["held"]  # (one with a held wait stays)
+
+
+# -- the torch store, over a real orchestrator ----------------------------------------------------
+
+
+@pytest.fixture
+def served() -> Iterator[Orchestrator]:
+    orchestrator = Orchestrator(token="t0ken")
+    thread = threading.Thread(target=orchestrator.serve, daemon=True)
+    thread.start()
+    yield orchestrator
+    orchestrator.stop()
+    thread.join(5)
+
+
+def test_the_torch_store_works_through_a_prefix_store_and_across_threads(served: Orchestrator) -> None:
+    dist = pytest.importorskip("torch.distributed")
+    from collective.torch.rendezvous import OrchestratorStore
+
+    store = OrchestratorStore(served.address, "run", "t0ken", timedelta(seconds=10))
+    other = OrchestratorStore(served.address, "run", "t0ken", timedelta(seconds=10))
+    try:
+        prefixed = dist.PrefixStore("round.0", store)
+        prefixed.set("a", "1")
+        assert other.get("round.0/a") == b"1"
+        assert prefixed.add("n", 2) == 2 and other.add("round.0/n", 3) == 5
+        prefixed.multi_set(["x", "y"], ["1", b"2"])
+        assert prefixed.multi_get(["x", "y"]) == [b"1", b"2"]
+        assert prefixed.compare_set("a", "1", "3") == b"3"
+        assert prefixed.check(["a", "x"]) and not prefixed.check(["zz"])
+        assert store.num_keys() == 4 and store.delete_key("round.0/x") and store.num_keys() == 3
+        # a get blocks until another client sets the key, while this client's other thread goes on
+        got: list[bytes] = []
+        getter = threading.Thread(target=lambda: got.append(store.get("late")))
+        getter.start()
+        wait_until(lambda: len(served._stores._held) == 1, 5, "the get held by the orchestrator")
+        assert store.add("meanwhile", 1) == 1  # (the same client, from this thread)
+        other.set("late", "here")
+        getter.join(5)
+        assert got == [b"here"]
+        # a timeout names the keys never set
+        started = time.monotonic()
+        with pytest.raises(dist.DistStoreError, match="timeout: keys 'p', 'q' still not set in store 'run'"):
+            store.wait(["p", "q"], timedelta(seconds=0.3))
+        assert time.monotonic() - started < 3
+    finally:
+        store.close()
+        other.close()
+
+
+def test_a_wrong_token_or_no_orchestrator_is_named(served: Orchestrator) -> None:
+    started = time.monotonic()
+    wrong = StoreClient(served.address, "run", "not the token")
+    try:
+        with pytest.raises(StoreError, match="handshake failed .* COLLECTIVE_TOKEN must be the orchestrator's"):
+            wrong.request("count", 10)
+    finally:
+        wrong.close()
+    assert time.monotonic() - started < 5
+    nobody = StoreClient(f"127.0.0.1:{free_port()}", "run", None, connect_timeout=0.5)
+    try:
+        with pytest.raises(StoreError, match="no connection to the orchestrator at 127.0.0.1:.*: start"):
+            nobody.request("count", 10)
+    finally:
+        nobody.close()
+
+
+# -- torchrun -------------------------------------------------------------------------------------
+
+WORKER = Path(__file__).with_name("torchrun_worker.py")
+LAUNCHER_PREFIXES = ("COLLECTIVE_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class Agent:
+    """A torchrun agent with 2 workers (``--rdzv-backend collective``), in a process group of its own."""
+
+    def __init__(self, endpoint: str, finish: Path, env: dict[str, str]) -> None:
+        argv = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+            "--max-restarts", "2", "--monitor-interval", "0.2", "--rdzv-backend", "collective",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic",
+            "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
+            str(WORKER), str(finish),
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    def rounds(self) -> list[tuple[str, int, int, float]]:
+        """(job, rank, world, sum) of each ROUND line its workers printed."""
+        said = [line.split("ROUND ", 1)[1].split() for line in list(self.lines) if "ROUND " in line]
+        return [(job, int(rank), int(world), float(total)) for job, rank, world, total in said]
+
+    def output(self) -> str:
+        return "\n".join(self.lines)
+
+
+def test_two_torchrun_agents_meet_through_the_orchestrator_and_one_restarts(tmp_path: Path) -> None:
+    """min:max 1:2 nodes: both agents form a world of 4; one agent is killed (with its workers),
+    the other's workers fail, restart and go on alone (a world of 2); a new agent comes and the
+    world is 4 again, each round a job of its own on the orchestrator."""
+    pytest.importorskip("torch")
+    from tests.processes import start_orchestrator
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES[1:])}
+    env = {k: v for k, v in env.items() if k not in LAUNCHER_VARIABLES and not k.startswith("COLLECTIVE_")}
+    env.update(COLLECTIVE_TOKEN="a torchrun token", OMP_NUM_THREADS="1", COLLECTIVE_TIMEOUT="30")
+    env.update({k: os.environ[k] for k in ("COLLECTIVE_PROBE", "COLLECTIVE_TRACE_DIR") if k in os.environ})
+    server, address = start_orchestrator(env=env)
+    finish = tmp_path / "finish"
+    agents: list[Agent] = []
+    try:
+        agents += [Agent(address, finish, env), Agent(address, finish, env)]
+        first, second = agents
+
+        def whole() -> bool:
+            return sum(1 for _, _, world, _ in first.rounds() + second.rounds() if world == 4) == 4
+
+        wait_until(whole, 60, lambda: f"a world of 4\n{first.output()}\n{second.output()}")
+        (job,) = {job for job, *_ in first.rounds() + second.rounds()}
+        assert job == "torchrun-elastic.0"
+        assert sorted(r[1:] for r in first.rounds() + second.rounds()) == [(r, 4, 10.0) for r in range(4)]
+        stop_processes([second.process], groups=True)  # the agent and its workers
+        wait_until(lambda: any(w == 2 for _, _, w, _ in first.rounds()), 60, lambda: f"alone\n{first.output()}")
+        alone = [r for r in first.rounds() if r[2] == 2]
+        assert sorted(r[1:] for r in alone) == [(0, 2, 3.0), (1, 2, 3.0)], first.output()
+        assert alone[0][0] == "torchrun-elastic.1"
+        finish.touch()
+        agents.append(Agent(address, finish, env))
+        third = agents[-1]
+        for agent in (first, third):
+            assert agent.process.wait(60) == 0, agent.output()
+        last = [r for r in first.rounds() + third.rounds() if r[0] == "torchrun-elastic.2"]
+        assert sorted(r[1:] for r in last) == [(r, 4, 10.0) for r in range(4)], first.output() + third.output()
+        assert "collective" in first.output()  # (torchrun logged the backend it met through)
+    finally:
+        stop_processes([agent.process for agent in agents], groups=True)
+        server.terminate()
