@@ -7,7 +7,8 @@ Skipped where Ray is not installed (the optional extra ``[ray]``; CI installs it
 
 from __future__ import annotations
 
-import json
+import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -163,49 +164,35 @@ def test_rays_timeout_bounds_a_call_and_our_error_names_the_missing_rank(cluster
         ray.kill(worker)
 
 
-def train_loop(config: dict[str, Any]) -> None:
-    """Ray Train's loop on each worker: a linear model under DDP (prepare_model), 3 SGD steps on
-    rank-dependent data; each rank writes its final weights and the process group's backend."""
-    import ray.train.torch
-    import torch
-    import torch.distributed as dist
+def example(name: str) -> Any:
+    """docs/examples/deploy/``name``.py as a module, its functions and actors sent to Ray's
+    workers by value (they cannot import it)."""
+    path = Path(__file__).parents[1] / "docs" / "examples" / "deploy" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"deploy_example_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    ray.cloudpickle.register_pickle_by_value(module)
+    return module
 
-    torch.manual_seed(0)
-    model = ray.train.torch.prepare_model(torch.nn.Linear(4, 1))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    rank = dist.get_rank()
-    for step in range(3):
-        loss = model(torch.full((8, 4), float(rank + step + 1))).pow(2).mean()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    weights = [p.detach().reshape(-1).tolist() for p in model.parameters()]
-    Path(f"{config['out']}-{rank}.json").write_text(json.dumps([dist.get_backend(), weights]))
+
+def test_the_ray_group_example_sums_in_place(cluster: Any) -> None:
+    assert example("ray_group").main() == [[3.0] * 4, [3.0] * 4]
 
 
 def test_ray_train_over_the_torch_backend_trains_as_under_gloo(cluster: Any, tmp_path: Path) -> None:
-    """TorchTrainer(torch_config=TorchConfig(backend="collective")): torch finds the backend by its
-    entry point in every worker (nothing to import); the final weights equal gloo's."""
-    pytest.importorskip("torch")
-    try:
-        from ray.train import ScalingConfig
-        from ray.train.torch import TorchConfig, TorchTrainer
-    except ImportError as exc:
-        pytest.skip(f"Ray Train is not installed: {exc}")
-    found = {}
-    for backend in ("collective", "gloo"):
-        out = str(tmp_path / backend)
-        trainer = TorchTrainer(
-            train_loop,
-            train_loop_config={"out": out},
-            scaling_config=ScalingConfig(num_workers=WORLD),
-            torch_config=TorchConfig(backend=backend),
-        )
-        trainer.fit()
-        found[backend] = [json.loads(Path(f"{out}-{rank}.json").read_text()) for rank in range(WORLD)]
-    assert [backend for backend, _ in found["collective"]] == ["collective"] * WORLD
-    weights = [w for _, w in found["collective"]]
-    assert weights[0] == weights[1] == next(w for _, w in found["gloo"]), found
+    """docs/examples/deploy/ray_train.py: TorchTrainer(torch_config=TorchConfig(backend="collective"))
+    (torch finds the backend by its entry point in every worker: nothing to import); the final
+    weights equal gloo's, bit for bit."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("ray.train.torch")
+    recipe = example("ray_train")
+    ours, gloo = (recipe.fit(backend, storage=str(tmp_path)) for backend in ("collective", "gloo"))
+    assert ours["backend"] == "collective" and gloo["backend"] == "gloo"
+    assert ours["weights"].keys() == gloo["weights"].keys() == {"weight", "bias"}
+    for name, weights in ours["weights"].items():
+        assert torch.equal(weights, gloo["weights"][name]), (ours, gloo)
 
 
 def test_groups_of_some_actors_and_of_all_run_side_by_side(cluster: Any) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import collective as col
-import collective.torch  # noqa: F401  (the backend)
+import collective.torch  # (the backend)
 
 if os.environ["LOCAL_RANK"] == "0":
     col.init()

@@ -110,7 +110,9 @@ class StoreClient:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreError(f"store {self.name!r}: the client was closed")
-        if self._refused or (self._monitor.poll(0) and handshake_failure(recv_monitor_message(self._monitor))):
+        if self._refused or (
+            self._monitor.poll(0) and handshake_failure(recv_monitor_message(self._monitor))
+        ):
             self._refused = True
             raise StoreError(
                 f"the orchestrator at {self.address} refused this connection: the handshake failed (the job "
