@@ -81,9 +81,11 @@ def test_each_caller_keeps_its_limits_and_its_checks() -> None:
         decode_header(pack({**header, "job": "j" * 4097}))
     with pytest.raises(WireError, match="'src' missing"):
         decode_header(pack({"t": "data", "job": "j", "seq": 0}))
-    # the orchestrator's: no binary at all, strings of 4 KiB, None for anything it refuses
+    # the orchestrator's: binary values (a store's) within the message's bound, strings of 4 KiB,
+    # None for anything it refuses
     assert unpack(pack({"t": "heartbeat", "job": "j"})) == {"t": "heartbeat", "job": "j"}
-    assert unpack(pack({"t": "heartbeat", "job": "j", "x": b"\x00"})) is None
+    assert unpack(pack({"t": "kv", "job": "j", "x": b"\x00"})) == {"t": "kv", "job": "j", "x": b"\x00"}
+    assert unpack(pack({"t": "kv", "job": "j", "x": b"\x00" * MAX_MESSAGE})) is None
     assert unpack(pack({"t": "heartbeat", "job": "j" * 4097})) is None
     assert unpack(pack({"t": "heartbeat"})) is None
     assert unpack(b"\x80" * (MAX_MESSAGE + 1)) is None

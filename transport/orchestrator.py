@@ -31,7 +31,7 @@ after ``lost_after``; a partitioned or stopped node closes nothing and is found 
 Jobs are told apart by name; one orchestrator serves many, at the same time and one after another.
 
 ``kv`` messages use key-value stores, named by their ``job`` and apart from the jobs
-(transport.kv_store): torchrun's agents meet through one (collective.torch.rendezvous).
+(transport.kv.store): torchrun's agents meet through one (collective.torch.rendezvous).
 
 ``doing`` is what a node's peers were doing at its last heartbeat, as [peer, text] pairs (each
 process's flight recorder: the call it is in, or its last one, and the caller's line): a node
@@ -52,7 +52,7 @@ import msgpack
 import zmq
 
 from collective.errors import RegistrationError, describe_peers
-from collective.transport.kv_store import Stores
+from collective.transport.kv.store import Stores
 from collective.transport.logs import Throttle
 from collective.transport.sockets import UNKNOWN_ADDRESS, connection_of, make_socket, watch_connections
 from collective.transport.wire import WireError, decode_map

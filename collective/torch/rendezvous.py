@@ -8,7 +8,7 @@ COLLECTIVE_TOKEN=... torchrun --nnodes 1:4 --nproc-per-node 2 --max-restarts 3 \
 
 torchrun finds this handler by its entry point (group ``torchrun.handlers``, installed with the
 package). It is torch's own dynamic rendezvous, the one behind ``--rdzv-backend c10d``, with its
-state kept in a key-value store on the orchestrator (transport.kv_store) instead of a TCPStore one
+state kept in a key-value store on the orchestrator (transport.kv.store) instead of a TCPStore one
 agent hosts: elastic ``min:max`` nodes, late joiners, restarts and lost agents work as they do
 there, but the meeting point is a service of its own, not a host of the job that dies with it,
 and it admits only holders of ``COLLECTIVE_TOKEN`` (the agents' environment). ``--rdzv-conf``
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
-from collective.transport.kv_client import StoreClient, StoreError
+from collective.transport.kv.client import StoreClient, StoreError
 
 dist: Any = importlib.import_module("torch.distributed")
 _api: Any = importlib.import_module("torch.distributed.elastic.rendezvous.api")

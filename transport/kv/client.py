@@ -1,4 +1,4 @@
-"""A client of one key-value store an orchestrator serves (transport.kv_store), shared by threads.
+"""A client of one key-value store an orchestrator serves (transport.kv.store), shared by threads.
 
 Requests are answered by id, so a thread held in a ``get`` does not stop another's ``set`` (torch's
 rendezvous keeps itself alive from a timer thread while the agent waits on a key). The socket
