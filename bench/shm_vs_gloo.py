@@ -4,8 +4,9 @@
     python -m collective.bench.shm_vs_gloo --worlds 2 --ops all_reduce --sizes 8,1M,64M --repeats 3
 
 For every world size, each system runs as that many processes on this machine (ours: one peer
-per process, meeting through an orchestrator; gloo: torch.distributed; MPI: mpi4py under mpirun,
-where both are installed), the systems taking turns ``--repeats`` times. Every process times every
+per process, meeting through an orchestrator; ``persistent``: ours with persistent collectives,
+one handle per case; gloo: torch.distributed; MPI: mpi4py under mpirun, where both are
+installed), the systems taking turns ``--repeats`` times. Every process times every
 case with the same method (bench/shm_worker.py); a table cell is the median over the repeats of
 each run's median. Then the issue's targets are checked against gloo (and MPI for the stretch):
 
@@ -78,7 +79,7 @@ def run_system(
     processes: list[subprocess.Popen[str]] = []
     orchestrator = None
     try:
-        if system == "ours":
+        if system in ("ours", "persistent"):
             orchestrator, address = start_orchestrator()
             job = f"shm-bench-{os.getpid()}-{world}"
             for rank in range(world):
@@ -139,7 +140,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--worlds", help="process counts, e.g. 2,4 (default: the targets' plan)")
     parser.add_argument("--ops", help=f"comma-separated, of {', '.join(OPS)}")
     parser.add_argument("--sizes", help="e.g. 8,1M,64M (bytes, nccl-tests' convention)")
-    parser.add_argument("--systems", default="ours,gloo,mpi", help="default ours,gloo,mpi (those installed)")
+    parser.add_argument(
+        "--systems",
+        default="ours,gloo,mpi",
+        help="of ours,persistent,gloo,mpi; default ours,gloo,mpi (those installed)",
+    )
     parser.add_argument(
         "--repeats", type=int, default=3, help="runs of each system, taking turns (default 3)"
     )

@@ -77,6 +77,25 @@ class Ours(System):
         self.col.finish(self.peer)
 
 
+class Persistent(Ours):
+    """Ours with persistent collectives (``col.all_reduce_init`` and the others): each case's
+    handle is made once, and each timed call is one use."""
+
+    def make(self, op: str, x: np.ndarray, out: np.ndarray) -> Step:
+        col, peer = self.col, self.peer
+        handle: Step
+        if op == "all_reduce":
+            handle = col.all_reduce_init(peer, x, out=out)
+        elif op == "all_gather":
+            handle = col.all_gather_init(peer, x, out=out.reshape(self.world, -1))
+        elif op == "reduce_scatter":
+            handle = col.reduce_scatter_init(peer, x, out=out)
+        else:
+            root = peer == 0
+            handle = col.broadcast_init(peer, x if root else None, out=x if root else out)
+        return handle
+
+
 class Gloo(System):
     def __init__(self) -> None:
         import torch
@@ -198,7 +217,7 @@ def main() -> int:
     name, plan = sys.argv[1], json.loads(sys.argv[2])
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(variable, "1")
-    system: System = {"ours": Ours, "gloo": Gloo, "mpi": Mpi}[name]()
+    system: System = {"ours": Ours, "persistent": Persistent, "gloo": Gloo, "mpi": Mpi}[name]()
     try:
         for op, size in plan["cases"]:
             row = measure(system, op, size, plan["budget"], plan["warmup"])

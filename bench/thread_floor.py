@@ -9,7 +9,8 @@ each reports wall and CPU time (``time.thread_time``) per call, the slowest peer
   last peer to arrive sums the inputs and releases one lock per waiting peer (one wake-up each);
 * ``trivial``: the reference baseline's schedule (../shared/reference-bench): two
   ``threading.Barrier`` waits per call;
-* ``ours``: ``Runtime.all_reduce`` with ``out=`` (the Fused executor: one wake-up per waiting peer).
+* ``ours``: ``Runtime.all_reduce`` with ``out=`` (the Fused executor: one wake-up per waiting peer);
+* ``persistent``: the same all_reduce made once (``Runtime.all_reduce_init``), each call one use.
 
 The gap between ``ours`` and ``floor`` is the part of our time that is neither numpy nor the
 wake-ups themselves: the per-call Python path, which every GIL hand-off between peers waits for.
@@ -23,6 +24,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -107,25 +110,35 @@ def trivial(peers: int, calls: int) -> tuple[float, float]:
     return wall / calls * 1e6, cpu / calls * 1e6
 
 
-def ours(peers: int, calls: int) -> tuple[float, float]:
+def ours(peers: int, calls: int, persistent: bool = False) -> tuple[float, float]:
     with Runtime() as runtime:
         config = CollectiveConfig(num_devices=peers, timeout=120)
         x, out = np.ones(2, np.float32), [np.empty(2, np.float32) for _ in range(peers)]
+        uses: list[Any] = [None] * peers
 
         def setup(rank: int) -> None:
             runtime.register(rank, "cpu", config)  # (returns once every peer registered)
+            made = runtime.all_reduce_init(rank, x, out=out[rank]) if persistent else None
+            uses[rank] = made or partial(runtime.all_reduce, rank, x, out=out[rank])
             for _ in range(20):
-                runtime.all_reduce(rank, x, out=out[rank])
+                uses[rank]()
 
         def loop(rank: int) -> None:
+            use = uses[rank]
             for _ in range(calls):
-                runtime.all_reduce(rank, x, out=out[rank])
+                use()
 
         wall, cpu = _timed(peers, loop, setup)
     return wall / calls * 1e6, cpu / calls * 1e6
 
 
-WAYS = {"floor": floor, "trivial": trivial, "ours": ours}
+Way = Callable[[int, int], tuple[float, float]]
+WAYS: dict[str, Way] = {
+    "floor": floor,
+    "trivial": trivial,
+    "ours": ours,
+    "persistent": partial(ours, persistent=True),
+}
 
 
 def measure(peers: int, calls: int, rounds: int) -> dict[str, list[tuple[float, float]]]:

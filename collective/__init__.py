@@ -16,13 +16,17 @@ if TYPE_CHECKING:  # (what type checkers see; at run time each name loads on fir
     from collective.algorithms.strategies import Auto, Centralized, Direct, Ring, Tree
     from collective.api import (
         all_gather,
+        all_gather_init,
         all_gather_v,
         all_reduce,
         all_reduce_coalesced,
+        all_reduce_init,
         all_to_all,
         all_to_all_v,
         barrier,
+        barrier_init,
         broadcast,
+        broadcast_init,
         default_runtime,
         explain,
         finish,
@@ -33,6 +37,7 @@ if TYPE_CHECKING:  # (what type checkers see; at run time each name loads on fir
         recv_any,
         reduce,
         reduce_scatter,
+        reduce_scatter_init,
         reduce_scatter_v,
         register,
         reset,
@@ -53,6 +58,7 @@ if TYPE_CHECKING:  # (what type checkers see; at run time each name loads on fir
     )
     from collective.groups import Group
     from collective.launch import peer_ids_from_env
+    from collective.persistent import Persistent
     from collective.runtime import Runtime
     from collective.trace import dump_trace, stats
     from collective.tuning import Explanation
@@ -75,6 +81,7 @@ __all__ = [
     "JobClosedError",
     "MismatchError",
     "PeerLostError",
+    "Persistent",
     "ReduceOp",
     "RegistrationError",
     "Ring",
@@ -82,13 +89,17 @@ __all__ = [
     "Tree",
     "Work",
     "all_gather",
+    "all_gather_init",
     "all_gather_v",
     "all_reduce",
     "all_reduce_coalesced",
+    "all_reduce_init",
     "all_to_all",
     "all_to_all_v",
     "barrier",
+    "barrier_init",
     "broadcast",
+    "broadcast_init",
     "default_runtime",
     "dump_trace",
     "explain",
@@ -101,6 +112,7 @@ __all__ = [
     "recv_any",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_init",
     "reduce_scatter_v",
     "register",
     "reset",
@@ -117,14 +129,16 @@ _LAZY: dict[str, str] = {
     for module, names in {
         "collective.algorithms.ops": "ReduceOp",
         "collective.algorithms.strategies": "Auto Centralized Direct Ring Tree",
-        "collective.api": "all_gather all_gather_v all_reduce all_reduce_coalesced all_to_all all_to_all_v "
-        "barrier broadcast default_runtime explain finish gather init new_group recv recv_any reduce "
-        "reduce_scatter reduce_scatter_v register reset scatter send world_size",
+        "collective.api": "all_gather all_gather_init all_gather_v all_reduce all_reduce_coalesced "
+        "all_reduce_init all_to_all all_to_all_v barrier barrier_init broadcast broadcast_init "
+        "default_runtime explain finish gather init new_group recv recv_any reduce reduce_scatter "
+        "reduce_scatter_init reduce_scatter_v register reset scatter send world_size",
         "collective.config": "CollectiveConfig",
         "collective.errors": "CollectiveError CollectiveTimeout ConfigError InvalidArgumentError "
         "JobClosedError MismatchError PeerLostError RegistrationError",
         "collective.groups": "Group",
         "collective.launch": "peer_ids_from_env",
+        "collective.persistent": "Persistent",
         "collective.runtime": "Runtime",
         "collective.trace": "dump_trace stats",
         "collective.tuning": "Explanation",

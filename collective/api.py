@@ -11,18 +11,23 @@ from collective.arrays import Device
 from collective.config import CollectiveConfig
 from collective.groups import Group
 from collective.groups import new_group as _new_group
+from collective.persistent import Persistent
 from collective.runtime import Runtime
 from collective.tuning import Explanation
 
 __all__ = [
     "all_gather",
+    "all_gather_init",
     "all_gather_v",
     "all_reduce",
     "all_reduce_coalesced",
+    "all_reduce_init",
     "all_to_all",
     "all_to_all_v",
     "barrier",
+    "barrier_init",
     "broadcast",
+    "broadcast_init",
     "default_runtime",
     "explain",
     "finish",
@@ -33,6 +38,7 @@ __all__ = [
     "recv_any",
     "reduce",
     "reduce_scatter",
+    "reduce_scatter_init",
     "reduce_scatter_v",
     "register",
     "reset",
@@ -341,3 +347,62 @@ def all_reduce_coalesced(
     return _default.all_reduce_coalesced(
         peer_id, xs, op, group=group, timeout=timeout, async_op=async_op, strategy=strategy, out=out
     )
+
+
+# -- persistent collectives (collective.persistent) -----------------------------------------------
+
+
+def all_reduce_init(
+    peer_id: int,
+    x: Array,
+    op: Op = "sum",
+    *,
+    out: Array | None = None,
+    group: Group | None = None,
+    timeout: float | None = None,
+) -> Persistent:
+    """A persistent all_reduce, agreed now; ``h()`` or ``h.start()``/``h.wait()`` per use, ``h.free()``
+    (see Runtime.all_reduce_init)."""
+    return _default.all_reduce_init(peer_id, x, op, out=out, group=group, timeout=timeout)
+
+
+def broadcast_init(
+    peer_id: int,
+    x: Array | None,
+    *,
+    out: Array | None = None,
+    group: Group | None = None,
+    timeout: float | None = None,
+) -> Persistent:
+    """A persistent broadcast (see Runtime.broadcast_init)."""
+    return _default.broadcast_init(peer_id, x, out=out, group=group, timeout=timeout)
+
+
+def all_gather_init(
+    peer_id: int,
+    x: Array,
+    *,
+    out: Array | None = None,
+    group: Group | None = None,
+    timeout: float | None = None,
+) -> Persistent:
+    """A persistent all_gather (see Runtime.all_gather_init)."""
+    return _default.all_gather_init(peer_id, x, out=out, group=group, timeout=timeout)
+
+
+def reduce_scatter_init(
+    peer_id: int,
+    x: Array,
+    op: Op = "sum",
+    *,
+    out: Array | None = None,
+    group: Group | None = None,
+    timeout: float | None = None,
+) -> Persistent:
+    """A persistent reduce_scatter (see Runtime.reduce_scatter_init)."""
+    return _default.reduce_scatter_init(peer_id, x, op, out=out, group=group, timeout=timeout)
+
+
+def barrier_init(peer_id: int, *, group: Group | None = None, timeout: float | None = None) -> Persistent:
+    """A persistent barrier (see Runtime.barrier_init)."""
+    return _default.barrier_init(peer_id, group=group, timeout=timeout)

@@ -57,6 +57,7 @@ from collective.executors.rendezvous import Rendezvous
 from collective.groups import Group, as_group
 from collective.job import LocalJob, ProbeCalls
 from collective.p2p import Mailbox
+from collective.persistent import Persistents
 from collective.trace import RECORDER, SIGNATURE, caller, install_signal
 from collective.trace.metrics import serve_from_env as serve_metrics
 from collective.tuning import Explanation
@@ -90,7 +91,7 @@ class _Peer:
         return found
 
 
-class Runtime:
+class Runtime(Persistents):
     """The collective API for the peers (threads) of this process. Usable as a context manager."""
 
     def __init__(self, fuse_below: int = DEFAULT_FUSE_BELOW, share_below: int = DEFAULT_SHARE_BELOW) -> None:

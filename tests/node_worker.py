@@ -166,6 +166,41 @@ def until(peer: int, world: int, stop_file: str, pause: str = "0.1") -> int:
     return count
 
 
+def persistent(peer: int, world: int, how: str = "uses") -> int:
+    """Persistent collectives of every kind, 3 uses each on changing inputs, against references;
+    ``how="lost"``: peer 1's process ends after the first use, and the others' next use fails."""
+    count = 0
+    x, block, row, source = np.zeros(5), np.zeros(3), np.zeros(2 * world), np.zeros(4)
+    total = col.all_reduce_init(peer, x, out=x)
+    gathered = col.all_gather_init(peer, block)
+    scattered = col.reduce_scatter_init(peer, row)
+    sent = col.broadcast_init(peer, source if peer == 0 else None)
+    met = col.barrier_init(peer)
+    for use in range(3):
+        everyone = [data(p, 5, use) for p in range(world)]
+        x[:] = everyone[peer]
+        got = total()
+        assert got is x, "the result is written into out=x"
+        np.testing.assert_array_equal(got, reference(everyone, "sum"), err_msg=f"all_reduce use {use}")
+        if how == "lost" and peer == 1:
+            say("LEAVING")
+            os._exit(0)  # (no finish: the process ends as a crash ends it)
+        blocks = [data(p, 3, 10 + use) for p in range(world)]
+        block[:] = blocks[peer]
+        np.testing.assert_array_equal(gathered(), np.stack(blocks), err_msg=f"all_gather use {use}")
+        rows = [data(p, 2 * world, 20 + use) for p in range(world)]
+        row[:] = rows[peer]
+        expected = reference(rows, "sum")[2 * peer : 2 * peer + 2]
+        np.testing.assert_array_equal(scattered(), expected, err_msg=f"reduce_scatter use {use}")
+        source[:] = use
+        np.testing.assert_array_equal(sent(), np.full(4, float(use)), err_msg=f"broadcast use {use}")
+        met()
+        count += 5
+    for handle in (total, gathered, scattered, sent, met):
+        handle.free()
+    return count
+
+
 # -- the collective set ("collective_set" mode) ---------------------------------------------------
 
 # Elements per block: tiny blocks travel inside the call exchange among leaders; 200 KiB blocks
@@ -473,6 +508,7 @@ def straggle(peer: int, world: int) -> int:
 
 
 MODES = {
+    "persistent": persistent,
     "byte_order": byte_order,
     "remote_finish": remote_finish,
     "sent_then_left": sent_then_left,

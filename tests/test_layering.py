@@ -53,6 +53,7 @@ LAYERS: list[tuple[tuple[str, ...], bool]] = [
     (("collective.shm",), False),
     (("collective.node",), False),
     (("collective.executors",), False),
+    (("collective.persistent",), False),
     (tuple(f"collective.{name}" for name in CORE), True),
     (("collective.launch",), False),
     (("collective.torch", "collective.ddp", "collective.ray"), False),

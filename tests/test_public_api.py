@@ -14,6 +14,12 @@ import collective
 DOCUMENTED = {
     "register",
     "all_reduce",
+    "all_reduce_init",  # persistent collectives (collective.persistent)
+    "broadcast_init",
+    "all_gather_init",
+    "reduce_scatter_init",
+    "barrier_init",
+    "Persistent",
     "reduce",
     "broadcast",
     "all_gather",

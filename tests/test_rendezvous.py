@@ -181,15 +181,15 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER
 
 
 class Agent:
-    """A torchrun agent with 2 workers (``--rdzv-backend collective``), in a process group of its own."""
+    """A torchrun agent of one worker (``--rdzv-backend collective``), in a process group of its own."""
 
     def __init__(self, endpoint: str, finish: Path, env: dict[str, str]) -> None:
         argv = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "2",
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
             "--max-restarts", "2", "--monitor-interval", "0.2", "--rdzv-backend", "collective",
             "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic",
             "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
-            str(WORKER), str(finish),
+            str(WORKER), str(finish), "2",
         ]  # fmt: skip
         self.process = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
@@ -212,8 +212,8 @@ class Agent:
         return "\n".join(self.lines)
 
     def lose_node(self) -> None:
-        """SIGKILL the agent and its workers at once (each worker leads a session of its own), as
-        when their machine goes down."""
+        """SIGKILL the agent and its worker at once (a worker leads a session of its own), as when
+        their machine goes down."""
         pid = self.process.pid
         children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
         for process in [pid, *map(int, children)]:
@@ -235,9 +235,9 @@ def whole(agents: list[Agent], world: int, after: int = -1) -> dict[int, list[tu
 
 @pytest.mark.timeout(180)
 def test_two_torchrun_agents_meet_through_the_orchestrator_and_one_restarts(tmp_path: Path) -> None:
-    """min:max 1:2 nodes: both agents form a world of 4; one agent is killed (with its workers),
-    the other's workers fail, restart and go on alone (a world of 2); a new agent comes and the
-    world is 4 again, each round a job of its own on the orchestrator."""
+    """min:max 1:2 nodes of one process each: both agents form a world of 2; one agent is killed
+    with its process, the other's process fails, restarts and goes on alone; a new agent comes and
+    the world is 2 again, each round a job of its own on the orchestrator."""
     pytest.importorskip("torch")
     from tests.processes import start_orchestrator
 
@@ -253,22 +253,22 @@ def test_two_torchrun_agents_meet_through_the_orchestrator_and_one_restarts(tmp_
     try:
         agents += [Agent(address, finish, env), Agent(address, finish, env)]
         first, second = agents
-        # (if one agent starts over a second after the other, it forms a world of 2 first, and
-        # the other joins it in the next round: a world of 4 comes either way)
-        wait_until(lambda: whole([first, second], 4), 60, lambda: f"4\n{first.output()}\n{second.output()}")
-        ((formed, sums),) = whole([first, second], 4).items()
-        assert sums == [(rank, 10.0) for rank in range(4)]
-        second.lose_node()
-        wait_until(lambda: whole([first], 2, after=formed), 60, lambda: f"alone\n{first.output()}")
-        ((alone, sums),) = whole([first], 2, after=formed).items()
+        # (if one agent starts over a second after the other, it forms a world of 1 first, and
+        # the other joins it in the next round: a world of 2 comes either way)
+        wait_until(lambda: whole([first, second], 2), 60, lambda: f"2\n{first.output()}\n{second.output()}")
+        ((formed, sums),) = whole([first, second], 2).items()
         assert sums == [(0, 3.0), (1, 3.0)]
+        second.lose_node()
+        wait_until(lambda: whole([first], 1, after=formed), 60, lambda: f"alone\n{first.output()}")
+        ((alone, sums),) = whole([first], 1, after=formed).items()
+        assert sums == [(0, 1.0)]
         finish.touch()
         agents.append(Agent(address, finish, env))
         third = agents[-1]
         for agent in (first, third):
             assert agent.process.wait(60) == 0, agent.output()
-        ((_, sums),) = whole([first, third], 4, after=alone).items()
-        assert sums == [(rank, 10.0) for rank in range(4)]
+        ((_, sums),) = whole([first, third], 2, after=alone).items()
+        assert sums == [(0, 3.0), (1, 3.0)]
     finally:
         stop_processes([agent.process for agent in agents], groups=True)
         server.terminate()

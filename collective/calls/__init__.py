@@ -4,6 +4,7 @@ movement family its data follows), and the registry of collective kinds derived 
 * ``base``: ``Call``, what every call does and when (checked, agreed, moved, finished);
 * ``collectives``: the collectives of even blocks; ``uneven``: all_gather_v, reduce_scatter_v,
   all_to_all_v; ``coalesced``: all_reduce_coalesced's buckets;
+* ``persistent``: the steps that make and end a persistent call (``all_reduce_init``...);
 * ``signature``: what one peer asked for, and ``agree`` over every peer's;
 * ``movement``: the movement families every executor runs (collective.executors);
 * ``layout``: where a group's ranks live across nodes (node-major blocks).
@@ -27,6 +28,7 @@ from collective.calls.collectives import (
     ReduceScatter,
     Scatter,
 )
+from collective.calls.persistent import AGREEMENTS, RELEASES
 from collective.calls.signature import Rules
 from collective.calls.uneven import AllGatherV, AllToAllV, ReduceScatterV
 
@@ -50,24 +52,24 @@ __all__ = [
     "rules_of",
 ]
 
-CALLS: dict[str, type[Call]] = {
-    cls.kind: cls
-    for cls in (
-        AllReduce,
-        Reduce,
-        Broadcast,
-        AllGather,
-        Gather,
-        ReduceScatter,
-        AllToAll,
-        Scatter,
-        Barrier,
-        Coalesced,
-        AllGatherV,
-        ReduceScatterV,
-        AllToAllV,
-    )
-}
+_KINDS: tuple[type[Call], ...] = (
+    AllReduce,
+    Reduce,
+    Broadcast,
+    AllGather,
+    Gather,
+    ReduceScatter,
+    AllToAll,
+    Scatter,
+    Barrier,
+    Coalesced,
+    AllGatherV,
+    ReduceScatterV,
+    AllToAllV,
+    *AGREEMENTS.values(),  # (a persistent call's making and ending: collective.calls.persistent)
+    *RELEASES.values(),
+)
+CALLS: dict[str, type[Call]] = {cls.kind: cls for cls in _KINDS}
 RULES: dict[str, Rules] = {kind: cls.rules for kind, cls in CALLS.items()}
 
 

@@ -61,6 +61,7 @@ class Call:
         "back",
         "created",
         "device",
+        "kept",
         "number",
         "op",
         "op_arg",
@@ -114,6 +115,8 @@ class Call:
         self.number = self.created = self.started = 0
         self.algorithm: Any = None
         self.strategy: str | None = None  # the strategy it names ("auto", "ring", ...; None: the config's)
+        # A persistent call's signature, kept once agreed (collective.persistent): its uses skip prepare.
+        self.kept: Signature | None = None
 
     # -- before the rendezvous: this peer's own checks ------------------------------------------
 
@@ -123,6 +126,8 @@ class Call:
         ``members`` are the group's peer ids in rank order and this peer is ``rank``. A root is
         given as a peer id; from here on ``root`` is its rank in the group.
         """
+        if self.kept is not None:  # a persistent call's use: checked when it was made
+            return self.kept
         self.device = device
         self.rank = rank
         op: ReduceOp | None = None

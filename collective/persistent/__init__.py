@@ -1,0 +1,10 @@
+"""Persistent collectives: a call agreed once, then run again and again on the same buffers.
+
+``handle``: ``Persistent``, one peer's handle (its uses, ``start``/``wait``, ``free``); ``kinds``:
+``Persistents``, the Runtime's ``all_reduce_init`` and the others, which make one.
+"""
+
+from collective.persistent.handle import Persistent
+from collective.persistent.kinds import Persistents
+
+__all__ = ["Persistent", "Persistents"]
