@@ -78,22 +78,16 @@ class Ours(System):
 
 
 class Persistent(Ours):
-    """Ours with persistent collectives (``col.all_reduce_init`` and the others): each case's
-    handle is made once, and each timed call is one use."""
+    """Ours with persistent collectives (``col.all_reduce_init``...): each timed call is one use."""
 
     def make(self, op: str, x: np.ndarray, out: np.ndarray) -> Step:
         col, peer = self.col, self.peer
-        handle: Step
-        if op == "all_reduce":
-            handle = col.all_reduce_init(peer, x, out=out)
-        elif op == "all_gather":
-            handle = col.all_gather_init(peer, x, out=out.reshape(self.world, -1))
-        elif op == "reduce_scatter":
-            handle = col.reduce_scatter_init(peer, x, out=out)
-        else:
-            root = peer == 0
-            handle = col.broadcast_init(peer, x if root else None, out=x if root else out)
-        return handle
+        given: np.ndarray | None = x
+        target = out.reshape(self.world, -1) if op == "all_gather" else out
+        if op == "broadcast":  # (the root broadcasts from x in place)
+            given, target = (x, x) if peer == 0 else (None, out)
+        made: Step = getattr(col, f"{op}_init")(peer, given, out=target)
+        return made
 
 
 class Gloo(System):

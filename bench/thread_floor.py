@@ -132,8 +132,7 @@ def ours(peers: int, calls: int, persistent: bool = False) -> tuple[float, float
     return wall / calls * 1e6, cpu / calls * 1e6
 
 
-Way = Callable[[int, int], tuple[float, float]]
-WAYS: dict[str, Way] = {
+WAYS: dict[str, Callable[[int, int], tuple[float, float]]] = {
     "floor": floor,
     "trivial": trivial,
     "ours": ours,

@@ -52,8 +52,8 @@ class Persistent:
         self.peer = peer
         self.kind = call.kind
         self._call = call
-        self._given = given  # the caller's input and out, as passed (their fingerprints are checked)
-        self._marks = [_mark(item) for item in given]
+        unique = {id(item): item for item in given if item is not None}  # (out may be x)
+        self._watched = [_Watched(item) for item in unique.values()]
         member, rendezvous, sequencer, seconds, problem = road(timeout)
         self._road = road
         self._member, self._rendezvous, self._sequencer = member, rendezvous, sequencer
@@ -144,13 +144,13 @@ class Persistent:
             _, _, _, seconds, problem = self._road(timeout)
             if problem is not None:
                 return seconds, _refused(call, problem)
-        for item, mark in zip(self._given, self._marks, strict=True):
-            now = _mark(item)
-            if now != mark:
+        for watched in self._watched:
+            change = watched.change()
+            if change is not None:
                 return seconds, _refused(
                     call,
-                    f"a buffer of this persistent {call.kind} changed since it was made: "
-                    f"{_changed(mark, now)}; make a new one for the new buffer",
+                    f"a buffer of this persistent {call.kind} changed since it was made: {change}; make a "
+                    f"new one for the new buffer",
                 )
         return seconds, call
 
@@ -192,19 +192,24 @@ def _refused(call: Call, problem: str) -> Call:
     return type(call).refused(problem, root=call.root_peer, op=call.op_arg)
 
 
-def _mark(item: Any) -> tuple[Any, ...] | None:
-    """What must not change of a buffer between uses: shape, dtype, and a tensor's memory."""
-    if item is None:
+class _Watched:
+    """What must not change of one buffer between uses: its shape and dtype, and a torch tensor's
+    memory (``set_`` moves it; numpy and CuPy arrays cannot move). Checked at every use: cheap."""
+
+    __slots__ = ("at", "dtype", "item", "pointer", "shape")
+
+    def __init__(self, item: Any) -> None:
+        self.item, self.shape, self.dtype = item, item.shape, item.dtype
+        pointer = getattr(item, "data_ptr", None)
+        self.pointer = pointer if callable(pointer) else None
+        self.at = self.pointer() if self.pointer is not None else None
+
+    def change(self) -> str | None:
+        """How it changed, or None."""
+        item = self.item
+        shape, dtype = item.shape, item.dtype
+        if shape != self.shape or (dtype is not self.dtype and dtype != self.dtype):
+            return f"was shape {tuple(self.shape)} {self.dtype}, is shape {tuple(shape)} {dtype}"
+        if self.pointer is not None and self.pointer() != self.at:
+            return f"its memory moved (shape {tuple(shape)} {dtype})"
         return None
-    data = getattr(item, "data_ptr", None)
-    if callable(data):  # (torch: resize_ or set_ may move it; numpy and CuPy arrays cannot move)
-        return (tuple(item.shape), str(item.dtype), data())
-    return (tuple(item.shape), str(item.dtype))
-
-
-def _changed(was: tuple[Any, ...] | None, now: tuple[Any, ...] | None) -> str:
-    if was is None or now is None:
-        return "it was given, it is gone"
-    if was[:2] == now[:2]:
-        return f"its memory moved (shape {was[0]} {was[1]})"
-    return f"was shape {was[0]} {was[1]}, is shape {now[0]} {now[1]}"
