@@ -34,6 +34,10 @@ class Agreement(Call):
         super().__init__(None)
         self.call = call
 
+    @classmethod
+    def refused(cls, problem: str, root: Any = None, op: Any = "sum") -> Call:
+        return cls(cls.of.refused(problem, root, op))
+
     def prepare(self, device: Device, members: tuple[int, ...], rank: int) -> Signature:
         self.device, self.rank = device, rank
         signature = self.call.prepare(device, members, rank)
