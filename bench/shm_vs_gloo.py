@@ -2,6 +2,7 @@
 
     python -m collective.bench.shm_vs_gloo                       # the targets
     python -m collective.bench.shm_vs_gloo --worlds 2 --ops all_reduce --sizes 8,1M,64M --repeats 3
+    python -m collective.bench.shm_vs_gloo --worlds 2 --ops decode --sizes 16K --systems ours,persistent,gloo
 
 For every world size, each system runs as that many processes on this machine (ours: one peer
 per process, meeting through an orchestrator; ``persistent``: ours with persistent collectives,
@@ -224,6 +225,12 @@ def report(
                     ratio = kept / base
                     verdicts.append((world, op, size, f"persistent {text}", ratio <= bound, ratio))
             print(line)
+    for world, cases in plan.items():  # (a decode step is one token: 64 all_reduces)
+        for op, size in cases:
+            tokens = {s: 1e6 / t for s in systems if op == "decode" and (t := median(s, world, op, size))}
+            if tokens:
+                said = ", ".join(f"{system} {rate:.0f}" for system, rate in tokens.items())
+                print(f"# decode, {world} procs, {format_size(size)} per all_reduce: tokens/s {said}")
     for world, op, size, text, ok, value in verdicts:
         verdict = "met" if ok else "NOT met"
         print(f"# target {world} procs {op} {format_size(size)}: {text}: {verdict} ({value:.2f})")

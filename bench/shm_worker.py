@@ -136,8 +136,8 @@ class Mpi(System):
 
     def make(self, op: str, x: np.ndarray, out: np.ndarray) -> Step:
         comm = self.comm
-        if op == "all_reduce":
-            return lambda: comm.Allreduce(x, out, op=self.mpi.SUM)
+        if op == "all_reduce":  # (in place where x is out: a decode step's)
+            return lambda: comm.Allreduce(self.mpi.IN_PLACE if x is out else x, out, op=self.mpi.SUM)
         if op == "all_gather":
             return lambda: comm.Allgather(x, out)
         if op == "reduce_scatter":
@@ -172,9 +172,25 @@ def buffers(op: str, size: int, rank: int, world: int) -> tuple[np.ndarray, np.n
     return x, np.empty(count, np.float32), expected
 
 
+DECODE_CALLS = 64  # a decode step of a tensor-parallel model: 32 layers, 2 all_reduces each
+
+
+def decode(system: System, x: np.ndarray, out: np.ndarray) -> Step:
+    """One token of a tensor-parallel decode loop: each layer's activation made (x copied into
+    ``out``, the same copy for every system) and all-reduced in place, ``DECODE_CALLS`` times."""
+    reduce = system.make("all_reduce", out, out)
+
+    def step() -> None:
+        for _ in range(DECODE_CALLS):
+            np.copyto(out, x)
+            reduce()
+
+    return step
+
+
 def measure(system: System, op: str, size: int, budget: float, warmup: int) -> dict[str, Any]:
     x, out, expected = buffers(op, size, system.rank, system.world)
-    step = system.make(op, x, out)
+    step = decode(system, x, out) if op == "decode" else system.make(op, x, out)
     system.barrier()
     step()
     received = x if op == "broadcast" and system.rank == 0 else out

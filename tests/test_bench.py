@@ -480,7 +480,7 @@ def test_every_op_against_gloo(capsys: pytest.CaptureFixture[str], tmp_path: Pat
     assert all(row["wrong"] == 0 for row in rows)
 
 
-def test_shm_vs_gloo_runs_ours_over_processes_and_checks_every_result(
+def test_shm_vs_gloo_runs_ours_and_persistent_over_processes_and_checks_every_result(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from collective.bench import shm_vs_gloo
@@ -489,11 +489,11 @@ def test_shm_vs_gloo_runs_ours_over_processes_and_checks_every_result(
         "--worlds",
         "2",
         "--ops",
-        "all_reduce,all_gather,reduce_scatter,broadcast",
+        "all_reduce,all_gather,reduce_scatter,broadcast,decode",
         "--sizes",
         "8,200K",
         "--systems",
-        "ours",
+        "ours,persistent",
         "--repeats",
         "1",
         "--budget",
@@ -502,7 +502,8 @@ def test_shm_vs_gloo_runs_ours_over_processes_and_checks_every_result(
     assert shm_vs_gloo.main(argv) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if not line.startswith("#")][1:]
-    assert len(rows) == 8 and all(row[0] == "2" and float(row[4]) > 0 for row in rows), out
+    assert len(rows) == 10 and all(row[0] == "2" and float(row[3]) > 0 < float(row[5]) for row in rows), out
+    assert "# decode, 2 procs, 8 B per all_reduce: tokens/s ours " in out and ", persistent " in out
     assert "# wrong result elements: 0" in out
 
 
@@ -519,7 +520,7 @@ def test_coalesced_bench_times_three_variants_and_checks_the_result(
 
 
 def test_host_tier_bench_times_the_tier_beside_the_flat_path(capsys: pytest.CaptureFixture[str]) -> None:
-    from collective.bench import host_tier
+    from collective.bench.studies import host_tier
 
     argv = ["--hosts", "aab", "--ops", "all_reduce", "--sizes", "8", "--repeats", "1", "--budget", "0.05"]
     assert host_tier.main(argv) == 0

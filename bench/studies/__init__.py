@@ -1,2 +1,3 @@
 """Studies of one cost at a time, each run as ``python -m collective.bench.studies.NAME``:
-``trace_overhead`` (what the flight recorder costs an 8 B all_reduce)."""
+``trace_overhead`` (what the flight recorder costs an 8 B all_reduce), ``host_tier`` (hosts of
+several processes: the tier, the flat path and gloo)."""

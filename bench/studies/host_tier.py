@@ -1,7 +1,7 @@
 """A job on several hosts whose hosts run several of its processes: the host tier beside the flat
 multi-node path and gloo, in one run.
 
-    python -m collective.bench.host_tier [--hosts aabb] [--sizes 8,64K,1M,16M] [--repeats 3]
+    python -m collective.bench.studies.host_tier [--hosts aabb] [--sizes 8,64K,1M,16M] [--repeats 3]
 
 Every process runs on this machine; ``COLLECTIVE_HOST_ID`` gives each the host a letter of
 ``--hosts`` names, so processes of one letter may share memory and those of different letters
