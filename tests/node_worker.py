@@ -436,7 +436,7 @@ def remote_finish(peer: int, world: int, receiving: str = "receiving") -> int:
     ``quiet``: peer 0 receives nothing (its finish notice must arrive though nobody receives)."""
     col.barrier(peer)
     if peer == 2:
-        time.sleep(6)  # (kept: the busy peer under test holds its node in the job)
+        time.sleep(4)  # (kept: the busy peer under test holds its node in the job)
     if peer == 0 and receiving == "quiet":
         return 1
     if peer in (0, 1):

@@ -101,7 +101,7 @@ def test_a_peer_of_another_node_that_finished_is_lost_at_once(
         assert code == 0, node.output()
     for peer in (0, 1) if receiving == "receiving" else (1,):
         _, line = nodes[0].wait_for(f"LOST {peer}", 1)
-        assert float(line.split()[2]) < 3 and "peer 3 called finish()" in line, line  # (node 1 left at 6 s)
+        assert float(line.split()[2]) < 3 and "peer 3 called finish()" in line, line  # (node 1 left at 4 s)
 
 
 def test_a_message_sent_before_its_sender_left_is_received_after(orchestrator: str, tmp_path: Path) -> None:

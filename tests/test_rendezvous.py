@@ -3,6 +3,7 @@ stores it serves, the torch store over them, and torchrun itself with two agents
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -13,14 +14,17 @@ import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from collective.bench.jobs.hosts import EmulatedHosts, unavailable
 from collective.launch import free_port, stop_processes
 from collective.transport.kv.client import StoreClient, StoreError
 from collective.transport.kv.store import Stores
 from collective.transport.orchestrator import Orchestrator
 from tests.conftest import RUN_SETTINGS, wait_until
+from tests.processes import READY, Proc
 
 # -- the stores (one orchestrator's, called directly) ---------------------------------------------
 
@@ -175,24 +179,56 @@ def test_a_wrong_token_or_no_orchestrator_is_named(served: Orchestrator) -> None
 # -- torchrun -------------------------------------------------------------------------------------
 
 WORKER = Path(__file__).with_name("torchrun_worker.py")
+ORCHESTRATOR = [sys.executable, "-m", "collective", "-v", "orchestrator", "--port", "0"]
 ROUND = re.compile(r"ROUND (\S+) (\d+) (\d+) (\d+)")
 LAUNCHER_PREFIXES = ("COLLECTIVE_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
 LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-class Agent:
-    """A torchrun agent of one worker (``--rdzv-backend collective``), in a process group of its own."""
+class Machines:
+    """Where the test's hosts run: emulated hosts (network namespaces, collective.bench.jobs.hosts)
+    where this machine allows them (as root), else all of them on this machine's loopback."""
 
-    def __init__(self, endpoint: str, finish: Path, env: dict[str, str]) -> None:
+    def __init__(self, count: int) -> None:
+        self._hosts = EmulatedHosts(count) if unavailable() is None else None
+
+    def __enter__(self) -> Machines:
+        if self._hosts is not None:
+            self._hosts.__enter__()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._hosts is not None:
+            self._hosts.close()
+
+    def address(self, host: int) -> str:
+        return self._hosts.address(host) if self._hosts is not None else "127.0.0.1"
+
+    def command(self, host: int, argv: list[str]) -> list[str]:
+        return self._hosts.command(host, argv) if self._hosts is not None else argv
+
+
+class Agent:
+    """A torchrun agent of one worker (``--rdzv-backend collective``) on host ``host`` of
+    ``machines``, in a process group of its own."""
+
+    def __init__(
+        self, machines: Machines, host: int, endpoint: str, finish: Path, env: dict[str, str]
+    ) -> None:
         argv = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
             "--max-restarts", "2", "--monitor-interval", "0.2", "--rdzv-backend", "collective",
-            "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic",
+            "--rdzv-endpoint", endpoint, "--rdzv-id", "elastic", "--local-addr", machines.address(host),
             "--rdzv-conf", "last_call_timeout=1,keep_alive_interval=1,keep_alive_max_attempt=3",
             str(WORKER), str(finish), "2",
         ]  # fmt: skip
         self.process = subprocess.Popen(
-            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+            machines.command(host, argv),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -235,23 +271,27 @@ def whole(agents: list[Agent], world: int, after: int = -1) -> dict[int, list[tu
 
 @pytest.mark.timeout(180)
 def test_two_torchrun_agents_meet_through_the_orchestrator_and_one_restarts(tmp_path: Path) -> None:
-    """min:max 1:2 nodes of one process each: both agents form a world of 2; one agent is killed
-    with its process, the other's process fails, restarts and goes on alone; a new agent comes and
-    the world is 2 again, each round a job of its own on the orchestrator."""
+    """min:max 1:2 nodes of one process each, on two hosts (emulated where root may make them):
+    both agents form a world of 2; the second host's agent is killed with its process, the other's
+    process fails, restarts and goes on alone; a new agent comes up on that host and the world is 2
+    again, each round a job of its own on the orchestrator (which runs on the first host)."""
     pytest.importorskip("torch")
-    from tests.processes import start_orchestrator
-
     env = {
         k: v
         for k, v in os.environ.items()
         if k in RUN_SETTINGS or not (k.startswith(LAUNCHER_PREFIXES) or k in LAUNCHER_VARIABLES)
     }
     env.update(COLLECTIVE_TOKEN="a torchrun token", OMP_NUM_THREADS="1", COLLECTIVE_TIMEOUT="30")
-    server, address = start_orchestrator(env=env)
     finish = tmp_path / "finish"
     agents: list[Agent] = []
-    try:
-        agents += [Agent(address, finish, env), Agent(address, finish, env)]
+    with contextlib.ExitStack() as cleanup:
+        machines = cleanup.enter_context(Machines(2))  # (the orchestrator and an agent on host 0)
+        server = Proc(machines.command(0, [*ORCHESTRATOR, "--host", machines.address(0)]), env)
+        cleanup.callback(server.terminate)
+        cleanup.callback(lambda: stop_processes([agent.process for agent in agents], groups=True))
+        _, line = server.wait_for(READY, 30)
+        address = line[len(READY) :]
+        agents += [Agent(machines, 0, address, finish, env), Agent(machines, 1, address, finish, env)]
         first, second = agents
         # (if one agent starts over a second after the other, it forms a world of 1 first, and
         # the other joins it in the next round: a world of 2 comes either way)
@@ -263,12 +303,9 @@ def test_two_torchrun_agents_meet_through_the_orchestrator_and_one_restarts(tmp_
         ((alone, sums),) = whole([first], 1, after=formed).items()
         assert sums == [(0, 1.0)]
         finish.touch()
-        agents.append(Agent(address, finish, env))
+        agents.append(Agent(machines, 1, address, finish, env))  # (the lost host, back)
         third = agents[-1]
         for agent in (first, third):
             assert agent.process.wait(60) == 0, agent.output()
         ((_, sums),) = whole([first, third], 2, after=alone).items()
         assert sums == [(0, 3.0), (1, 3.0)]
-    finally:
-        stop_processes([agent.process for agent in agents], groups=True)
-        server.terminate()
