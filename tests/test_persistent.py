@@ -3,6 +3,7 @@ use on the same buffers; every failure of a normal call holds for a use, named o
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,7 +29,8 @@ def run_peers(n: int, body: Callable[[col.Runtime, int], Any], timeout: float = 
                 found[p] = body(runtime, p)
             except Exception as exc:  # (each peer's error is the test's to check)
                 found[p] = exc
-            runtime.finish(p)
+            with contextlib.suppress(col.RegistrationError):  # (a body may have finished already)
+                runtime.finish(p)
 
         threads = [threading.Thread(target=peer, args=(p,)) for p in range(n)]
         for thread in threads:
@@ -208,3 +210,26 @@ def test_a_peer_lost_between_uses_is_a_peer_lost_error_on_the_others(orchestrato
     left, _ = nodes[1].wait_for("LEAVING", 60)
     expect_peer_lost([nodes[0], nodes[2]], left, within=5, naming="peer 1")
     assert nodes[1].wait(10) == 0
+
+
+def test_a_persistent_call_of_a_group_and_a_use_after_finish() -> None:
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        said: list[Any] = []
+        if p in (1, 3):
+            pair = col.new_group([1, 3])
+            x = np.full(2, float(p))
+            with rt.all_reduce_init(p, x, out=x, group=pair) as handle:
+                said.append(handle().tolist())
+        said.append(rt.all_reduce(p, np.ones(1))[0])  # (the world's steps are its own)
+        later = rt.barrier_init(p)
+        rt.finish(p)
+        try:
+            later()
+        except col.RegistrationError as exc:
+            said.append(str(exc))
+        return said
+
+    found = run_peers(4, body)
+    assert found[1][0] == found[3][0] == [4.0, 4.0]
+    assert all(said[-2] == 4.0 for said in found.values()), found
+    assert all("has finished" in said[-1] for said in found.values()), found
