@@ -11,12 +11,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from collective.algorithms.ops import ReduceOp
 from collective.arrays import Device
 from collective.calls.base import Call
 from collective.calls.collectives import AllGather, AllReduce, Barrier, Broadcast, ReduceScatter
 from collective.calls.movement import Movement, Nothing
-from collective.calls.signature import Rules, Signature
+from collective.calls.signature import Signature
 
 __all__ = ["PERSISTENT", "Agreement", "Release", "agreement_of", "release_of"]
 
@@ -54,13 +53,9 @@ class Agreement(Call):
 
 
 class Release(Barrier):
-    """``<kind>_free``: the end of a persistent call, a step of no data."""
+    """``<kind>_free``: the end of a persistent call, a barrier under a kind of its own."""
 
     __slots__ = ()
-    of: ClassVar[type[Call]]
-
-    def describe(self, op: ReduceOp | None, problem: str | None) -> Signature:
-        return Signature(self.kind, error=problem)
 
 
 def _kinds() -> tuple[dict[str, type[Agreement]], dict[str, type[Release]]]:
@@ -70,14 +65,19 @@ def _kinds() -> tuple[dict[str, type[Agreement]], dict[str, type[Release]]]:
     made: dict[str, type[Agreement]] = {}
     freed: dict[str, type[Release]] = {}
     for cls in PERSISTENT:
-        attributes: dict[str, Any] = {"__slots__": (), "of": cls, "strategy_kind": cls.strategy_kind}
         made[cls.kind] = type(
             f"{cls.__name__}Init",
             (Agreement,),
-            {**attributes, "kind": f"{cls.kind}_init", "rules": cls.rules},
+            {
+                "__slots__": (),
+                "of": cls,
+                "kind": f"{cls.kind}_init",
+                "rules": cls.rules,
+                "strategy_kind": cls.strategy_kind,
+            },
         )
         freed[cls.kind] = type(
-            f"{cls.__name__}Free", (Release,), {**attributes, "kind": f"{cls.kind}_free", "rules": Rules(())}
+            f"{cls.__name__}Free", (Release,), {"__slots__": (), "kind": f"{cls.kind}_free"}
         )
     return made, freed
 

@@ -42,7 +42,9 @@ if TYPE_CHECKING:
 __all__ = ["Persistent"]
 
 
-Road = Callable[[float | None], tuple[Any, "Rendezvous", "Sequencer", float, str | None]]
+# The road to the group for a timeout (Runtime._road for the peer and group): the peer, its
+# rendezvous and sequencer there, the timeout in seconds, a problem with that timeout.
+Road = Callable[[float | None], tuple[Any, tuple["Rendezvous", "Sequencer"], float, str | None]]
 
 
 class Persistent:
@@ -54,7 +56,7 @@ class Persistent:
         self._call = call
         unique = {id(item): item for item in given if item is not None}  # (out may be x)
         self._watched = [_Watched(item) for item in unique.values()]
-        member, rendezvous, sequencer, seconds, problem = road(timeout)
+        member, (rendezvous, sequencer), seconds, problem = road(timeout)
         self._road = road
         self._member, self._rendezvous, self._sequencer = member, rendezvous, sequencer
         self._seconds = seconds
@@ -110,7 +112,7 @@ class Persistent:
                 f"free() on a persistent {self.kind} whose use is running: wait() first"
             )
         self._freed = True
-        _, _, _, seconds, problem = self._road(timeout)
+        _, _, seconds, problem = self._road(timeout)
         release = release_of(self._call)
         if problem is not None:
             release.refuse(problem)
@@ -141,7 +143,7 @@ class Persistent:
         call = self._call
         seconds = self._seconds
         if timeout is not None:
-            _, _, _, seconds, problem = self._road(timeout)
+            _, _, seconds, problem = self._road(timeout)
             if problem is not None:
                 return seconds, _refused(call, problem)
         for watched in self._watched:

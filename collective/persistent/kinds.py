@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from collective.algorithms.ops import Array, ReduceOp
@@ -88,8 +89,4 @@ class Persistents:
     def _persistent(
         self, peer_id: int, call: Call, given: tuple[Any, ...], group: Group | None, timeout: float | None
     ) -> Persistent:
-        def road(seconds: float | None) -> tuple[Any, Rendezvous, Sequencer, float, str | None]:
-            member, (rendezvous, sequencer), limit, problem = self._road(peer_id, group, seconds)
-            return member, rendezvous, sequencer, limit, problem
-
-        return Persistent(peer_id, call, given, road, timeout)
+        return Persistent(peer_id, call, given, partial(self._road, peer_id, group), timeout)
