@@ -18,6 +18,21 @@ WORKER = str(Path(__file__).with_name("node_worker.py"))
 READY = "collective orchestrator: listening on "
 
 
+# Every launcher's variables (ours, Slurm's, Open MPI's, torchrun's): a child that is to see only
+# the ones a test gives it starts from ``outside_launchers()``.
+LAUNCHER_PREFIXES = ("COLLECTIVE_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def outside_launchers(keep: Collection[str] = ()) -> dict[str, str]:
+    """This process's environment without any launcher's variables, but those named in ``keep``."""
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if k in keep or not (k.startswith(LAUNCHER_PREFIXES) or k in LAUNCHER_VARIABLES)
+    }
+
+
 def interruptible() -> None:
     """In a child before it runs: SIGINT as a terminal's Ctrl-C finds it (a shell's background job
     inherits SIGINT ignored, and Python then never raises KeyboardInterrupt)."""

@@ -21,21 +21,16 @@ import pytest
 
 from collective.launch import free_port, stop_processes
 from tests.conftest import RUN_SETTINGS
+from tests.processes import outside_launchers
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "docs" / "examples" / "deploy"
 FAKE_SLURM = Path(__file__).with_name("fake_slurm")
-LAUNCHER_PREFIXES = ("COLLECTIVE_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def sbatch(script: str, tasks_per_node: int, **extra: str) -> subprocess.CompletedProcess[str]:
     """Run ``script`` as sbatch would on 2 nodes (both this machine, at two loopback addresses)."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k in RUN_SETTINGS or not (k.startswith(LAUNCHER_PREFIXES) or k in LAUNCHER_VARIABLES)
-    }
+    env = outside_launchers(keep=RUN_SETTINGS)
     env.update(
         PATH=os.pathsep.join([str(FAKE_SLURM), str(Path(sys.executable).parent), env.get("PATH", "")]),
         SLURM_JOB_ID="4242",
@@ -141,8 +136,7 @@ def test_the_kubernetes_manifest_runs_as_written(tmp_path: Path) -> None:
         return text.replace("$(JOB_COMPLETION_INDEX)", str(index))
 
     def environment(container: dict[str, Any], index: int = 0) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith(LAUNCHER_PREFIXES)}
-        env = {k: v for k, v in env.items() if k not in LAUNCHER_VARIABLES}
+        env = outside_launchers()
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         env["OMP_NUM_THREADS"] = "1"
         for item in container["env"]:

@@ -24,7 +24,7 @@ from collective.transport.kv.client import StoreClient, StoreError
 from collective.transport.kv.store import Stores
 from collective.transport.orchestrator import Orchestrator
 from tests.conftest import RUN_SETTINGS, wait_until
-from tests.processes import READY, Proc
+from tests.processes import READY, Proc, outside_launchers
 
 # -- the stores (one orchestrator's, called directly) ---------------------------------------------
 
@@ -181,8 +181,6 @@ def test_a_wrong_token_or_no_orchestrator_is_named(served: Orchestrator) -> None
 WORKER = Path(__file__).with_name("torchrun_worker.py")
 ORCHESTRATOR = [sys.executable, "-m", "collective", "-v", "orchestrator", "--port", "0"]
 ROUND = re.compile(r"ROUND (\S+) (\d+) (\d+) (\d+)")
-LAUNCHER_PREFIXES = ("COLLECTIVE_", "SLURM_", "OMPI_", "PMIX_", "TORCHELASTIC_")
-LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 class Machines:
@@ -276,11 +274,7 @@ def test_two_torchrun_agents_meet_through_the_orchestrator_and_one_restarts(tmp_
     process fails, restarts and goes on alone; a new agent comes up on that host and the world is 2
     again, each round a job of its own on the orchestrator (which runs on the first host)."""
     pytest.importorskip("torch")
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k in RUN_SETTINGS or not (k.startswith(LAUNCHER_PREFIXES) or k in LAUNCHER_VARIABLES)
-    }
+    env = outside_launchers(keep=RUN_SETTINGS)
     env.update(COLLECTIVE_TOKEN="a torchrun token", OMP_NUM_THREADS="1", COLLECTIVE_TIMEOUT="30")
     finish = tmp_path / "finish"
     agents: list[Agent] = []

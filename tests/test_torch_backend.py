@@ -6,7 +6,6 @@ build). The processes run tests/torch_worker.py with torchrun's variables on 127
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import threading
@@ -24,25 +23,12 @@ from collective.errors import MismatchError, PeerLostError  # noqa: E402
 from collective.launch import free_port  # noqa: E402
 from collective.torch.work import TorchWork, array, backend_error, fill, host  # noqa: E402
 from tests.conftest import RUN_SETTINGS  # noqa: E402
-from tests.processes import Proc, finish_all  # noqa: E402
+from tests.processes import Proc, finish_all, outside_launchers  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 
 WORKER = str(Path(__file__).with_name("torch_worker.py"))
-LAUNCHER_VARIABLES = (
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "TORCHELASTIC_USE_AGENT_STORE",
-)
-CLEAN = {
-    k: v
-    for k, v in os.environ.items()
-    if k in RUN_SETTINGS or not k.startswith(("COLLECTIVE_", "SLURM_", "OMPI_"))
-}
-CLEAN = {k: v for k, v in CLEAN.items() if k not in LAUNCHER_VARIABLES}
+CLEAN = outside_launchers(keep=RUN_SETTINGS)  # (the workers' own variables come from each test)
 
 
 def torchrun(rank: int, world: int, port: int, **extra: str) -> dict[str, str]:
