@@ -504,6 +504,7 @@ def test_shm_vs_gloo_runs_ours_and_persistent_over_processes_and_checks_every_re
     rows = [line.split() for line in out.splitlines() if not line.startswith("#")][1:]
     assert len(rows) == 10 and all(row[0] == "2" and float(row[4]) > 0 < float(row[6]) for row in rows), out
     assert "# decode, 2 procs, 8 B per all_reduce: tokens/s ours " in out and ", persistent " in out
+    assert "# target 2 procs all_reduce 8 B: persistent time <= 5 us: " in out  # (its own targets)
     assert "# wrong result elements: 0" in out
 
 
