@@ -58,6 +58,7 @@ CLIENT_HWM = 64  # control messages queued each way
 WAITING_LOG_EVERY = 3.0  # seconds between "still waiting for ..." lines while the job forms
 ASKED_POLL = 0.01  # the heartbeat thread's poll (seconds) while a question waits for its answer
 PAUSED = 0.5  # a heartbeat loop turn this much longer than it should take: this process did not run
+SETTLE = 1.0  # seconds ``settle`` gives the heartbeat thread to come back from a pause and hear why
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,11 @@ class OrchestratorClient:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lost: CollectiveError | None = None
+        # The heartbeat loop's last turn, and whether it is asking the orchestrator about a pause of
+        # this process (``settle`` waits for both: the Condition is notified every turn).
+        self._turns = threading.Condition()
+        self._turned = time.monotonic()
+        self._checking = False
         self._left: dict[int, tuple[str, float]] = {}  # node index -> (reason, when)
         self.topology: Topology | None = None
         # What this node's peers do, sent with every heartbeat once the job formed ([peer, text]
@@ -291,6 +297,20 @@ class OrchestratorClient:
         """The error that broke the job (a node or the orchestrator lost), if any."""
         return self._lost
 
+    def settle(self, wait: float = SETTLE) -> None:
+        """Give the heartbeat thread, when it has not run for a while (this process was stopped, or
+        starved), the time to run and, when it found this process paused past the loss threshold,
+        to hear the orchestrator's answer: at most ``wait`` seconds. A failure found just after a
+        pause (another node's connection closed meanwhile) is then named by ``lost()`` for what it
+        was: this node declared lost while it did not run."""
+        deadline = time.monotonic() + wait
+        with self._turns:
+            while self._checking or time.monotonic() - self._turned > PAUSED:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._thread is None or not self._thread.is_alive():
+                    return
+                self._turns.wait(remaining)
+
     def left(self, node: int) -> tuple[str, float] | None:
         """(reason, when) if ``node`` left the job or was lost."""
         return self._left.get(node)
@@ -314,6 +334,7 @@ class OrchestratorClient:
                 last_heard += gap  # time it did not run does not count against the orchestrator
                 if gap > self._lost_after:
                     suspended, next_beat = gap + poll, 0.0
+                    self._checking = True  # (until the answer to the next heartbeat)
                     log.warning(
                         "this node did not run for %.1f s (suspended?): checking with the orchestrator",
                         suspended,
@@ -328,12 +349,17 @@ class OrchestratorClient:
                         self._answered(message)
                     elif message["t"] == "evicted":
                         self._evicted(message, suspended)
+                    if message["t"] in ("pong", "evicted"):  # a heartbeat's answer
+                        self._checking = False
             elif now - last_heard > self._lost_after:
                 self._fail(
                     PeerLostError(
                         f"the orchestrator at {self.address} stopped answering ({self._lost_after:g}s)"
                     )
                 )
+            with self._turns:
+                self._turned = now
+                self._turns.notify_all()
         self._post({"t": "leave"})
         self._socket.close()
 

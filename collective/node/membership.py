@@ -277,6 +277,11 @@ class NodeJob:
             assert self.topology is not None
             return PeerLostError(f"{self.topology.describe(src)} {left[0]}", self.topology.peers[src])
         if self._network.closed(src):  # (what it sent before was handed over first: it sends no more)
+            if orchestrator:  # (just after this process was paused, the orchestrator's verdict says why)
+                self._client.settle()
+                error = self._client.lost()
+                if error is not None:
+                    return clone_error(error)
             assert self.topology is not None
             why = "left the job" if left is not None else "its process exited, crashed or was killed"
             return PeerLostError(
