@@ -198,6 +198,23 @@ def persistent(peer: int, world: int, how: str = "uses") -> int:
         count += 5
     for handle in (total, gathered, scattered, sent, met):
         handle.free()
+    # A strided input (packed again at each use), its uses between normal calls of the group
+    base = np.zeros(8)
+    strided = col.all_reduce_init(peer, base[::2])
+    for use in range(3):
+        base[::2] = peer + use
+        expected = sum(p + use for p in range(world))
+        np.testing.assert_array_equal(strided(), np.full(4, float(expected)), err_msg=f"strided use {use}")
+        assert col.all_reduce(peer, np.ones(1))[0] == world, "a normal call between uses"
+        count += 2
+    # Peer 0 uses its handle while the others free theirs: a mismatch on every peer, naming the free
+    try:
+        strided() if peer == 0 else strided.free()
+        raise AssertionError("a use met a free without an error")
+    except col.MismatchError as exc:
+        assert "all_reduce_free" in str(exc), exc
+        count += 1
+    strided.free()  # (freed already: nothing to do)
     return count
 
 

@@ -151,7 +151,6 @@ class RingSegment(Segment):
         self.keys = view[_KEYS : _KEYS + 8 * CHANNELS].cast("Q")
         self.bell_address = int(np.frombuffer(memory, np.int32, 1, _BELL).ctypes.data)
         self.channels = [Channel(memory, _FIRST + i * _CHANNEL) for i in range(CHANNELS)]
-        self._lock = threading.Lock()
 
     # -- state --------------------------------------------------------------------------------
 
@@ -164,9 +163,12 @@ class RingSegment(Segment):
         _FUTEX.wake(self.bell_address)
 
     def bump(self) -> None:
-        """Ring the bell: another word of this segment changed (owner only)."""
-        with self._lock:
-            self.bell[0] = (self.bell[0] + 1) & 0x7FFFFFFF
+        """Ring the bell: another word of this segment changed (owner only). Lock-free: two threads
+        of the owner that bump at once may count one bump, which still changes the bell from what
+        a sleeper read before either one's word changed (each writes its word before reading the
+        bell), so that sleeper's futex wait returns: all a bump is for."""
+        bell = self.bell
+        bell[0] = (bell[0] + 1) & 0x7FFFFFFF
 
     # -- the channel directory ----------------------------------------------------------------
 

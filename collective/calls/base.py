@@ -21,7 +21,17 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from collective.algorithms.ops import Array, ReduceOp
-from collective.arrays import CPU, Device, check_array, check_out, flat, integer, placement, scale_for_mean
+from collective.arrays import (
+    CPU,
+    Device,
+    array_module,
+    check_array,
+    check_out,
+    flat,
+    integer,
+    placement,
+    scale_for_mean,
+)
 from collective.calls.movement import Movement
 from collective.calls.signature import Rules, Signature, describe_peers
 from collective.errors import InvalidArgumentError
@@ -62,6 +72,7 @@ class Call:
         "created",
         "device",
         "kept",
+        "last",
         "number",
         "op",
         "op_arg",
@@ -69,6 +80,7 @@ class Call:
         "out",
         "out_apart",
         "out_given",
+        "packed",
         "problem",
         "rank",
         "root",
@@ -103,6 +115,7 @@ class Call:
             self.out_apart = where == "apart"
         self.root_peer = root  # the root as the caller named it (a peer id); ``root`` becomes its rank
         self.src: Array | None = None  # this peer's flat input, once prepared
+        self.packed = False  # src is a contiguous copy of x (x is not contiguous)
         self.device = CPU
         self.rank = 0  # this peer's rank in the group, once prepared
         self.problem: str | None = problem  # set by refuse(): found before this call was made
@@ -117,6 +130,7 @@ class Call:
         self.strategy: str | None = None  # the strategy it names ("auto", "ring", ...; None: the config's)
         # A persistent call's signature, kept once agreed (collective.persistent): its uses skip prepare.
         self.kept: Signature | None = None
+        self.last: Any = None  # its last use's Step, where a use may run again as it (Rendezvous.again)
 
     # -- before the rendezvous: this peer's own checks ------------------------------------------
 
@@ -127,6 +141,8 @@ class Call:
         given as a peer id; from here on ``root`` is its rank in the group.
         """
         if self.kept is not None:  # a persistent call's use: checked when it was made
+            if self.packed:  # (its input packed again: a use reads x's contents now)
+                array_module(self.x).copyto(self.src.reshape(self.x.shape), self.x)
             return self.kept
         self.device = device
         self.rank = rank
@@ -152,6 +168,7 @@ class Call:
             self.signature = self.signature._replace(strategy=self.strategy)
         if problem is None and self.x is not None:
             self.src = flat(self.x)
+            self.packed = not self.x.flags.c_contiguous
         return self.signature
 
     def source(self) -> Array | None:

@@ -60,6 +60,7 @@ class _Inward:
     host's leader as the call's movement wants it (``Movement.inward``)."""
 
     source_elsewhere = True  # a broadcast or scatter rooted on another host has no source here
+    repeated = False
 
     def __init__(self, call: Call, tier: HostTier) -> None:
         self.call = call
@@ -97,6 +98,7 @@ class _Relay:
     another process of the host gets a result from it."""
 
     source_elsewhere = False
+    repeated = False
 
     def __init__(
         self, tier: HostTier, step: Step, signature: Signature, product: Array | None = None

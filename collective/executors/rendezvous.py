@@ -110,7 +110,11 @@ class Rendezvous:
         index = self._index[peer]
         if not RECORDER.enabled:
             call.prepare(device, self.members, self._ranks[index])
-            return self.step(peer, index, call, time.monotonic() + timeout, timeout).run()
+            step = self.step(peer, index, call, time.monotonic() + timeout, timeout)
+            result = step.run()
+            if call.kept is not None and self._alone:
+                call.last = step  # (the next use runs again as this step: again())
+            return result
         # Recorded: while open, the call (then its step) is this peer's live call here, which a dump
         # reads (in_flight); once ended, one tuple in the recorder's ring.
         live = self._live
@@ -127,11 +131,48 @@ class Rendezvous:
             self._failed(index, call, exc)
             raise
         live[index] = None
-        plan = step.plan
+        self._completed(step, created)
+        if call.kept is not None and self._alone:
+            call.last = step
+        return result
+
+    def again(self, peer: int, device: Device, timeout: float, call: Call) -> Any:
+        """A use of a persistent call (``call.kept``): where this peer is the group's one peer in
+        this process, its last use's step runs again with the next step's number and a new
+        deadline, without agreeing the call or choosing its executor again (both were, and nothing
+        they depend on changed: a persistent call's arguments cannot); otherwise ``run``."""
+        step = call.last
+        if step is None:
+            return self.run(peer, device, timeout, call)
+        job, plan = self.job, step.plan
+        call.prepare(device, self.members, step.rank)  # (kept: only a strided input is packed again)
+        with job.lock:  # (what _decide_alone does first)
+            job.check_member(peer)
+            number = self._next[0]
+            self._next[0] = number + 1
+        plan.number, plan.label = number, f"{call.kind} #{number}"
+        step.deadline, step.timeout = time.monotonic() + timeout, timeout
+        if not RECORDER.enabled:
+            return step.run()
+        call.number = number
+        created = call.created = call.started = time.time_ns()
+        self._live[0] = step
+        try:
+            result = step.run()
+        except BaseException as exc:
+            self._failed(0, call, exc)
+            raise
+        self._live[0] = None
+        self._completed(step, created)
+        return result
+
+    def _completed(self, step: Step, created: int) -> None:
+        """The recorder's entry of a completed step (one tuple in its ring)."""
+        plan, call = step.plan, step.call
         executor = plan.executor
         RECORDER.record(
             (
-                peer,
+                step.peer,
                 self.members,
                 plan.number,
                 call.kind,
@@ -146,7 +187,6 @@ class Rendezvous:
                 None,
             )
         )
-        return result
 
     def _failed(self, index: int, call: Call, error: BaseException) -> None:
         """Record this peer's failed call, and dump the recorder if it failed for want of a peer

@@ -27,12 +27,17 @@ class _CallTask:
 
     __slots__ = ("call", "signature", "size", "step")
     source_elsewhere = False
+    repeated = False
 
     def __init__(self, step: Step, size: int) -> None:
         self.call = step.call
         self.step = step
         self.size = size
         self.signature = step.call.signature
+
+    def kept(self) -> _CallTask:
+        """The task of each use of this persistent call (collective.persistent): the same buffers."""
+        return _KeptTask(self.step, self.size)
 
     def rules(self, kind: str) -> Rules:
         return rules_of(kind)
@@ -52,6 +57,43 @@ class _CallTask:
         return self.call.new_result(self.call.device, agreed, self.size, self.step.rank)
 
 
+class _KeptTask(_CallTask):
+    """A persistent call's task, kept on its step for every use: its input and result are the same
+    host buffers each time (looked up at the first use; a CuPy input goes through the host anew)."""
+
+    __slots__ = ("_no_target", "_source", "_target")
+
+    def __init__(self, step: Step, size: int) -> None:
+        super().__init__(step, size)
+        self._source: np.ndarray | Pieces | None = None
+        self._target: Array | None = None
+        self._no_target = False
+
+    @property
+    def repeated(self) -> bool:  # type: ignore[override]
+        """Whether every use reads and writes the same host buffers (found by the first use)."""
+        sourced = self._source is not None or self.call.src is None
+        return sourced and (self._target is not None or self._no_target)
+
+    def source(self) -> np.ndarray | Pieces | None:
+        found = self._source
+        if found is None:
+            found = super().source()
+            if found is not None and (type(found) is Pieces or found is self.call.src):
+                self._source = found  # (read in place each use: not a copy)
+        return found
+
+    def target(self, agreed: Signature, movement: Movement) -> Array | None:
+        found = self._target
+        if found is None:
+            found = super().target(agreed, movement)
+            if found is None:
+                self._no_target = True
+            elif found is self.call.out:
+                self._target = found
+        return found
+
+
 class ShmExecutor:
     """The executor of a group whose processes all run on this host: its steps are its ShmGroup's."""
 
@@ -63,7 +105,11 @@ class ShmExecutor:
 
     def run(self, step: Step) -> Array | None:
         plan = step.plan
-        task = _CallTask(step, self.group.n)
+        task = step.task
+        if task is None:
+            task = _CallTask(step, self.group.n)
+            if step.call.kept is not None:
+                step.task = task = task.kept()
         step.agreed, result = self.group.run(
             plan.number, plan.label, step.deadline, step.timeout, task, plan.error
         )

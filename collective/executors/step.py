@@ -106,7 +106,7 @@ class Plan:
 class Step:
     """Peer ``peer``'s part of ``plan``."""
 
-    __slots__ = ("agreed", "call", "deadline", "index", "peer", "plan", "rank", "timeout")
+    __slots__ = ("agreed", "call", "deadline", "index", "peer", "plan", "rank", "task", "timeout")
 
     def __init__(
         self, plan: Plan, peer: int, index: int, rank: int, call: Call, deadline: float, timeout: float
@@ -119,6 +119,7 @@ class Step:
         self.deadline = deadline
         self.timeout = timeout
         self.agreed = plan.agreed  # the call as agreed; an executor that agrees beyond this process sets it
+        self.task: Any = None  # what an executor keeps of a persistent call's step for its next use
 
     def run(self) -> Any:
         """This peer's result (its executor's work, then the call's last touch)."""

@@ -86,7 +86,7 @@ class Persistent:
             call.origin = caller(2)
         rendezvous, member = self._rendezvous, self._member
         self._work = self._sequencer.submit(
-            lambda: self._used(rendezvous.run, member, seconds, call), call.kind
+            lambda: self._used(rendezvous.again, member, seconds, call), call.kind
         )
 
     def wait(self, timeout: float | None = None) -> Any:
@@ -159,10 +159,9 @@ class Persistent:
     def _run(self, call: Call, seconds: float, origin: Any) -> Any:
         call.origin = origin
         rendezvous, member = self._rendezvous, self._member
+        run = rendezvous.again if call is self._call else rendezvous.run  # (a use, or not)
         try:
-            result = self._sequencer.call(
-                rendezvous.run, call.kind, member.peer, member.device, seconds, call
-            )
+            result = self._sequencer.call(run, call.kind, member.peer, member.device, seconds, call)
         except MismatchError as exc:
             self._met_a_free(exc)
             raise

@@ -65,6 +65,12 @@ class ShmTask(Protocol):
         ...
 
     @property
+    def repeated(self) -> bool:
+        """Whether this task is run again and again unchanged (a persistent call's: its signature,
+        input and result buffer are the same objects at every step it is passed to)."""
+        ...
+
+    @property
     def source_elsewhere(self) -> bool:
         """Whether a sourced call may have its source outside this group (a host tier's)."""
         ...
@@ -117,6 +123,7 @@ class ShmGroup:
         self._channels: list[Any] = []  # every member's channel, by rank (once all were found)
         self._heads: list[list[Any]] = [[], []]  # every member's slot head, by slot and rank
         self._agreed: dict[tuple[Any, ...], Any] = {}  # (agreed call, inline inputs) by digests and sizes
+        self._again: _Again | None = None  # what a repeated task's last small step found (``_step_again``)
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -145,6 +152,9 @@ class ShmGroup:
             self.last = s
             if not self._segments:
                 self._map(s)
+            again = self._again
+            if again is not None and again.task is task and error is None:
+                return self._step_again(s, deadline, again)
             return self._step(s, deadline, task, error)
         except CollectiveError as exc:
             if self._active is not None:
@@ -190,7 +200,39 @@ class ShmGroup:
             target.set(dst)  # a CuPy result
         self._finished(s)
         STEPS[agreed.kind] += 1
+        if task.repeated and inputs is not None and host and (source is None or source is inline):
+            self._again = _Again(task, message, digest, inline, result, dst)
         return agreed, result
+
+    def _step_again(self, s: int, deadline: float, again: _Again) -> tuple[Signature, Array | None]:
+        """Step ``s`` of a repeated task whose last step was small (a persistent call's use): ``_step``
+        less what that step found and cannot have changed: the message, the input's bytes and
+        the result's buffer. The agreement is the same ``_agree`` (a member that calls something
+        else this time, or frees its handle, fails it the same way)."""
+        slot = s & 1
+        if s >= 2 and self._met != s - 1:
+            self._wait_all((s - 2) << 32 | ABORT, deadline, False)  # all left step s-2: slot s % 2 is free
+        message, nbytes = again.message, again.nbytes
+        mine = self.mine
+        head = mine.slot_heads[slot]
+        if self._written[slot] is not message:
+            mine.messages[slot][: len(message)] = message
+            self._written[slot] = message
+            head[1] = len(message)
+            head[3] = again.digest
+        if nbytes > 0:
+            mine.data[slot][:nbytes] = again.data
+        head[2] = nbytes
+        head[0] = s
+        self.post(s << 32 | ARRIVE)
+        self._wait_all(s << 32 | ARRIVE, deadline)
+        self._met = s
+        agreed, movement, inputs = self._agree(s, slot, message, again.digest, again.task)
+        if again.dst is not None:
+            movement.own(inputs, self.rank, again.dst)
+        self._finished(s)
+        STEPS[agreed.kind] += 1
+        return agreed, again.result
 
     def _map(self, s: int) -> None:
         """Map every other member's segment (a failure is this process giving up the step)."""
@@ -229,24 +271,28 @@ class ShmGroup:
         """
         channels = self._channels or self._all_channels()
         heads = self._heads[slot]
-        key: tuple[Any, ...] = (slot, type(task))  # (a kind of task: its rules and movements)
+        abort, end = s << 32 | ABORT, s << 32 | END
+        me, segments, index = self.rank, self._segments, self._their_index
+        key: list[Any] = [slot, type(task)]  # (a kind of task: its rules and movements)
         for rank, head in enumerate(heads):
-            value = channels[rank].progress[0]  # it gave the step up since it came (and may be on)
-            gave_up = value >= at(s, ABORT) and value != at(s, END) and channels[rank].record(s)
-            if rank != self.rank and gave_up:
-                raise self._theirs_error(rank, gave_up)
-            if rank != self.rank and self._segments[rank].keys[self._their_index[rank]] != self.key:
-                raise self._theirs_error(rank, "||left the step")  # (and let its channel go)
-            if head[0] != s or not 0 <= head[1] <= MESSAGE_BYTES:
-                problem = f"{self._label}: {self._who([rank])} published step {head[0]}, not {s}"
+            if rank != me:
+                value = channels[rank].progress[0]  # it gave the step up since it came (and may be on)
+                gave_up = value >= abort and value != end and channels[rank].record(s)
+                if gave_up:
+                    raise self._theirs_error(rank, gave_up)
+                if segments[rank].keys[index[rank]] != self.key:
+                    raise self._theirs_error(rank, "||left the step")  # (and let its channel go)
+            seq, length, size, digested = head[0], head[1], head[2], head[3]
+            if seq != s or not 0 <= length <= MESSAGE_BYTES:
+                problem = f"{self._label}: {self._who([rank])} published step {seq}, not {s}"
                 self._finish_with(s, MismatchError(problem))
-            key += (head[3], head[2])
-        found = self._agreed.get(key)
+            key += (digested, size)
+        found = self._agreed.get(tuple(key))
         if found is None:
             found = self._agreed_anew(s, slot, message, digest, channels, heads, task)
             if len(self._agreed) > 32:
                 self._agreed.clear()
-            self._agreed[key] = found
+            self._agreed[tuple(key)] = found
         return found
 
     def _agreed_anew(
@@ -300,7 +346,7 @@ class ShmGroup:
     def _finished(self, s: int) -> None:
         self._active = None
         self.ended = (s, None)
-        self.post(at(s, END))
+        self.post(s << 32 | END)
 
     # -- progress -------------------------------------------------------------------------------
 
@@ -338,8 +384,8 @@ class ShmGroup:
                 self._channels, self._agreed = [], {}
         value = channel.progress[0]
         s = target >> 32
-        if aborts and value >= at(s, ABORT):
-            reason = channel.record(s) if value > at(s, END) or value == at(s, ABORT) else None
+        if aborts and value >= (s << 32 | ABORT):
+            reason = channel.record(s) if value > (s << 32 | END) or value == (s << 32 | ABORT) else None
             if reason is not None:
                 raise self._theirs_error(rank, reason)
 
@@ -453,3 +499,24 @@ class ShmGroup:
 
     def _who(self, ranks: list[int]) -> str:
         return describe_peers([self.members[rank] for rank in ranks])
+
+
+class _Again:
+    """What a repeated task's small step found, for its next (ShmGroup._step_again): its published
+    message and digest, its input's bytes (None: it has none), its result and that as flat host memory."""
+
+    __slots__ = ("data", "digest", "dst", "message", "nbytes", "result", "task")
+
+    def __init__(
+        self,
+        task: ShmTask,
+        message: bytes,
+        digest: int,
+        source: np.ndarray | None,
+        result: Array | None,
+        dst: np.ndarray | None,
+    ) -> None:
+        self.task, self.message, self.digest = task, message, digest
+        self.data = None if source is None else source.view(np.uint8)
+        self.nbytes = -1 if source is None else source.nbytes
+        self.result, self.dst = result, dst
