@@ -20,11 +20,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from collective.algorithms.ops import Array, ReduceOp
+from collective.algorithms.ops import Array, ReduceOp, array_module
 from collective.arrays import (
     CPU,
     Device,
-    array_module,
     check_array,
     check_out,
     flat,
@@ -142,7 +141,8 @@ class Call:
         """
         if self.kept is not None:  # a persistent call's use: checked when it was made
             if self.packed:  # (its input packed again: a use reads x's contents now)
-                array_module(self.x).copyto(self.src.reshape(self.x.shape), self.x)
+                x = self.x
+                array_module(x).copyto(self.src.reshape(x.shape), x)  # type: ignore[union-attr]
             return self.kept
         self.device = device
         self.rank = rank

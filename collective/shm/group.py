@@ -228,7 +228,9 @@ class ShmGroup:
         self._wait_all(s << 32 | ARRIVE, deadline)
         self._met = s
         agreed, movement, inputs = self._agree(s, slot, message, again.digest, again.task)
-        if again.dst is not None:
+        if inputs is None:  # (a large step: cannot be, the sizes agree as last time; as _step would)
+            movement.stream(Chunks(self, movement.dtype, s, deadline), again.task.source(), again.dst)
+        elif again.dst is not None:
             movement.own(inputs, self.rank, again.dst)
         self._finished(s)
         STEPS[agreed.kind] += 1
