@@ -253,8 +253,8 @@ class ShmGroup:
             head[2] = -1
         else:
             nbytes = data.nbytes
-            if nbytes:
-                mine.slots[slot][:nbytes] = data.view(np.uint8)  # bytes: bfloat16 has no buffer format
+            if nbytes:  # (as bytes: bfloat16 has no buffer format; a small copy's fastest way)
+                mine.data[slot][:nbytes] = data.tobytes() if nbytes <= 1024 else data.view(np.uint8)
             head[2] = nbytes
         head[0] = s
         self.post((s << 32) | ARRIVE)
