@@ -86,7 +86,7 @@ def data(peer: int, shape: Any, dtype: Any, salt: int) -> np.ndarray:
 def same(got: Any, expected: np.ndarray, what: str) -> None:
     assert got is not None, what
     assert got.shape == expected.shape and got.dtype == expected.dtype, (what, got.shape, got.dtype)
-    assert got.tobytes() == expected.tobytes(), what
+    assert got.tobytes() == expected.tobytes(), (what, got.tolist()[:3], expected.tolist()[:3])
 
 
 def every(peer: int, world: int) -> int:
@@ -166,19 +166,33 @@ def groups(peer: int, world: int) -> int:
     return count
 
 
-def evicted(peer: int, world: int, extra: str = "2") -> int:
+def evicted(peer: int, world: int, extra: str = "2", how: str = "calls") -> int:
     """5 processes: peer 0 uses 9 groups, peer 1 only two of them, so peer 0 evicts the channel of
     [0, 1] (8 channels a segment) and gives it to [0, 1, 2], which runs ``extra`` more steps; then
-    [0, 1] goes on, and peer 1 must find its new channel (not read [0, 1, 2]'s)."""
+    [0, 1] goes on, and peer 1 must find its new channel (not read [0, 1, 2]'s). ``how``
+    "persistent": [0, 1] runs its steps as uses of one persistent all_reduce (each use after the
+    first repeats what the last found: the new channel must be found all the same)."""
     others = [(0, 2), (0, 3), (0, 4), (0, 2, 3), (0, 2, 4), (0, 3, 4), (0, 2, 3, 4), (0, 1, 2)]
-    plan = [((0, 1), 1.0)] + [(m, 10.0 + i) for i, m in enumerate(others)]
-    plan += [(others[-1], 100.0 + k) for k in range(int(extra))] + [((0, 1), 2.0 + k) for k in range(3)]
+    plan = [((0, 1), 1.0 + k) for k in range(3 if how == "persistent" else 1)]
+    plan += [(m, 10.0 + i) for i, m in enumerate(others)]
+    plan += [(others[-1], 100.0 + k) for k in range(int(extra))] + [((0, 1), 20.0 + k) for k in range(3)]
+    kept = np.zeros(8)
+    handle = None
+    if how == "persistent" and peer in (0, 1):
+        handle = col.all_reduce_init(peer, kept, out=kept, group=col.new_group([0, 1]))
     count = 0
     for members, value in plan:
         if peer in members:
-            got = col.all_reduce(peer, np.full(8, value * (peer + 1)), group=col.new_group(list(members)))
-            same(got, np.full(8, value * sum(p + 1 for p in members)), str(members))
+            expected = np.full(8, value * sum(p + 1 for p in members))
+            if handle is not None and members == (0, 1):
+                kept[:] = value * (peer + 1)
+                same(handle(), expected, f"{members}, a use")
+            else:
+                got = col.all_reduce(peer, np.full(8, value * (peer + 1)), group=col.new_group(list(members)))
+                same(got, expected, str(members))
             count += 1
+    if handle is not None:
+        handle.free()
     return count
 
 

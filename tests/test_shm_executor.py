@@ -92,11 +92,14 @@ def test_more_groups_than_channels_take_turns(orchestrator: str) -> None:
         assert line.split()[1] == line.split()[3] == "32", line
 
 
-@pytest.mark.parametrize("extra", ["0", "2"])
-def test_a_channel_evicted_by_one_member_is_found_anew_by_the_others(orchestrator: str, extra: str) -> None:
+@pytest.mark.parametrize(("extra", "how"), [("0", "calls"), ("2", "calls"), ("2", "persistent")])
+def test_a_channel_evicted_by_one_member_is_found_anew_by_the_others(
+    orchestrator: str, extra: str, how: str
+) -> None:
     """Peer 0 evicts the channel of group [0, 1] and gives it to another group, which steps on:
-    peer 1 held it; reading it on would hang (0 extra steps) or give that group's values (2)."""
-    procs = start(orchestrator, 5, "evicted", extra)
+    peer 1 held it; reading it on would hang (0 extra steps) or give that group's values (2), the
+    same for uses of a persistent all_reduce (which repeat what their last step found)."""
+    procs = start(orchestrator, 5, "evicted", extra, how)
     for proc, code in zip(procs, finish_all(procs, 100), strict=True):
         assert code == 0, proc.output()
         proc.wait_for("OK", 1)

@@ -59,8 +59,10 @@ _SLOT_HEAD = 64
 _SLOT = _SLOT_HEAD + MESSAGE_BYTES + INLINE_BYTES
 _CHANNEL = _CONTROL + 2 * _SLOT + 2 * CHUNK_BYTES
 SIZE = _FIRST + CHANNELS * _CHANNEL
-# header fields after the segment's own (byte offsets)
-_STATE, _BELL, _SLEEPERS, _KEYS = 32, 40, 44, 64
+# header fields after the segment's own (byte offsets). The sleepers count has a cache line of its
+# own: every post reads the other members' counts, which would otherwise share a line with their
+# bells, which they write at every post (each read a miss between cores).
+_STATE, _BELL, _KEYS, _SLEEPERS = 32, 40, 64, 192
 
 MAX_SLEEP = 0.01  # a blocked waiter looks again at least this often
 _GAVE_AWAY = 20e-6  # a yield that took this long gave the CPU to somebody
@@ -138,7 +140,7 @@ class Channel:
 class RingSegment(Segment):
     """One process's ring segment: its own (``create``, writable) or another's (``attach``, read-only)."""
 
-    MAGIC = b"COLRING1"
+    MAGIC = b"COLRING2"
     SIZE = SIZE
     KIND = "ring"
 

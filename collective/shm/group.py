@@ -202,6 +202,7 @@ class ShmGroup:
         STEPS[agreed.kind] += 1
         if task.repeated and inputs is not None and host and (source is None or source is inline):
             self._again = _Again(task, message, digest, inline, result, dst)
+            self._again.others = [rank for rank in range(self.n) if rank != self.rank]
         return agreed, result
 
     def _step_again(self, s: int, deadline: float, again: _Again) -> tuple[Signature, Array | None]:
@@ -227,7 +228,7 @@ class ShmGroup:
         self.post(s << 32 | ARRIVE)
         self._wait_all(s << 32 | ARRIVE, deadline)
         self._met = s
-        agreed, movement, inputs = self._agree(s, slot, message, again.digest, again.task)
+        agreed, movement, inputs = self._agree_again(s, slot, again)
         if inputs is None:  # (a large step: cannot be, the sizes agree as last time; as _step would)
             movement.stream(Chunks(self, movement.dtype, s, deadline), again.task.source(), again.dst)
         elif again.dst is not None:
@@ -295,6 +296,39 @@ class ShmGroup:
             if len(self._agreed) > 32:
                 self._agreed.clear()
             self._agreed[tuple(key)] = found
+        return found
+
+    def _agree_again(
+        self, s: int, slot: int, again: _Again
+    ) -> tuple[Signature, Movement, list[np.ndarray | None] | None]:
+        """``_agree`` for a repeated task: when every other member published what it published at
+        the last step in this slot (its digest and input size), and the channels are the ones
+        read then, what was agreed then; else ``_agree`` (which names a member calling something
+        else, or freeing its handle)."""
+        found = again.found[slot]
+        channels = self._channels
+        if found is not None and channels is again.channels:
+            heads = self._heads[slot]
+            abort, end = s << 32 | ABORT, s << 32 | END
+            segments, index, published = self._segments, self._their_index, again.published[slot]
+            for rank in again.others:
+                value = channels[rank].progress[0]
+                gave_up = value >= abort and value != end and channels[rank].record(s)
+                if gave_up:
+                    raise self._theirs_error(rank, gave_up)
+                if segments[rank].keys[index[rank]] != self.key:
+                    raise self._theirs_error(rank, "||left the step")
+                head = heads[rank]
+                if head[0] != s or (head[3], head[2]) != published[rank]:
+                    found = None
+                    break
+            else:
+                return found
+        found = self._agree(s, slot, again.message, again.digest, again.task)
+        if self._channels is not again.channels:  # (the other slot's views are of channels gone too)
+            again.found, again.published, again.channels = [None, None], [[], []], self._channels
+        again.found[slot] = found
+        again.published[slot] = [(head[3], head[2]) for head in self._heads[slot]]
         return found
 
     def _agreed_anew(
@@ -507,7 +541,19 @@ class _Again:
     """What a repeated task's small step found, for its next (ShmGroup._step_again): its published
     message and digest, its input's bytes (None: it has none), its result and that as flat host memory."""
 
-    __slots__ = ("data", "digest", "dst", "message", "nbytes", "result", "task")
+    __slots__ = (
+        "channels",
+        "data",
+        "digest",
+        "dst",
+        "found",
+        "message",
+        "nbytes",
+        "others",
+        "published",
+        "result",
+        "task",
+    )
 
     def __init__(
         self,
@@ -522,3 +568,9 @@ class _Again:
         self.data = None if source is None else source.view(np.uint8)
         self.nbytes = -1 if source is None else source.nbytes
         self.result, self.dst = result, dst
+        # what each slot agreed last, while the group read ``channels`` (every member's, by rank),
+        # and what every member published for it (digest, input size); the other members' ranks
+        self.found: list[tuple[Signature, Movement, list[np.ndarray | None] | None] | None] = [None, None]
+        self.published: list[list[tuple[int, int]]] = [[], []]
+        self.channels: list[Any] = []
+        self.others: list[int] = []
