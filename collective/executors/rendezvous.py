@@ -145,25 +145,45 @@ class Rendezvous:
         if step is None:
             return self.run(peer, device, timeout, call)
         job, plan = self.job, step.plan
-        call.prepare(device, self.members, step.rank)  # (kept: only a strided input is packed again)
+        if call.packed:
+            call.prepare(device, self.members, step.rank)  # (kept: a strided input is packed again)
         with job.lock:  # (what _decide_alone does first)
             job.check_member(peer)
             number = self._next[0]
             self._next[0] = number + 1
-        plan.number, plan.label = number, f"{call.kind} #{number}"
+        kind = call.kind
+        plan.number, plan.label = number, f"{kind} #{number}"
         step.deadline, step.timeout = time.monotonic() + timeout, timeout
         if not RECORDER.enabled:
             return step.run()
         call.number = number
         created = call.created = call.started = time.time_ns()
-        self._live[0] = step
+        live = self._live
+        live[0] = step
         try:
             result = step.run()
         except BaseException as exc:
             self._failed(0, call, exc)
             raise
-        self._live[0] = None
-        self._completed(step, created)
+        live[0] = None
+        executor = plan.executor  # (as _completed, in line: this is a persistent call's use)
+        RECORDER.record(
+            (
+                peer,
+                self.members,
+                number,
+                kind,
+                call.origin,
+                step.agreed,
+                executor.path,
+                call.algorithm or executor.strategy,
+                "completed",
+                created,
+                created,
+                time.time_ns(),
+                None,
+            )
+        )
         return result
 
     def _completed(self, step: Step, created: int) -> None:
