@@ -171,7 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("out", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return _worker(args.worker, args.steps, args.out)
+        code = _worker(args.worker, args.steps, args.out)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # (its work is written: a normal exit ran gloo's C++ teardown, which once aborted a rank
+        # with "terminate called without an active exception" and failed the run)
+        os._exit(code)
     import torch
 
     times: dict[tuple[str, str], list[float]] = {}
