@@ -151,8 +151,7 @@ class Rendezvous:
             job.check_member(peer)
             number = self._next[0]
             self._next[0] = number + 1
-        kind = call.kind
-        plan.number, plan.label = number, f"{kind} #{number}"
+        plan.number, plan.label = number, f"{call.kind} #{number}"
         step.deadline, step.timeout = time.monotonic() + timeout, timeout
         if not RECORDER.enabled:
             return step.run()
@@ -166,24 +165,7 @@ class Rendezvous:
             self._failed(0, call, exc)
             raise
         live[0] = None
-        executor = plan.executor  # (as _completed, in line: this is a persistent call's use)
-        RECORDER.record(
-            (
-                peer,
-                self.members,
-                number,
-                kind,
-                call.origin,
-                step.agreed,
-                executor.path,
-                call.algorithm or executor.strategy,
-                "completed",
-                created,
-                created,
-                time.time_ns(),
-                None,
-            )
-        )
+        self._completed(step, created)
         return result
 
     def _completed(self, step: Step, created: int) -> None:

@@ -201,8 +201,8 @@ class ShmGroup:
         self._finished(s)
         STEPS[agreed.kind] += 1
         if task.repeated and inputs is not None and host and (source is None or source is inline):
-            self._again = _Again(task, message, digest, inline, result, dst)
-            self._again.others = [rank for rank in range(self.n) if rank != self.rank]
+            others = [rank for rank in range(self.n) if rank != self.rank]
+            self._again = _Again(task, message, digest, inline, result, dst, others)
         return agreed, result
 
     def _step_again(self, s: int, deadline: float, again: _Again) -> tuple[Signature, Array | None]:
@@ -213,19 +213,7 @@ class ShmGroup:
         slot = s & 1
         if s >= 2 and self._met != s - 1:
             self._wait_all((s - 2) << 32 | ABORT, deadline, False)  # all left step s-2: slot s % 2 is free
-        message, nbytes = again.message, again.nbytes
-        mine = self.mine
-        head = mine.slot_heads[slot]
-        if self._written[slot] is not message:
-            mine.messages[slot][: len(message)] = message
-            self._written[slot] = message
-            head[1] = len(message)
-            head[3] = again.digest
-        if nbytes > 0:
-            mine.data[slot][:nbytes] = again.data
-        head[2] = nbytes
-        head[0] = s
-        self.post(s << 32 | ARRIVE)
+        self._publish(s, slot, again.message, again.digest, again.source)
         self._wait_all(s << 32 | ARRIVE, deadline)
         self._met = s
         agreed, movement, inputs = self._agree_again(s, slot, again)
@@ -274,17 +262,11 @@ class ShmGroup:
         """
         channels = self._channels or self._all_channels()
         heads = self._heads[slot]
-        abort, end = s << 32 | ABORT, s << 32 | END
-        me, segments, index = self.rank, self._segments, self._their_index
+        me = self.rank
         key: list[Any] = [slot, type(task)]  # (a kind of task: its rules and movements)
         for rank, head in enumerate(heads):
             if rank != me:
-                value = channels[rank].progress[0]  # it gave the step up since it came (and may be on)
-                gave_up = value >= abort and value != end and channels[rank].record(s)
-                if gave_up:
-                    raise self._theirs_error(rank, gave_up)
-                if segments[rank].keys[index[rank]] != self.key:
-                    raise self._theirs_error(rank, "||left the step")  # (and let its channel go)
+                self._still_in(s, rank, channels[rank])
             seq, length, size, digested = head[0], head[1], head[2], head[3]
             if seq != s or not 0 <= length <= MESSAGE_BYTES:
                 problem = f"{self._label}: {self._who([rank])} published step {seq}, not {s}"
@@ -298,6 +280,16 @@ class ShmGroup:
             self._agreed[tuple(key)] = found
         return found
 
+    def _still_in(self, s: int, rank: int, channel: Any) -> None:
+        """Raise unless member ``rank``, which arrived at step ``s``, is still in it through this
+        group's channel: it gave the step up since it came (and may be on), or left the channel."""
+        value = channel.progress[0]
+        gave_up = value >= (s << 32 | ABORT) and value != (s << 32 | END) and channel.record(s)
+        if gave_up:
+            raise self._theirs_error(rank, gave_up)
+        if self._segments[rank].keys[self._their_index[rank]] != self.key:
+            raise self._theirs_error(rank, "||left the step")  # (and let its channel go)
+
     def _agree_again(
         self, s: int, slot: int, again: _Again
     ) -> tuple[Signature, Movement, list[np.ndarray | None] | None]:
@@ -308,16 +300,9 @@ class ShmGroup:
         found = again.found[slot]
         channels = self._channels
         if found is not None and channels is again.channels:
-            heads = self._heads[slot]
-            abort, end = s << 32 | ABORT, s << 32 | END
-            segments, index, published = self._segments, self._their_index, again.published[slot]
+            heads, published = self._heads[slot], again.published[slot]
             for rank in again.others:
-                value = channels[rank].progress[0]
-                gave_up = value >= abort and value != end and channels[rank].record(s)
-                if gave_up:
-                    raise self._theirs_error(rank, gave_up)
-                if segments[rank].keys[index[rank]] != self.key:
-                    raise self._theirs_error(rank, "||left the step")
+                self._still_in(s, rank, channels[rank])
                 head = heads[rank]
                 if head[0] != s or (head[3], head[2]) != published[rank]:
                     found = None
@@ -539,19 +524,19 @@ class ShmGroup:
 
 class _Again:
     """What a repeated task's small step found, for its next (ShmGroup._step_again): its published
-    message and digest, its input's bytes (None: it has none), its result and that as flat host memory."""
+    message and digest, its inline input (None: it has none), its result and that as flat host
+    memory, the other members' ranks."""
 
     __slots__ = (
         "channels",
-        "data",
         "digest",
         "dst",
         "found",
         "message",
-        "nbytes",
         "others",
         "published",
         "result",
+        "source",
         "task",
     )
 
@@ -563,14 +548,12 @@ class _Again:
         source: np.ndarray | None,
         result: Array | None,
         dst: np.ndarray | None,
+        others: list[int],
     ) -> None:
-        self.task, self.message, self.digest = task, message, digest
-        self.data = None if source is None else source.view(np.uint8)
-        self.nbytes = -1 if source is None else source.nbytes
-        self.result, self.dst = result, dst
+        self.task, self.message, self.digest, self.source = task, message, digest, source
+        self.result, self.dst, self.others = result, dst, others
         # what each slot agreed last, while the group read ``channels`` (every member's, by rank),
-        # and what every member published for it (digest, input size); the other members' ranks
+        # and what every member published for it (digest, input size)
         self.found: list[tuple[Signature, Movement, list[np.ndarray | None] | None] | None] = [None, None]
         self.published: list[list[tuple[int, int]]] = [[], []]
         self.channels: list[Any] = []
-        self.others: list[int] = []
