@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,56 @@ def outside_launchers(keep: Collection[str] = ()) -> dict[str, str]:
         for k, v in os.environ.items()
         if k in keep or not (k.startswith(LAUNCHER_PREFIXES) or k in LAUNCHER_VARIABLES)
     }
+
+
+_PR_SET_CHILD_SUBREAPER = 36  # (linux/prctl.h)
+
+
+def _children() -> set[int]:
+    """This process's children now, running or not yet reaped (from /proc)."""
+    me, found = os.getpid(), set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rpartition(")")[2].split()
+            except OSError:
+                continue  # (it ended meanwhile)
+            if int(fields[1]) == me:
+                found.add(int(entry))
+    return found
+
+
+@contextlib.contextmanager
+def reaping_orphans(grace: float = 5.0) -> Iterator[None]:
+    """While the block runs, a process orphaned by what it started (a daemon whose parent ended
+    first: a Ray worker left by its raylet) becomes this process's child (Linux's child subreaper)
+    rather than init's; when the block ends, each such child still running is ended (SIGTERM, then
+    SIGKILL after ``grace`` seconds) and every one reaped. Elsewhere the block just runs."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+        yield
+        return
+    before = _children()
+    try:
+        yield
+    finally:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+        adopted = _children() - before
+        for pid in adopted:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        while adopted:
+            for pid in list(adopted):
+                with contextlib.suppress(ChildProcessError):
+                    if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                        if time.monotonic() < deadline:
+                            continue
+                        os.kill(pid, signal.SIGKILL)
+                        os.waitpid(pid, 0)
+                adopted.discard(pid)
+            time.sleep(0.05)
 
 
 def interruptible() -> None:

@@ -1,6 +1,6 @@
 """Ray: the collective backend (collective.ray), a group of 2 actors on a local Ray cluster, every
 op of ray.util.collective against numpy references, with numpy arrays and torch tensors; and Ray
-Train over the torch backend, trained alike under gloo.
+Train over the torch backend, its weights those DDP computes. No Ray process outlives the module.
 
 Skipped where Ray is not installed (the optional extra ``[ray]``; CI installs it).
 """
@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+
+from tests.processes import reaping_orphans
 
 ray = pytest.importorskip("ray")
 pytest.importorskip("ray.util.collective.backend_registry")
@@ -24,10 +27,13 @@ WORLD = 2
 
 
 @pytest.fixture(scope="module")
-def cluster() -> Any:
-    ray.init(num_cpus=WORLD + 1, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    yield ray
-    ray.shutdown()
+def cluster() -> Iterator[Any]:
+    with reaping_orphans():  # (a Ray Train controller once outlived the cluster that ran it)
+        ray.init(num_cpus=WORLD + 1, include_dashboard=False, log_to_driver=False, configure_logging=False)
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
 
 
 @ray.remote(num_cpus=0.5)
