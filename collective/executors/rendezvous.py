@@ -25,7 +25,7 @@ from collective.calls.signature import Signature, agree, describe_peers, unanimo
 from collective.errors import CollectiveError, CollectiveTimeout, MismatchError, PeerLostError
 from collective.executors import choose
 from collective.executors.step import Executor, Plan, Site, Step
-from collective.trace import ALGORITHM, FRAME, KIND, PATH, RECORDER, SEQ, SIGNATURE
+from collective.trace import RECORDER, SEQ
 from collective.transport.inproc import Doorbell, claim_armed, clone_error, ring_claimed
 
 
@@ -91,7 +91,6 @@ class Rendezvous:
         self._sourced: dict[Signature, Signature] = {}  # the lone peer's sourced calls, as agreed
         self._steps = 0  # slots decided so far (for tests of state growth)
         self._live: list[Call | Step | None] = [None] * len(local)  # each local peer's open call (recorded)
-        self._heads: list[tuple[Any, ...] | None] = [None] * len(local)  # each one's last recorded call
         RECORDER.watch(self)
 
     @property
@@ -132,7 +131,7 @@ class Rendezvous:
             self._failed(index, call, exc)
             raise
         live[index] = None
-        self._completed(index, step, created)
+        self._completed(step, created)
         if call.kept is not None and self._alone:
             call.last = step
         return result
@@ -166,27 +165,30 @@ class Rendezvous:
             self._failed(0, call, exc)
             raise
         live[0] = None
-        self._completed(0, step, created)
+        self._completed(step, created)
         return result
 
-    def _completed(self, index: int, step: Step, created: int) -> None:
-        """The recorder's entry of a completed step, kept short: with this peer's last head where
-        the call repeats its last one (the same kind, caller, agreed call, path and algorithm)."""
-        call, executor = step.call, step.plan.executor
-        origin, agreed, path = call.origin, step.agreed, executor.path
-        algorithm = call.algorithm or executor.strategy
-        head = self._heads[index]
-        if (
-            head is None
-            or (head[SIGNATURE] is not agreed and head[SIGNATURE] != agreed)
-            or head[FRAME] != origin
-            or head[PATH] != path
-            or head[KIND] != call.kind
-            or (head[ALGORITHM] is not algorithm and head[ALGORITHM] != algorithm)
-        ):  # (agreed: what every peer agreed, a broadcast receiver's shape, the root)
-            head = (step.peer, self.members, 0, call.kind, origin, agreed, path, algorithm, "completed")
-            head = self._heads[index] = (*head, 0, 0, 0, None)
-        RECORDER.record((head, step.plan.number, created, call.started, time.time_ns()))
+    def _completed(self, step: Step, created: int) -> None:
+        """The recorder's entry of a completed step (one tuple in its ring)."""
+        plan, call = step.plan, step.call
+        executor = plan.executor
+        RECORDER.record(
+            (
+                step.peer,
+                self.members,
+                plan.number,
+                call.kind,
+                call.origin,
+                step.agreed,  # (what every peer agreed: a broadcast receiver's shape, the root)
+                executor.path,
+                call.algorithm or executor.strategy,
+                "completed",
+                created,
+                call.started,
+                time.time_ns(),
+                None,
+            )
+        )
 
     def _failed(self, index: int, call: Call, error: BaseException) -> None:
         """Record this peer's failed call, and dump the recorder if it failed for want of a peer

@@ -4,9 +4,8 @@ Every collective a peer of this process makes is one entry, in the states ``sche
 entered the call), ``started`` (its step is agreed: the call as agreed, the path and schedule it
 takes), ``completed`` or ``failed`` (with the error). While a call is open its rendezvous holds it
 and a dump reads it from there (``Recorder.watch``); once it ends, the rendezvous appends one tuple
-to the ring, kept short (``USE``: a head shared with the peer's calls that repeat it, its number
-and times). What the call was (op, shapes, bytes) is read from its Signature only when dumped, so
-a call pays for a 5-tuple and three clock reads; ``Stats`` tallies the ring in batches (counts and
+to the ring. What the call was (op, shapes, bytes) is read from its Signature only when dumped, so
+a call pays for a tuple and three clock reads; ``Stats`` tallies the ring in batches (counts and
 time histograms of every call since the process started, whatever the ring dropped). The ring
 keeps the newest COLLECTIVE_TRACE_SIZE entries (default 2000; 0 turns the recorder off).
 
@@ -51,13 +50,11 @@ __all__ = [
     "Entry",
     "Recorder",
     "Stats",
-    "USE",
     "as_dict",
     "caller",
     "run_for",
     "size_class",
     "trace_dir",
-    "whole",
 ]
 
 FORMAT = "collective-flight-recorder"
@@ -155,19 +152,6 @@ def size_class(nbytes: int) -> str:
 # once ended, a list while open, by these indices (an entry's fields are named as they are):
 PEER, GROUP, SEQ, KIND, FRAME, SIGNATURE, PATH, ALGORITHM, STATE, CREATED, STARTED, ENDED, ERROR = range(13)
 Entry = Sequence
-# A completed call is kept short in the ring: (head, seq, created, started, ended), where ``head``
-# is a whole entry that stands for what a peer's calls that repeat one call share (its peer, group,
-# kind, caller, signature, path and algorithm; completed): a loop's calls share one head (the
-# rendezvous keeps it), so a call pays for a 5-tuple and ``Stats`` works out a head's key once.
-USE = 5  # the length of such an entry
-
-
-def whole(entry: Sequence[Any]) -> Sequence[Any]:
-    """``entry`` with every field at its index (a call kept short made whole)."""
-    if len(entry) != USE:
-        return entry
-    head, seq, created, started, ended = entry
-    return (*head[:SEQ], seq, *head[SEQ + 1 : CREATED], created, started, ended, None)
 
 
 def described(signature: Any) -> tuple[str | None, int | None, list[list[int]], list[str], int]:
@@ -290,7 +274,6 @@ class Stats:
 
 
 _KEY = operator.itemgetter(GROUP, KIND, ALGORITHM, PATH)
-_HEAD, _USE_CREATED, _USE_ENDED = operator.itemgetter(0), operator.itemgetter(2), operator.itemgetter(4)
 _SIGNATURE = operator.itemgetter(SIGNATURE)
 _SIZED = operator.attrgetter("shape", "dtype", "parts")  # what a call's bytes are worked out of
 _UNSIZED = types.SimpleNamespace(shape=None, dtype=None, parts=())  # (a call that failed unprepared)
@@ -309,62 +292,27 @@ def _row() -> list[Any]:
 def _tally(entries: Sequence[Sequence[Any]], rows: dict[tuple[Any, ...], list[Any]]) -> None:
     """Add ended ``entries`` to ``rows``: keys gathered and numbered in C (itemgetter, map, dict),
     durations and histogram bins counted in numpy (a batch costs a few C passes, not a Python
-    statement an entry). A call kept short (``USE``) is numbered by its head: a key is worked out
-    once per head, not per call."""
-    uses = [entry for entry in entries if len(entry) == USE]
-    if uses:
-        heads = list(map(_HEAD, uses))
-        index: defaultdict[int, int] = defaultdict(itertools.count().__next__)  # id(head) -> its code
-        codes = np.fromiter(map(index.__getitem__, map(id, heads)), np.int64, len(uses))
-        by_id = dict(zip(map(id, heads), heads, strict=True))
-        keys = [_key_of(by_id[ident]) for ident in index]  # (in code order)
-        created = np.fromiter(map(_USE_CREATED, uses), np.int64, len(uses))
-        ended = np.fromiter(map(_USE_ENDED, uses), np.int64, len(uses))
-        _count(rows, keys, codes, ended - created, Counter())
-    if len(uses) == len(entries):
+    statement an entry)."""
+    size = len(entries)
+    if not size:
         return
-    others = [entry for entry in entries if len(entry) != USE]
-    size = len(others)
-    signatures = list(map(_SIGNATURE, others))
+    signatures = list(map(_SIGNATURE, entries))
     if None in signatures:
         signatures = [_UNSIZED if signature is None else signature for signature in signatures]
-    pairs = zip(map(_KEY, others), map(_SIZED, signatures), strict=True)
-    numbered: defaultdict[tuple[Any, ...], int] = defaultdict(itertools.count().__next__)  # key -> its code
-    codes = np.fromiter(map(numbered.__getitem__, pairs), np.int64, size)
-    ended = np.fromiter(map(_ENDED, others), np.int64, size)
-    created = np.fromiter(map(_CREATED, others), np.int64, size)
-    errors = list(map(_ERROR, others))
-    failed = Counter(codes[[error is not None for error in errors]].tolist()) if any(errors) else Counter()
-    keys = [
-        (group, kind, str(algorithm or path or "-"), sized)
-        for (group, kind, algorithm, path), sized in numbered
-    ]
-    _count(rows, keys, codes, ended - created, failed)
-
-
-def _key_of(entry: Sequence[Any]) -> tuple[Any, ...]:
-    """A whole entry's row key: (group, kind, algorithm or path, (shape, dtype, parts))."""
-    signature = entry[SIGNATURE]
-    sized = _SIZED(_UNSIZED if signature is None else signature)
-    return (entry[GROUP], entry[KIND], str(entry[ALGORITHM] or entry[PATH] or "-"), sized)
-
-
-def _count(
-    rows: dict[tuple[Any, ...], list[Any]],
-    keys: list[tuple[Any, ...]],
-    codes: np.ndarray,
-    durations: np.ndarray,
-    failed: Counter[int],
-) -> None:
-    """Add calls numbered ``codes`` (the index of each one's key in ``keys``), of ``durations``
-    (ns), ``failed`` of them per code, to ``rows``."""
-    nanoseconds = np.maximum(durations, 0)
+    keys = zip(map(_KEY, entries), map(_SIZED, signatures), strict=True)
+    index: defaultdict[tuple[Any, ...], int] = defaultdict(itertools.count().__next__)  # key -> its code
+    codes = np.fromiter(map(index.__getitem__, keys), np.int64, size)
+    ended = np.fromiter(map(_ENDED, entries), np.int64, size)
+    nanoseconds = np.maximum(ended - np.fromiter(map(_CREATED, entries), np.int64, size), 0)
     bins = np.minimum(np.frexp(nanoseconds.astype(np.float64))[1], BINS - 1)  # (frexp: the bit length)
-    count = len(keys)
+    count = len(index)
     calls = np.bincount(codes, minlength=count)
     total = np.bincount(codes, weights=nanoseconds, minlength=count)
     histogram = np.bincount(codes * BINS + bins, minlength=count * BINS).reshape(count, BINS)
-    for code, key in enumerate(keys):
+    errors = list(map(_ERROR, entries))
+    failed = Counter(codes[[error is not None for error in errors]].tolist()) if any(errors) else Counter()
+    for ((group, kind, algorithm, path), sized), code in index.items():
+        key = (group, kind, str(algorithm or path or "-"), sized)
         row = rows.setdefault(key, _row())
         row[0] += int(calls[code])
         row[1] += failed.get(code, 0)
@@ -521,16 +469,14 @@ class Recorder:
         older = ring[:count]
         del ring[:count]  # (other threads only append: the first ``count`` are still these)
         held = self._open + older
-        self._open = [entry for entry in held if len(entry) != USE and not entry[ENDED]]
-        self.stats.tally(
-            [entry for entry in held if len(entry) == USE or entry[ENDED]] if self._open else held
-        )
+        self.stats.tally([entry for entry in held if entry[ENDED]])
+        self._open = [entry for entry in held if not entry[ENDED]]
 
     def entries(self) -> list[Sequence[Any]]:
         """The entries a dump holds, oldest first: calls still open from long ago, the newest
         ``size`` ended, sends and receives, then every collective still open."""
         ring = self.ring[-self._size :] if self._size > 0 else []
-        return [*self._open, *map(whole, ring), *sorted(self._flying(), key=_CREATED)]
+        return [*self._open, *ring, *sorted(self._flying(), key=_CREATED)]
 
     def _flying(self) -> list[Sequence[Any]]:
         """The entries of the collectives open now, from the groups they wait or run in."""
@@ -539,7 +485,7 @@ class Recorder:
     def snapshot(self) -> list[dict[str, Any]]:
         """``stats`` as ``col.stats()`` returns them: every call ended so far counted."""
         with self._lock:
-            ended = [entry for entry in (*self._open, *self.ring) if len(entry) == USE or entry[ENDED]]
+            ended = [entry for entry in (*self._open, *self.ring) if entry[ENDED]]
         return self.stats.snapshot(self.world, ended)
 
     def document(self, reason: str) -> dict[str, Any]:
@@ -604,9 +550,7 @@ class Recorder:
         now = time.time_ns()
         found: dict[int, str] = {}
         flying = sorted(self._flying(), key=_CREATED, reverse=True)
-        for entry in itertools.chain(
-            flying, map(whole, reversed(self.ring)), reversed(self._open)
-        ):  # (newest first)
+        for entry in itertools.chain(flying, reversed(self.ring), reversed(self._open)):  # (newest first)
             peer = entry[PEER]
             if peer in wanted and peer not in found:
                 found[peer] = activity(entry, self.world, now)
