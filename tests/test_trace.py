@@ -85,6 +85,44 @@ def test_stats_count_calls_by_kind_algorithm_and_size() -> None:
     assert sum(row["histogram"].values()) == row["calls"] and row["seconds"] > 0
 
 
+def test_every_call_of_a_loop_is_counted_past_the_ring() -> None:
+    """Once the ring drops the oldest calls, stats still count every one, in its own size class,
+    and a dump shows the newest, each with its own number, caller and times."""
+    keys = (("all_reduce", "centralized", "<=1KiB"), ("all_reduce", "centralized", "<=4KiB"))
+
+    def counted() -> dict[tuple[str, str, str], int]:
+        return {(r["kind"], r["algorithm"], r["size_class"]): r["calls"] for r in col.stats()}
+
+    size = RECORDER.size
+    RECORDER.size = 8
+    try:
+        with Runtime(0, 0) as runtime:
+            _joined(runtime, 2)
+            before = counted()
+
+            def loop(peer: int) -> None:
+                for count in [100] * 20 + [300] * 10:  # 800 B, then 2400 B
+                    runtime.all_reduce(peer, np.ones(count), strategy="centralized")
+
+            run_peers(2, loop, runtime)
+            document = RECORDER.document("test")
+    finally:
+        RECORDER.size = size
+    assert len(document["entries"]) <= 8
+    mine = [entry for entry in document["entries"] if entry["peer"] == 0 and entry["kind"] == "all_reduce"]
+    last = mine[-4:]
+    assert [entry["collective_seq_id"] for entry in last] == list(
+        range(last[0]["collective_seq_id"], last[0]["collective_seq_id"] + 4)
+    )
+    assert all(entry["input_sizes"] == [[300]] and entry["state"] == "completed" for entry in last)
+    assert all(
+        entry["frames"][0]["line"] == _line_of('np.ones(count), strategy="centralized")') for entry in last
+    )
+    assert all(entry["duration_ms"] > 0 and entry["time_discovered_started_ns"] for entry in last)
+    after = counted()
+    assert [after.get(key, 0) - before.get(key, 0) for key in keys] == [40, 20]
+
+
 def test_a_peer_that_skips_a_call_is_named_from_the_dump_a_timeout_writes(trace_dir: Path) -> None:
     with Runtime() as runtime:
         _joined(runtime)
