@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import collective as col
+from collective.calls import AllReduce
 from tests.processes import expect_peer_lost, finish_all, start_nodes
 
 JOIN = 30.0
@@ -248,3 +249,26 @@ def test_a_persistent_call_of_a_group_and_a_use_after_finish() -> None:
     assert found[1][0] == found[3][0] == [4.0, 4.0]
     assert all(said[-2] == 4.0 for said in found.values()), found
     assert all("has finished" in said[-1] for said in found.values()), found
+
+
+def test_a_repeated_call_runs_kept_and_one_without_out_is_never_kept() -> None:
+    """Runtime.repeat: the first run checks and agrees the call, and keeps it; each later one runs
+    it again on the same buffer, reading its contents then; a call without ``out`` runs as any
+    call each time (its result is the caller's)."""
+
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        x = np.zeros(3)
+        call = AllReduce(x, "max", out=x)
+        fresh = AllReduce(np.ones(2))
+        seen = []
+        for use in range(4):
+            x[:] = p * 10 + use
+            seen.append(rt.repeat(p, call).tolist())
+            seen.append(rt.repeat(p, fresh).tolist())
+        assert call.kept is not None and fresh.kept is None
+        return seen
+
+    found = run_peers(3, body)
+    for use in range(4):
+        assert all(seen[2 * use] == [20.0 + use] * 3 for seen in found.values()), found
+        assert all(seen[2 * use + 1] == [3.0, 3.0] for seen in found.values()), found

@@ -91,6 +91,8 @@ values = torch.ones(4)
 dist.all_reduce(values)  # LINE 6
 dist.all_reduce(values, async_op=True).wait()  # LINE 7
 dist.broadcast(values, src=0)  # LINE 8
+for _ in range(3):
+    dist.all_reduce(values)  # LINE 10 (its kept call, run again)
 for entry in col.dump_trace(sys.argv[1]) and col.trace.RECORDER.entries():
     print("ENTRY", entry[3], col.trace.recorder.frame_of(entry[4])["line"], flush=True)
 print("STATS", sorted((row["kind"], row["calls"]) for row in col.stats()), flush=True)
@@ -99,13 +101,15 @@ dist.destroy_process_group()
 
 
 def test_the_backends_calls_are_recorded_with_the_scripts_lines(tmp_path: Path) -> None:
-    """The flight recorder sees the torch backend's calls, blocking or not, at the line of the
-    script that made them (not in torch.distributed, nor the worker that ran an async one)."""
+    """The flight recorder sees the torch backend's calls, blocking or not, kept or not, at the
+    line of the script that made them (not in torch.distributed, nor the worker that ran an async
+    one)."""
     proc = Proc([sys.executable, "-c", RECORDED, str(tmp_path / "dump.json")], torchrun(0, 1, free_port()))
     assert finish_all([proc], 120) == [0], proc.output()
     entries = [line.split()[1:] for _, line in proc.lines if line.startswith("ENTRY")]
-    assert entries == [["all_reduce", "6"], ["all_reduce", "7"], ["broadcast", "8"]], proc.output()
-    assert "STATS [('all_reduce', 2), ('broadcast', 1)]" in proc.output()
+    expected = [["all_reduce", "6"], ["all_reduce", "7"], ["broadcast", "8"], *[["all_reduce", "10"]] * 3]
+    assert entries == expected, proc.output()
+    assert "STATS [('all_reduce', 5), ('broadcast', 1)]" in proc.output()
 
 
 MIXED = """
@@ -162,6 +166,14 @@ def test_ddp_trains_exactly_as_under_gloo(tmp_path: Path) -> None:
 def test_ddp_with_sparse_gradients_trains_as_under_gloo() -> None:
     """nn.Embedding(sparse=True): its COO gradients all_reduce (summed, as gloo's) and DDP trains."""
     run_job(2, "sparse")
+
+
+def test_an_all_reduce_repeated_on_the_same_tensor_runs_its_kept_call() -> None:
+    """2 ranks: a tensor all-reduced again and again (new contents, three ops, async too) is kept
+    once per op; a rank that keeps its tensor meets one that does not; a tensor whose memory moved
+    or is read as another dtype or shape is not the kept call's; a mismatch fails both ranks and
+    the group goes on; a kept call keeps no tensor alive; COLLECTIVE_TORCH_REPEAT=0 turns it off."""
+    run_job(2, "repeats")
 
 
 def test_pipeline_parallel_schedules_train_as_one_process_does() -> None:

@@ -9,6 +9,7 @@
     python tests/torch_worker.py kill          DDP training; the last rank SIGKILLs itself in step 3;
                                                the others print "RAISED <seconds> <error>"
     python tests/torch_worker.py reuse         col.init() first: init_process_group reuses its peer
+    python tests/torch_worker.py repeats       all_reduces repeated on the same tensors (kept calls)
     python tests/torch_worker.py mends         groups of the same ranks, receives from several
                                                sources, coalesced errors, split checks, in-place
                                                forms, futures' values, a subgroup's timeout
@@ -19,6 +20,7 @@ Rank and world size come from torchrun's variables (RANK, WORLD_SIZE, MASTER_ADD
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import os
 import signal
@@ -26,6 +28,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -360,6 +363,76 @@ def reuse() -> None:
     )
     col.finish(peer)
     print(f"OK {peer}", flush=True)
+
+
+def repeats() -> None:
+    """All_reduces repeated on the same tensor run their first call kept (Runtime.repeat)."""
+    dist.init_process_group("collective")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.distributed_c10d._get_default_group()
+    assert group.repeats and not group._kept
+    # one tensor, its contents new at each call, three ops, blocking and async: kept once per op,
+    # then run again (the kept step)
+    x = torch.zeros(5)
+    for step in range(6):
+        op = (R.SUM, R.MAX, R.AVG)[step % 3]
+        x.copy_(torch.arange(5.0) * (step + 1) + rank)
+        expected = combine([torch.arange(5.0) * (step + 1) + r for r in range(world)], op)
+        if step % 2:
+            dist.all_reduce(x, op, async_op=True).wait()
+        else:
+            dist.all_reduce(x, op)
+        same(x, expected, f"a kept all_reduce, step {step}")
+    assert len(group._kept) == 3 and all(call.last is not None for call in group._kept.values())
+    # one rank keeps its tensor, the other makes a new one at each call: the same steps
+    kept = torch.zeros(3, dtype=torch.int64)
+    for step in range(4):
+        tensor = kept if rank == 0 else torch.zeros(3, dtype=torch.int64)
+        tensor.fill_(10 * rank + step)
+        dist.all_reduce(tensor)
+        assert tensor.tolist() == [sum(10 * r + step for r in range(world))] * 3, (step, tensor)
+    # the tensor's memory moved, or read as another dtype or shape: not the kept call's
+    z = torch.ones(4)
+    dist.all_reduce(z)
+    dist.all_reduce(z)
+    z.set_(torch.full((4,), float(rank + 2)))
+    dist.all_reduce(z)
+    assert z.tolist() == [float(sum(r + 2 for r in range(world)))] * 4, z
+    as_int = z.view(torch.int32)
+    as_int.fill_((rank + 1) << 24)  # (as float32 bits these add up to other bits)
+    dist.all_reduce(as_int)
+    assert as_int.tolist() == [sum((r + 1) << 24 for r in range(world))] * 4, as_int
+    shorter = z[:2]
+    shorter.fill_(rank + 3)
+    dist.all_reduce(shorter)
+    assert shorter.tolist() == [float(sum(r + 3 for r in range(world)))] * 2, shorter
+    # a kept call meeting another call fails on every rank, and the group goes on in step
+    m = torch.ones(4)
+    dist.all_reduce(m)
+    dist.all_reduce(m)
+    other = torch.ones(6)
+    expect_error(lambda: dist.all_reduce(m if rank == 0 else other), "shape")
+    m.fill_(1)
+    dist.all_reduce(m)
+    assert m.tolist() == [float(world)] * 4, m
+    # a kept call does not keep its tensor alive
+    w = torch.ones(1000)
+    dist.all_reduce(w)
+    dist.all_reduce(w)
+    gone = weakref.ref(w)
+    del w
+    gc.collect()
+    assert gone() is None, "a kept all_reduce keeps its tensor alive"
+    # COLLECTIVE_TORCH_REPEAT=0: a group made then checks and agrees every call anew
+    os.environ["COLLECTIVE_TORCH_REPEAT"] = "0"
+    plain = dist.new_group(list(range(world)))
+    del os.environ["COLLECTIVE_TORCH_REPEAT"]
+    v = torch.ones(2)
+    dist.all_reduce(v, group=plain)
+    dist.all_reduce(v, group=plain)
+    assert v.tolist() == [float(world * world)] * 2 and not plain.repeats and not plain._kept, v
+    dist.destroy_process_group()
+    print(f"OK {rank}", flush=True)
 
 
 def _bad_argument_call(culprit: int, mine: bool, world: int) -> Callable[[], Any]:
@@ -757,6 +830,8 @@ def main() -> int:
         kill()
     elif scenario == "reuse":
         reuse()
+    elif scenario == "repeats":
+        repeats()
     elif scenario == "mends":
         mends()
     elif scenario == "sparse":

@@ -24,6 +24,10 @@ of the same ranks share that sequencer: they are one group of ours, whose calls 
 order issued. Point-to-point receives queue per (source, tag) and run on the thread that waits
 on them (a pair's thread once their work is asked after otherwise), so a pending ``irecv`` never
 holds up a collective or a receive from elsewhere.
+An all_reduce repeated on the same tensor (the same memory, shape, dtype, op and timeout: DDP's
+buckets, a model's layers step after step) runs its first call kept (``Runtime.repeat``, the lean
+path of persistent collectives): without its checks, view and agreement made again.
+COLLECTIVE_TORCH_REPEAT=0 turns this off for the groups made after it is set.
 Errors are ``torch.distributed.DistBackendError`` with our message, caused by our error; a lost
 peer is one within seconds on every other rank (heartbeats), whatever torch's timeout.
 """
@@ -54,9 +58,10 @@ from collective.work import Sequencer
 torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
 
-__all__ = ["BACKEND", "CollectiveProcessGroup"]
+__all__ = ["BACKEND", "REPEAT_VARIABLE", "CollectiveProcessGroup"]
 
 BACKEND = "collective"
+REPEAT_VARIABLE = "COLLECTIVE_TORCH_REPEAT"  # 0: every all_reduce is checked, viewed and agreed anew
 DEFAULT_TIMEOUT = timedelta(minutes=30)  # torch's default for non-NCCL groups
 
 
@@ -87,6 +92,8 @@ class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ign
         self.call_timeout = call_timeout  # a subgroup's own timeout for its collectives (None: the job's)
         self._owns = owns
         self._done = TorchWork.completed([], "blocking call")
+        self.repeats = os.environ.get(REPEAT_VARIABLE, "1").strip() != "0"
+        self._kept = {}
         self._collectives = _shared_sequencer(runtime, self.members, peer)
         self._receives = Receives(f"collective-torch-{peer}-recv")
         self._closed = False

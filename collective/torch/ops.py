@@ -68,6 +68,7 @@ from collective.torch.work import (
     host,
     seconds,
     store_back,
+    viewable,
 )
 from collective.trace import RECORDER, caller, run_for
 from collective.work import Sequencer
@@ -76,7 +77,10 @@ torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
 c10d: Any = importlib.import_module("torch._C._distributed_c10d")  # (options dist does not export)
 
-__all__ = ["Ops"]
+__all__ = ["KEPT_CALLS", "Ops"]
+
+KEPT_CALLS = 256  # all_reduces a group keeps to run again (Ops.allreduce): the oldest goes first
+_PREMUL_SUM = dist.ReduceOp.RedOpType.PREMUL_SUM
 
 
 class Ops:
@@ -87,6 +91,8 @@ class Ops:
     group: Group | None
     members: tuple[int, ...]
     call_timeout: float | None
+    repeats: bool  # whether an all_reduce repeated on the same tensor runs its kept call again
+    _kept: dict[tuple[Any, ...], AllReduce]  # those calls, by _kept_key
     _collectives: Sequencer
     _receives: Receives
     _done: TorchWork
@@ -129,11 +135,20 @@ class Ops:
         return {"group": self.group, "timeout": seconds(getattr(opts, "timeout", None)) or self.call_timeout}
 
     def _reduction(
-        self, tensor: Any, opts: Any, what: str, run: Callable[[Any, Any, str], None]
+        self,
+        tensor: Any,
+        opts: Any,
+        what: str,
+        run: Callable[[Any, Any, str], None],
+        kept: Callable[[Any, str], None] | None = None,
     ) -> TorchWork:
-        """all_reduce / reduce of one tensor: ``run(source, buffer, op)`` writes the result in buffer."""
+        """all_reduce / reduce of one tensor: ``run(source, buffer, op)`` writes the result in buffer.
+        ``kept(view, op)`` instead, where given and the op has no factor, runs on a view of the
+        tensor (a contiguous CPU one) that keeps it alive no longer than the call."""
         op, factor = reduce_op(opts.reduceOp, tensor.dtype)
         writable_tensor(tensor, what)
+        if kept is not None and factor is None:
+            return self.launch(what, lambda: kept(array(tensor, hold=False), op), [tensor], opts)
 
         def body() -> None:
             buffer = host(tensor)
@@ -145,8 +160,20 @@ class Ops:
 
     # -- reductions ---------------------------------------------------------------------------
 
-    @on_every_rank(AllReduce)
     def allreduce(self, tensors: Sequence[Any], opts: Any = None) -> TorchWork:
+        """An all_reduce of a tensor this group all-reduced before, on the same memory with the same
+        layout, dtype, op and timeout, runs its kept call again (Runtime.repeat: the checks and
+        the agreement are the first call's); anything else is checked and run anew."""
+        key = _kept_key(tensors, opts) if self.repeats else None
+        call = self._kept.get(key) if key is not None else None
+        if call is None:
+            return self._allreduce(tensors, opts, key)
+        timeout = seconds(opts.timeout) or self.call_timeout
+        body = partial(self.runtime.repeat, self.peer, call, self.group, timeout)
+        return self.launch("all_reduce", body, tensors, opts)
+
+    @on_every_rank(AllReduce)
+    def _allreduce(self, tensors: Sequence[Any], opts: Any, key: tuple[Any, ...] | None) -> TorchWork:
         tensors, opts = short_form(tensors, opts, dist.AllreduceOptions, ("reduceOp", opts))
         if single(tensors, "all_reduce").layout is torch.sparse_coo:
             return self._sparse_allreduce(tensors[0], opts)
@@ -155,7 +182,15 @@ class Ops:
         def run(source: Any, out: Any, op: str) -> None:
             self.runtime.all_reduce(self.peer, source, op, group=group, timeout=timeout, out=out)
 
-        return self._reduction(single(tensors, "all_reduce"), opts, "all_reduce", run)
+        def kept(view: Any, op: str, key: tuple[Any, ...]) -> None:
+            call = AllReduce(view, op, out=view)
+            self.runtime.repeat(self.peer, call, group, timeout)
+            if len(self._kept) >= KEPT_CALLS:  # (bodies run one at a time: the group's sequencer)
+                del self._kept[next(iter(self._kept))]  # (the oldest kept)
+            self._kept[key] = call
+
+        keeps = partial(kept, key=key) if key is not None else None
+        return self._reduction(single(tensors, "all_reduce"), opts, "all_reduce", run, keeps)
 
     def _sparse_allreduce(self, tensor: Any, opts: Any) -> TorchWork:
         """A COO tensor's sum over the ranks, as gloo does it: every rank's indices and values
@@ -511,6 +546,24 @@ def _each(calls: list[Callable[[], TorchWork]]) -> list[TorchWork]:
     if first is not None:
         raise first
     return works
+
+
+def _kept_key(tensors: Any, opts: Any) -> tuple[Any, ...] | None:
+    """What the kept call of an all_reduce is found by: its tensor's address, shape and dtype, its
+    op and timeout. None for a call never kept: a short form or a list of several, a tensor that
+    is not a contiguous dense CPU one numpy views as it is (the call runs on a copy), PREMUL_SUM
+    (its factor is read each call)."""
+    if type(tensors) is not list or len(tensors) != 1 or opts is None or not hasattr(opts, "timeout"):
+        return None
+    tensor = tensors[0]
+    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
+        return None
+    if not tensor.is_cpu or not tensor.is_contiguous() or not viewable(tensor):
+        return None
+    kind = getattr(opts.reduceOp, "op", opts.reduceOp)
+    if kind == _PREMUL_SUM:
+        return None
+    return (tensor.data_ptr(), tensor.shape, tensor.dtype, kind, opts.timeout)
 
 
 def _scaled(values: Any, factor: Any) -> Any:

@@ -46,6 +46,7 @@ __all__ = [
     "seconds",
     "store_back",
     "tensor_of",
+    "viewable",
 ]
 
 
@@ -325,17 +326,18 @@ class _Holder:
         self.__array_interface__ = interface
 
 
-def array(tensor: Any) -> Any:
+def array(tensor: Any, hold: bool = True) -> Any:
     """A numpy view of a contiguous CPU tensor (bool as uint8, bfloat16 as ml_dtypes' bfloat16).
 
     Built from the tensor's pointer, shape and strides, with no call that releases the GIL
     (``Tensor.numpy()`` and ``detach()`` do, and each release costs tens of microseconds when
     other threads want the GIL); writing the view writes the tensor, whether or not it requires
-    grad.
+    grad. The view keeps the tensor alive unless ``hold`` is False (a kept call's view, used only
+    while a tensor of the same address and layout is the call's own).
     """
-    typestr = _TYPESTR.get(tensor.dtype)
-    if typestr is None or tensor.is_neg() or (tensor.dtype.is_complex and tensor.is_conj()):
+    if not viewable(tensor):
         return _slow_array(tensor)
+    typestr = _TYPESTR[tensor.dtype]
     size = int(typestr[2:])
     interface = {
         "data": (tensor.data_ptr(), False),
@@ -344,8 +346,14 @@ def array(tensor: Any) -> Any:
         "typestr": typestr,
         "version": 3,
     }
-    view = np.asarray(_Holder(tensor, interface))
+    view = np.asarray(_Holder(tensor if hold else None, interface))
     return view.view(_bfloat16()) if tensor.dtype == torch.bfloat16 else view
+
+
+def viewable(tensor: Any) -> bool:
+    """Whether ``array`` views the tensor's own memory (else it copies: a dtype numpy has no view
+    of, a negative or conjugate view whose memory means other values)."""
+    return tensor.dtype in _TYPESTR and not tensor.is_neg() and not tensor.is_conj()
 
 
 def _slow_array(tensor: Any) -> Any:
