@@ -10,7 +10,9 @@ which backend goes first; a step is zero_grad, forward, backward (DDP's bucketed
 overlapped) and an SGD update, timed on every rank; a round's figure is the median over steps
 of the slowest rank's time. The table reports the median over rounds, and the largest
 difference between the two backends' final parameters (they start equal: DDP broadcasts rank
-0's at construction, and rank 1 starts perturbed on purpose).
+0's at construction, and rank 1 starts perturbed on purpose). ``repeat=0`` is our backend with
+COLLECTIVE_TORCH_REPEAT=0 (DDP's bucket all_reduces checked and agreed anew every step, not run
+as their kept calls), in the same rounds.
 
 ``train`` is shared with the tests (tests/torch_worker.py), which compare the parameters.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import statistics
@@ -28,6 +31,8 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from collective.torch import REPEAT_VARIABLE as REPEAT
 
 __all__ = ["MODELS", "build", "main", "train"]
 
@@ -132,11 +137,18 @@ def _worker(backend: str, steps: int, out: str) -> int:
     return 0
 
 
-def _run(backend: str, procs: int, steps: int, out: str) -> dict[str, Any]:
+# what each column runs: (torch backend, the variables it runs with)
+VARIANTS = {"collective": ("collective", {}), "repeat=0": ("collective", {REPEAT: "0"}), "gloo": ("gloo", {})}
+
+
+def _run(variant: str, procs: int, steps: int, out: str) -> dict[str, Any]:
     from collective.launch import free_port
 
+    backend, variables = VARIANTS[variant]
     port = free_port()
-    environ = dict(os.environ, WORLD_SIZE=str(procs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    environ = dict(
+        os.environ, WORLD_SIZE=str(procs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **variables
+    )
     children = [
         subprocess.Popen(
             [
@@ -167,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", metavar="FILE")
-    parser.add_argument("--worker", choices=("collective", "gloo"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=("collective", "gloo"), help=argparse.SUPPRESS)  # (a backend)
     parser.add_argument("out", nargs="?", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
@@ -183,32 +195,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     diffs: dict[str, float] = {}
     with tempfile.TemporaryDirectory() as folder:
         for round_ in range(args.rounds):
-            order = ("collective", "gloo") if round_ % 2 == 0 else ("gloo", "collective")
-            for backend in order:
-                record = _run(backend, args.procs, args.steps, os.path.join(folder, backend))
+            order = list(VARIANTS) if round_ % 2 == 0 else list(reversed(VARIANTS))
+            for variant in order:
+                record = _run(variant, args.procs, args.steps, os.path.join(folder, variant))
                 for name in MODELS:
-                    times.setdefault((name, backend), []).append(record[name]["step_ms"])
-            for name in MODELS:
-                ours = torch.load(os.path.join(folder, f"collective.{name}.pt"))
+                    times.setdefault((name, variant), []).append(record[name]["step_ms"])
+            for name, variant in itertools.product(MODELS, ("collective", "repeat=0")):
+                ours = torch.load(os.path.join(folder, f"{variant}.{name}.pt"))
                 theirs = torch.load(os.path.join(folder, f"gloo.{name}.pt"))
                 diffs[name] = max(diffs.get(name, 0.0), float((ours - theirs).abs().max()))
     print(f"# DDP step time, {args.procs} processes, CPU, {args.steps} steps, median of {args.rounds} rounds")
-    print(f"{'model':>12} {'gloo (ms)':>10} {'collective (ms)':>16} {'ratio':>7} {'max |param diff|':>17}")
+    columns = f"{'gloo (ms)':>10} {'collective (ms)':>16} {'repeat=0 (ms)':>14} {'ratio':>7}"
+    print(f"{'model':>12} {columns} {'max |param diff|':>17}")
     rows = []
     for name in MODELS:
         gloo = statistics.median(times[(name, "gloo")])
         ours = statistics.median(times[(name, "collective")])
-        rounds = {b: times[(name, b)] for b in ("gloo", "collective")}
+        anew = statistics.median(times[(name, "repeat=0")])
+        rounds = {variant: times[(name, variant)] for variant in VARIANTS}
         rows.append(
             {
                 "model": name,
                 "gloo_ms": gloo,
                 "collective_ms": ours,
+                "repeat0_ms": anew,
                 "max_param_diff": diffs[name],
                 "rounds": rounds,
             }
         )
-        print(f"{name:>12} {gloo:>10.2f} {ours:>16.2f} {ours / gloo:>6.2f}x {diffs[name]:>17.2e}")
+        figures = f"{gloo:>10.2f} {ours:>16.2f} {anew:>14.2f} {ours / gloo:>6.2f}x"
+        print(f"{name:>12} {figures} {diffs[name]:>17.2e}")
     if args.json:
         with open(args.json, "w") as handle:
             json.dump(

@@ -385,7 +385,7 @@ def test_bench_torch_calls_times_round_trips_and_all_reduce_beside_gloo() -> Non
         ["all_reduce", "bfloat16", "4096"],
         ["pingpong", "float32", "8"],
     ], out
-    assert all(float(row[3]) > 0 and float(row[4]) > 0 for row in rows), out
+    assert all(float(row[3]) > 0 and float(row[4]) > 0 and float(row[5]) > 0 for row in rows), out
 
 
 def test_bench_torch_pipeline_times_both_schedules_beside_gloo_with_the_same_parameters() -> None:

@@ -302,6 +302,8 @@ def ddp(backend: str, out: str) -> None:
         "fp16-hook": train("mlp-12x128", 10, rank, hook=default_hooks.fp16_compress_hook)[0],
     }
     if backend == "collective":
+        kept = dist.distributed_c10d._get_default_group()._kept
+        assert any(call.last is not None for call in kept.values()), "no bucket of DDP's ran kept"
         check_no_sync_is_local(rank, world)
     torch.save(results, f"{out}.{rank}")
     dist.destroy_process_group()

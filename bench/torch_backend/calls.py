@@ -5,16 +5,19 @@
     python -m collective.bench.torch_backend.calls --op pingpong --sizes 8,1024,1048576 --rounds 9
 
 Two processes of this host (``--ranks``) init torch.distributed with our backend and make a gloo
-group of the same ranks. Every round times each backend in turn on the same tensor (``--iters``
-calls back to back after a barrier: a send/recv round trip between rank 0 and rank 1 for
-``pingpong``, an all_reduce SUM for ``all_reduce``); the table gives the median per call over the
-rounds, ours beside gloo's and their ratio. ``--json FILE`` keeps every figure.
+group of the same ranks, and a group of ours made with COLLECTIVE_TORCH_REPEAT=0 (``repeat=0``:
+an all_reduce repeated on the same tensor is checked and agreed anew, not run as its kept call).
+Every round times each group in turn on the same tensor (``--iters`` calls back to back after a
+barrier: a send/recv round trip between rank 0 and rank 1 for ``pingpong``, an all_reduce SUM
+for ``all_reduce``); the table gives the median per call over the rounds, ours beside gloo's and
+their ratio. ``--json FILE`` keeps every figure.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -63,10 +66,15 @@ def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    from collective.torch import REPEAT_VARIABLE
+
     dist.init_process_group("collective")
     rank = dist.get_rank()
     gloo = dist.new_group(backend="gloo")
-    groups = {"collective": None, "gloo": gloo}
+    os.environ[REPEAT_VARIABLE] = "0"
+    anew = dist.new_group(backend="collective")
+    del os.environ[REPEAT_VARIABLE]
+    groups = {"collective": None, "repeat=0": anew, "gloo": gloo}
     rows: list[dict[str, Any]] = []
     for op in args.op:
         for dtype_name in args.dtype:
@@ -90,7 +98,8 @@ def worker(args: argparse.Namespace) -> None:
                 if rank == 0:
                     print(
                         f"{op:>10} {dtype_name:>9} {row['bytes']:>10} {row['collective'] * 1e6:>11.1f} "
-                        f"{row['gloo'] * 1e6:>11.1f} {row['collective'] / row['gloo']:>7.2f}",
+                        f"{row['repeat=0'] * 1e6:>9.1f} {row['gloo'] * 1e6:>11.1f} "
+                        f"{row['collective'] / row['gloo']:>7.2f}",
                         flush=True,
                     )
     if rank == 0 and args.json:
@@ -132,7 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     argv = list(sys.argv[1:] if argv is None else argv)
     print(f"# {args.ranks} processes; us per call, median of {args.rounds} rounds (pingpong: a round trip)")
-    print(f"{'op':>10} {'dtype':>9} {'bytes':>10} {'collective':>11} {'gloo':>11} {'ratio':>7}", flush=True)
+    header = (
+        f"{'op':>10} {'dtype':>9} {'bytes':>10} {'collective':>11} {'repeat=0':>9} {'gloo':>11} {'ratio':>7}"
+    )
+    print(header, flush=True)
     return run_ranks("collective.bench.torch_backend.calls", argv, args.ranks)
 
 
