@@ -3,6 +3,7 @@
     python -m collective.bench.torch_backend.calls                 # send/recv round trip
     python -m collective.bench.torch_backend.calls --op all_reduce --dtype float16 --dtype bfloat16
     python -m collective.bench.torch_backend.calls --op pingpong --sizes 8,1024,1048576 --rounds 9
+    python -m collective.bench.torch_backend.calls --op decode --sizes 16384   # per token
 
 Two processes of this host (``--ranks``) init torch.distributed with our backend and make a gloo
 group of the same ranks, and a group of ours made with COLLECTIVE_TORCH_REPEAT=0 (``repeat=0``:
@@ -21,7 +22,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -58,7 +59,17 @@ def _all_reduce(dist: Any, rank: int, x: Any, group: Any) -> None:
     x.fill_(1)  # (the same sums every call: no overflow, no infinities)
 
 
-_CALLS = {"pingpong": _pingpong, "all_reduce": _all_reduce}
+DECODE_CALLS = 64  # a decode step of a tensor-parallel model: 32 layers, 2 all_reduces each
+
+
+def _decode(dist: Any, rank: int, x: Any, group: Any, activation: Any) -> None:
+    """One token: every layer's two all_reduces of the activation, each copied in first."""
+    for _ in range(DECODE_CALLS):
+        x.copy_(activation)
+        dist.all_reduce(x, group=group)
+
+
+_CALLS: dict[str, Callable[..., None]] = {"pingpong": _pingpong, "all_reduce": _all_reduce, "decode": _decode}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -83,10 +94,12 @@ def worker(args: argparse.Namespace) -> None:
                 count = max(1, size // torch.empty(0, dtype=dtype).element_size())
                 x = torch.ones(count, dtype=dtype)
                 iters = max(3, min(args.iters, (64 << 20) // max(size, 1)))
+                iters = max(3, iters // DECODE_CALLS) if op == "decode" else iters
                 figures: dict[str, list[float]] = {name: [] for name in groups}
+                extra = (torch.full_like(x, 1.0 / (rank + 2)),) if op == "decode" else ()
                 for _ in range(args.rounds):
                     for name, group in groups.items():
-                        call = partial(_CALLS[op], dist, rank, x, group)
+                        call = partial(_CALLS[op], dist, rank, x, group, *extra)
                         figures[name].append(_time(call, iters, dist, group))
                 row = {
                     "op": op,
@@ -140,7 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         worker(args)
         return 0
     argv = list(sys.argv[1:] if argv is None else argv)
-    print(f"# {args.ranks} processes; us per call, median of {args.rounds} rounds (pingpong: a round trip)")
+    print(
+        f"# {args.ranks} processes; us per call, median of {args.rounds} rounds (pingpong: a round "
+        f"trip; decode: a token, {DECODE_CALLS} all_reduces)"
+    )
     header = (
         f"{'op':>10} {'dtype':>9} {'bytes':>10} {'collective':>11} {'repeat=0':>9} {'gloo':>11} {'ratio':>7}"
     )
