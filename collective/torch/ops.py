@@ -81,6 +81,7 @@ __all__ = ["KEPT_CALLS", "Ops"]
 
 KEPT_CALLS = 256  # all_reduces a group keeps to run again (Ops.allreduce): the oldest goes first
 _PREMUL_SUM = dist.ReduceOp.RedOpType.PREMUL_SUM
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors whose all_reduces may be kept
 
 
 class Ops:
@@ -551,12 +552,12 @@ def _each(calls: list[Callable[[], TorchWork]]) -> list[TorchWork]:
 def _kept_key(tensors: Any, opts: Any) -> tuple[Any, ...] | None:
     """What the kept call of an all_reduce is found by: its tensor's address, shape and dtype, its
     op and timeout. None for a call never kept: a short form or a list of several, a tensor that
-    is not a contiguous dense CPU one numpy views as it is (the call runs on a copy), PREMUL_SUM
-    (its factor is read each call)."""
+    is not a plain (or Parameter) contiguous dense CPU one numpy views as it is (the call runs on
+    a copy; a subclass's memory may be elsewhere), PREMUL_SUM (its factor is read each call)."""
     if type(tensors) is not list or len(tensors) != 1 or opts is None or not hasattr(opts, "timeout"):
         return None
     tensor = tensors[0]
-    if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided:
+    if type(tensor) not in _PLAIN or tensor.layout is not torch.strided:
         return None
     if not tensor.is_cpu or not tensor.is_contiguous() or not viewable(tensor):
         return None
