@@ -163,6 +163,12 @@ def test_ddp_trains_exactly_as_under_gloo(tmp_path: Path) -> None:
         assert torch.equal(ours, results["collective"][1][scenario]), f"{scenario}: ranks differ"
 
 
+def test_fsdp_trains_exactly_as_under_gloo() -> None:
+    """FSDP2 (fully_shard, per layer and the whole model), 2 ranks: the same parameters, bit for
+    bit, on a mesh of our group as on one of gloo's."""
+    run_job(2, "fsdp")
+
+
 def test_ddp_with_sparse_gradients_trains_as_under_gloo() -> None:
     """nn.Embedding(sparse=True): its COO gradients all_reduce (summed, as gloo's) and DDP trains."""
     run_job(2, "sparse")

@@ -10,6 +10,7 @@
                                                the others print "RAISED <seconds> <error>"
     python tests/torch_worker.py reuse         col.init() first: init_process_group reuses its peer
     python tests/torch_worker.py repeats       all_reduces repeated on the same tensors (kept calls)
+    python tests/torch_worker.py fsdp          FSDP2 on our group and on gloo's: the same parameters
     python tests/torch_worker.py mends         groups of the same ranks, receives from several
                                                sources, coalesced errors, split checks, in-place
                                                forms, futures' values, a subgroup's timeout
@@ -437,6 +438,39 @@ def repeats() -> None:
     print(f"OK {rank}", flush=True)
 
 
+def fsdp() -> None:
+    """FSDP2 (fully_shard: all_gather_into_tensor, reduce_scatter_tensor) trains the same model on a
+    mesh of our default group and on one of a gloo group of the same ranks, to the same bits."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("collective")
+    rank = dist.get_rank()
+    gloo = dist.new_group(backend="gloo")
+
+    def trained(group: Any) -> dict[str, Any]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        mesh = DeviceMesh.from_group(group, "cpu")
+        for layer in model:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(1 + rank)  # (each rank its own batches)
+        for _ in range(4):
+            model(torch.randn(8, 16)).pow(2).mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return {name: value.full_tensor() for name, value in model.state_dict().items()}
+
+    ours, theirs = trained(dist.group.WORLD), trained(gloo)
+    for name, value in ours.items():
+        assert torch.equal(value, theirs[name]), f"{name}: {value} under ours, {theirs[name]} under gloo"
+    dist.destroy_process_group()
+    print(f"OK {rank}", flush=True)
+
+
 def _bad_argument_call(culprit: int, mine: bool, world: int) -> Callable[[], Any]:
     """A collective whose arguments only the backend can find wrong: on the culprit rank, an
     expanded tensor (0), an output list one short (1), split sizes of the wrong length (2)."""
@@ -834,6 +868,8 @@ def main() -> int:
         reuse()
     elif scenario == "repeats":
         repeats()
+    elif scenario == "fsdp":
+        fsdp()
     elif scenario == "mends":
         mends()
     elif scenario == "sparse":
