@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from collective.arrays import overlaps_itself
@@ -24,39 +24,43 @@ torch: Any = importlib.import_module("torch")
 dist: Any = importlib.import_module("torch.distributed")
 
 __all__ = [
+    "PREMUL_SUM",
     "LocalProblem",
     "dense",
+    "dense_all",
     "invalid",
+    "kind_of",
     "on_every_rank",
     "op_name",
     "reduce_op",
     "single",
-    "tensors_in",
     "writable_tensor",
 ]
 
 Method = TypeVar("Method", bound=Callable[..., Any])
 
 _KINDS = dist.ReduceOp.RedOpType
+# by each kind's value (an int: torch's kind objects are made anew each time and compare slowly)
 _OPS = {
-    _KINDS.SUM: "sum",
-    _KINDS.AVG: "mean",
-    _KINDS.PRODUCT: "prod",
-    _KINDS.MIN: "min",
-    _KINDS.MAX: "max",
-    _KINDS.BAND: "band",
-    _KINDS.BOR: "bor",
-    _KINDS.BXOR: "bxor",
+    _KINDS.SUM.value: "sum",
+    _KINDS.AVG.value: "mean",
+    _KINDS.PRODUCT.value: "prod",
+    _KINDS.MIN.value: "min",
+    _KINDS.MAX.value: "max",
+    _KINDS.BAND.value: "band",
+    _KINDS.BOR.value: "bor",
+    _KINDS.BXOR.value: "bxor",
 }
 _BOOL_OPS = {
-    _KINDS.SUM: "max",
-    _KINDS.MAX: "max",
-    _KINDS.BOR: "max",
-    _KINDS.PRODUCT: "min",
-    _KINDS.MIN: "min",
-    _KINDS.BAND: "min",
-    _KINDS.BXOR: "bxor",
+    _KINDS.SUM.value: "max",
+    _KINDS.MAX.value: "max",
+    _KINDS.BOR.value: "max",
+    _KINDS.PRODUCT.value: "min",
+    _KINDS.MIN.value: "min",
+    _KINDS.BAND.value: "min",
+    _KINDS.BXOR.value: "bxor",
 }
+PREMUL_SUM = _KINDS.PREMUL_SUM.value
 
 
 class LocalProblem(InvalidArgumentError):
@@ -70,13 +74,19 @@ def invalid(message: str) -> BaseException:
 
 def reduce_op(op: Any, dtype: Any) -> tuple[str, Any]:
     """Our op for torch's ``op`` on ``dtype`` tensors, and PREMUL_SUM's factor (else None)."""
-    kind = getattr(op, "op", op)  # a ReduceOp object carries its RedOpType in .op
-    if kind == _KINDS.PREMUL_SUM and dtype != torch.bool:
+    kind = kind_of(op)
+    if kind == PREMUL_SUM and dtype != torch.bool:
         return "sum", op.factor
     found = (_BOOL_OPS if dtype == torch.bool else _OPS).get(kind)
     if found is None:
         raise invalid(f"ReduceOp.{op_name(op)} on {dtype} is not supported by the collective backend")
     return found, None
+
+
+def kind_of(op: Any) -> int | None:
+    """The value of torch's ``op``, a ReduceOp or its RedOpType (None: neither)."""
+    value = getattr(getattr(op, "op", op), "value", None)  # (a ReduceOp carries its RedOpType in .op)
+    return value if type(value) is int else None
 
 
 def op_name(op: Any) -> str:
@@ -104,20 +114,20 @@ def dense(tensor: Any, what: str) -> None:
 def writable_tensor(tensor: Any, what: str) -> None:
     """A tensor written in place must be dense, without elements that share memory (expanded)."""
     dense(tensor, what)
-    if overlaps_itself(tensor.shape, tensor.stride(), 1):
+    if not tensor.is_contiguous() and overlaps_itself(tensor.shape, tensor.stride(), 1):
         raise invalid(
             f"{what}: the tensor {tuple(tensor.shape)} has elements that share memory (expand()): the "
             f"result cannot be written into it; pass a tensor of its own (.clone())"
         )
 
 
-def tensors_in(values: Any) -> Iterator[Any]:
-    """Every tensor among a call's arguments (lists of them, lists of lists)."""
+def dense_all(values: Any, what: str) -> None:
+    """``dense`` for every tensor among a call's arguments (lists of them, lists of lists)."""
     for value in values:
         if isinstance(value, torch.Tensor):
-            yield value
+            dense(value, what)
         elif isinstance(value, list | tuple):
-            yield from tensors_in(value)
+            dense_all(value, what)
 
 
 def short_form(
@@ -153,8 +163,7 @@ def on_every_rank(kind: type[Call]) -> Callable[[Method], Method]:
         @functools.wraps(method)
         def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
             try:
-                for tensor in tensors_in(args):
-                    dense(tensor, kind.kind)
+                dense_all(args, kind.kind)
                 return method(self, *args, **kwargs)
             except dist.DistBackendError as exc:
                 if not isinstance(exc.__cause__, LocalProblem):

@@ -51,7 +51,9 @@ from collective.errors import CollectiveError, InvalidArgumentError, MismatchErr
 from collective.groups import Group
 from collective.runtime import Runtime
 from collective.torch.checks import (
+    PREMUL_SUM,
     invalid,
+    kind_of,
     on_every_rank,
     op_name,
     reduce_op,
@@ -80,7 +82,6 @@ c10d: Any = importlib.import_module("torch._C._distributed_c10d")  # (options di
 __all__ = ["KEPT_CALLS", "Ops"]
 
 KEPT_CALLS = 256  # all_reduces a group keeps to run again (Ops.allreduce): the oldest goes first
-_PREMUL_SUM = dist.ReduceOp.RedOpType.PREMUL_SUM
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # tensors whose all_reduces may be kept
 
 
@@ -168,7 +169,7 @@ class Ops:
         key = _kept_key(tensors, opts) if self.repeats else None
         call = self._kept.get(key) if key is not None else None
         if call is None:
-            return self._allreduce(tensors, opts, key)
+            return self._allreduce(tensors, opts, key=key)
         timeout = seconds(opts.timeout) or self.call_timeout
         body = partial(self.runtime.repeat, self.peer, call, self.group, timeout)
         return self.launch("all_reduce", body, tensors, opts)
@@ -561,8 +562,8 @@ def _kept_key(tensors: Any, opts: Any) -> tuple[Any, ...] | None:
         return None
     if not tensor.is_cpu or not tensor.is_contiguous() or not viewable(tensor):
         return None
-    kind = getattr(opts.reduceOp, "op", opts.reduceOp)
-    if kind == _PREMUL_SUM:
+    kind = kind_of(opts.reduceOp)
+    if kind == PREMUL_SUM:
         return None
     return (tensor.data_ptr(), tensor.shape, tensor.dtype, kind, opts.timeout)
 
