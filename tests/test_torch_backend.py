@@ -179,8 +179,9 @@ def test_an_all_reduce_repeated_on_the_same_tensor_runs_its_kept_call(shm: str) 
     """2 ranks, through shared memory and over TCP: a tensor all-reduced again and again (new
     contents, three ops, async too) is kept once per op; a rank that keeps its tensor meets one
     that does not; a tensor whose memory moved or is read as another dtype or shape is not the
-    kept call's; a mismatch fails both ranks and the group goes on; a kept call keeps no tensor
-    alive; COLLECTIVE_TORCH_REPEAT=0 turns it off."""
+    kept call's, also when it moves while its async call waits in the queue; a mismatch fails both
+    ranks and the group goes on; a kept call keeps no tensor alive; COLLECTIVE_TORCH_REPEAT=0 turns
+    it off."""
     run_job(2, "repeats", COLLECTIVE_SHM=shm)
 
 

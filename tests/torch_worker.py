@@ -426,6 +426,30 @@ def repeats() -> None:
     del w
     gc.collect()
     assert gone() is None, "a kept all_reduce keeps its tensor alive"
+    # a queued call whose tensor moves before its body runs (rank 1 comes to the group only once
+    # rank 0 has moved it, through a gloo barrier): found kept, or kept by its first run, it runs
+    # on the memory the tensor has then, and keeps its call under that memory's key
+    gate = dist.new_group(backend="gloo")
+    for first in (False, True):
+        q = torch.zeros(6)
+        if not first:
+            dist.all_reduce(q)
+            dist.all_reduce(q)  # (kept: the next is a kept use)
+        if rank == 1:
+            dist.barrier(group=gate)
+        held = dist.all_reduce(torch.zeros(1), async_op=True)  # (rank 0's queue waits here for rank 1)
+        q.fill_(rank + 1)
+        work = dist.all_reduce(q, async_op=True)
+        if rank == 0:
+            q.set_(torch.full((6,), 1.0))  # (its memory moved; the old is freed)
+            dist.barrier(group=gate)
+        held.wait()
+        work.wait()
+        total = 1.0 + sum(r + 1 for r in range(1, world))  # (rank 0's moved tensor holds 1s)
+        assert q.tolist() == [total] * 6, (first, q)
+        for found, kept_call in group._kept.items():
+            address = kept_call.x.__array_interface__["data"][0]
+            assert found[0] == address, f"a call kept under {found[0]:#x} runs on {address:#x}"
     # COLLECTIVE_TORCH_REPEAT=0: a group made then checks and agrees every call anew
     os.environ["COLLECTIVE_TORCH_REPEAT"] = "0"
     plain = dist.new_group(list(range(world)))

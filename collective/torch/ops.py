@@ -142,17 +142,17 @@ class Ops:
         opts: Any,
         what: str,
         run: Callable[[Any, Any, str], None],
-        kept: Callable[[Any, str], None] | None = None,
+        kept: Callable[[Any, str], bool] | None = None,
     ) -> TorchWork:
         """all_reduce / reduce of one tensor: ``run(source, buffer, op)`` writes the result in buffer.
-        ``kept(view, op)`` instead, where given and the op has no factor, runs on a view of the
-        tensor (a contiguous CPU one) that keeps it alive no longer than the call."""
+        Where ``kept`` is given and the op has no factor, ``kept(tensor, op)`` runs first, as the
+        body does: True when it ran the call itself (kept, on a view of the tensor's memory then)."""
         op, factor = reduce_op(opts.reduceOp, tensor.dtype)
         writable_tensor(tensor, what)
-        if kept is not None and factor is None:
-            return self.launch(what, lambda: kept(array(tensor, hold=False), op), [tensor], opts)
 
         def body() -> None:
+            if kept is not None and factor is None and kept(tensor, op):
+                return
             buffer = host(tensor)
             values = array(buffer)
             run(values if factor is None else _scaled(values, factor), values, op)
@@ -168,11 +168,22 @@ class Ops:
         the agreement are the first call's); anything else is checked and run anew."""
         key = _kept_key(tensors, opts) if self.repeats else None
         call = self._kept.get(key) if key is not None else None
-        if call is None:
+        if key is None or call is None:
             return self._allreduce(tensors, opts, key=key)
+        return self.launch("all_reduce", partial(self._again, tensors[0], opts, key, call), tensors, opts)
+
+    def _again(self, tensor: Any, opts: Any, key: tuple[Any, ...], call: AllReduce) -> None:
+        """A kept all_reduce's use, as its body runs: kept where the tensor is still on the memory it
+        was found by (a queued call's tensor may have moved since: ``set_``, ``.data =``), else
+        made anew on its memory now."""
         timeout = seconds(opts.timeout) or self.call_timeout
-        body = partial(self.runtime.repeat, self.peer, call, self.group, timeout)
-        return self.launch("all_reduce", body, tensors, opts)
+        if _kept_key([tensor], opts) == key:
+            self.runtime.repeat(self.peer, call, self.group, timeout)
+            return
+        buffer = host(tensor)
+        values = array(buffer)
+        self.runtime.all_reduce(self.peer, values, call.op_arg, group=self.group, timeout=timeout, out=values)
+        store_back(buffer, tensor)
 
     @on_every_rank(AllReduce)
     def _allreduce(self, tensors: Sequence[Any], opts: Any, key: tuple[Any, ...] | None) -> TorchWork:
@@ -184,14 +195,19 @@ class Ops:
         def run(source: Any, out: Any, op: str) -> None:
             self.runtime.all_reduce(self.peer, source, op, group=group, timeout=timeout, out=out)
 
-        def kept(view: Any, op: str, key: tuple[Any, ...]) -> None:
+        def kept(tensor: Any, op: str) -> bool:
+            now = _kept_key([tensor], opts)  # (as the body runs: the memory its view is made of)
+            if now is None:
+                return False
+            view = array(tensor, hold=False)
             call = AllReduce(view, op, out=view)
             self.runtime.repeat(self.peer, call, group, timeout)
-            if len(self._kept) >= KEPT_CALLS:  # (bodies run one at a time: the group's sequencer)
+            if now not in self._kept and len(self._kept) >= KEPT_CALLS:  # (bodies run one at a time)
                 del self._kept[next(iter(self._kept))]  # (the oldest kept)
-            self._kept[key] = call
+            self._kept[now] = call
+            return True
 
-        keeps = partial(kept, key=key) if key is not None else None
+        keeps = kept if key is not None else None
         return self._reduction(single(tensors, "all_reduce"), opts, "all_reduce", run, keeps)
 
     def _sparse_allreduce(self, tensor: Any, opts: Any) -> TorchWork:
