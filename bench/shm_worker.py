@@ -1,7 +1,8 @@
 """One rank of ``python -m collective.bench.shm_vs_gloo`` (started by it; not run by hand).
 
-argv: SYSTEM PLAN, SYSTEM one of ours (a one-peer node of a job from COLLECTIVE_* variables),
-gloo (torch.distributed from RANK/WORLD_SIZE/MASTER_*), mpi (mpi4py under mpirun); PLAN is JSON
+argv: SYSTEM PLAN, SYSTEM one of ours (a one-peer node of a job from COLLECTIVE_* variables; anew and
+persistent: ours with calls made anew, or with persistent handles), gloo (torch.distributed from
+RANK/WORLD_SIZE/MASTER_*), mpi (mpi4py under mpirun); PLAN is JSON
 {"cases": [[op, size], ...], "budget": seconds, "warmup": n}. The same method for every system:
 each iteration all ranks pass the system's barrier (untimed), each times its call, the slowest
 rank's time counts; the row is the median (and the minimum) over the iterations. ``size`` follows
@@ -75,6 +76,17 @@ class Ours(System):
 
     def close(self) -> None:
         self.col.finish(self.peer)
+
+
+class Anew(Ours):
+    """Ours with every call made anew (COLLECTIVE_REPEAT=0: a call that comes again on the same
+    arrays is not kept), each call checked and agreed as the first one is."""
+
+    def __init__(self) -> None:
+        from collective.persistent.kept import REPEAT_VARIABLE
+
+        os.environ[REPEAT_VARIABLE] = "0"
+        super().__init__()
 
 
 class Persistent(Ours):
@@ -227,7 +239,7 @@ def main() -> int:
     name, plan = sys.argv[1], json.loads(sys.argv[2])
     for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ.setdefault(variable, "1")
-    system: System = {"ours": Ours, "persistent": Persistent, "gloo": Gloo, "mpi": Mpi}[name]()
+    system: System = {"ours": Ours, "anew": Anew, "persistent": Persistent, "gloo": Gloo, "mpi": Mpi}[name]()
     try:
         for op, size in plan["cases"]:
             row = measure(system, op, size, plan["budget"], plan["warmup"])

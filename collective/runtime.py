@@ -57,7 +57,7 @@ from collective.executors.rendezvous import Rendezvous
 from collective.groups import Group, as_group
 from collective.job import LocalJob, ProbeCalls
 from collective.p2p import Mailbox
-from collective.persistent import Persistents
+from collective.persistent import KeptCalls, Persistents
 from collective.trace import RECORDER, SIGNATURE, caller, install_signal
 from collective.trace.metrics import serve_from_env as serve_metrics
 from collective.tuning import Explanation
@@ -91,7 +91,7 @@ class _Peer:
         return found
 
 
-class Runtime(Persistents):
+class Runtime(Persistents, KeptCalls):
     """The collective API for the peers (threads) of this process. Usable as a context manager."""
 
     def __init__(self, fuse_below: int = DEFAULT_FUSE_BELOW, share_below: int = DEFAULT_SHARE_BELOW) -> None:
@@ -331,7 +331,7 @@ class Runtime(Persistents):
         Raises RegistrationError, InvalidArgumentError, MismatchError, CollectiveTimeout,
         PeerLostError, JobClosedError (see docs/api.md).
         """
-        return self._start(peer_id, AllReduce(x, op, out=out), group, timeout, async_op, strategy)
+        return self._again_or_start(peer_id, AllReduce, (x, op), out, group, timeout, async_op, strategy)
 
     def reduce(
         self,
@@ -365,7 +365,7 @@ class Runtime(Persistents):
         Other peers pass None (and optionally ``out`` to receive into). No array or several is a
         MismatchError on every peer.
         """
-        return self._start(peer_id, Broadcast(x, out=out), group, timeout, async_op, strategy)
+        return self._again_or_start(peer_id, Broadcast, (x,), out, group, timeout, async_op, strategy)
 
     def all_gather(
         self,
@@ -379,7 +379,7 @@ class Runtime(Persistents):
         out: Array | None = None,
     ) -> Any:
         """Every peer's ``x`` on every peer: shape (group size, *x.shape), in group-rank order."""
-        return self._start(peer_id, AllGather(x, out=out), group, timeout, async_op, strategy)
+        return self._again_or_start(peer_id, AllGather, (x,), out, group, timeout, async_op, strategy)
 
     def reduce_scatter(
         self,
@@ -394,7 +394,7 @@ class Runtime(Persistents):
         out: Array | None = None,
     ) -> Any:
         """``op`` over every peer's ``x`` (x.shape[0] = size*k); rank i gets rows i*k..(i+1)*k-1."""
-        return self._start(peer_id, ReduceScatter(x, op, out=out), group, timeout, async_op, strategy)
+        return self._again_or_start(peer_id, ReduceScatter, (x, op), out, group, timeout, async_op, strategy)
 
     def all_to_all(
         self,

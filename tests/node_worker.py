@@ -218,6 +218,45 @@ def persistent(peer: int, world: int, how: str = "uses") -> int:
     return count
 
 
+def kept(peer: int, world: int) -> int:
+    """Normal calls that come again on the same arrays (kept, collective.persistent.kept): their
+    inputs read at each call, the later ones run as the first one's step again (between processes
+    of a host: its last small step published again); a mismatch with a kept call and a read-only
+    ``out`` fail every peer, and the group goes on."""
+    count = 0
+    x, out, block, gathered = np.zeros(5), np.zeros(5), np.zeros(3), np.zeros((world, 3))
+    for use in range(4):
+        everyone = [data(p, 5, use) for p in range(world)]
+        x[:] = everyone[peer]
+        assert col.all_reduce(peer, x, out=out) is out
+        np.testing.assert_array_equal(out, reference(everyone, "sum"), err_msg=f"all_reduce use {use}")
+        blocks = [data(p, 3, 10 + use) for p in range(world)]
+        block[:] = blocks[peer]
+        col.all_gather(peer, block, out=gathered)
+        np.testing.assert_array_equal(gathered, np.stack(blocks), err_msg=f"all_gather use {use}")
+        col.all_reduce(peer, x, "max", out=x)
+        np.testing.assert_array_equal(x, reference(everyone, "max"), err_msg=f"in place use {use}")
+        count += 3
+    calls = [kept.call for kept in (col.default_runtime()._kept_calls or {}).values()]
+    assert len(calls) == 3 and all(call.last is not None for call in calls), "kept, and run again"
+    out.flags.writeable = peer != 0
+    try:
+        col.all_reduce(peer, x, out=out)
+        raise AssertionError("a read-only out was not refused")
+    except col.InvalidArgumentError as exc:
+        assert "out" in str(exc), exc
+        count += 1
+    out.flags.writeable = True
+    try:  # peer 0 calls what it kept, the others another op on the same arrays
+        col.all_reduce(peer, x, "sum" if peer == 0 else "min", out=out)
+        raise AssertionError("a kept call met another without an error")
+    except col.MismatchError:
+        count += 1
+    x[:] = peer
+    assert col.all_reduce(peer, x, out=out)[0] == sum(range(world)), "the group goes on"
+    return count + 1
+
+
 # -- the collective set ("collective_set" mode) ---------------------------------------------------
 
 # Elements per block: tiny blocks travel inside the call exchange among leaders; 200 KiB blocks
@@ -526,6 +565,7 @@ def straggle(peer: int, world: int) -> int:
 
 MODES = {
     "persistent": persistent,
+    "kept": kept,
     "byte_order": byte_order,
     "remote_finish": remote_finish,
     "sent_then_left": sent_then_left,

@@ -155,7 +155,6 @@ class Rendezvous:
         step.deadline, step.timeout = time.monotonic() + timeout, timeout
         if not RECORDER.enabled:
             return step.run()
-        call.number = number
         created = call.created = call.started = time.time_ns()
         live = self._live
         live[0] = step
@@ -165,7 +164,24 @@ class Rendezvous:
             self._failed(0, call, exc)
             raise
         live[0] = None
-        self._completed(step, created)
+        executor = plan.executor  # (the entry of _completed, in line: this is the per-call floor)
+        RECORDER.record(
+            (
+                step.peer,
+                self.members,
+                number,
+                call.kind,
+                call.origin,
+                step.agreed,
+                executor.path,
+                call.algorithm or executor.strategy,
+                "completed",
+                created,
+                created,
+                time.time_ns(),
+                None,
+            )
+        )
         return result
 
     def _completed(self, step: Step, created: int) -> None:

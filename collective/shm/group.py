@@ -53,6 +53,8 @@ __all__ = ["STEPS", "ShmGroup", "ShmTask"]
 
 log = logging.getLogger(__name__)
 
+SPIN_AGAIN = 64  # reads of a member's progress a use waits inline before the general wait
+
 STEPS: Counter[str] = Counter()  # steps this process ran through shared memory, by kind (for tests)
 
 
@@ -214,9 +216,12 @@ class ShmGroup:
         if s >= 2 and self._met != s - 1:
             self._wait_all((s - 2) << 32 | ABORT, deadline, False)  # all left step s-2: slot s % 2 is free
         self._publish(s, slot, again.message, again.digest, again.source)
-        self._wait_all(s << 32 | ARRIVE, deadline)
+        found = self._arrived_again(s, slot, again)
+        if found is None:  # (not all there yet, or not as last time: the general wait and agreement)
+            self._wait_all(s << 32 | ARRIVE, deadline)
+            found = self._agree_again(s, slot, again)
         self._met = s
-        agreed, movement, inputs = self._agree_again(s, slot, again)
+        agreed, movement, inputs = found
         if inputs is None:  # (a large step: cannot be, the sizes agree as last time; as _step would)
             movement.stream(Chunks(self, movement.dtype, s, deadline), again.task.source(), again.dst)
         elif again.dst is not None:
@@ -314,6 +319,39 @@ class ShmGroup:
             again.found, again.published, again.channels = [None, None], [[], []], self._channels
         again.found[slot] = found
         again.published[slot] = [(head[3], head[2]) for head in self._heads[slot]]
+        return found
+
+    def _arrived_again(
+        self, s: int, slot: int, again: _Again
+    ) -> tuple[Signature, Movement, list[np.ndarray | None] | None] | None:
+        """``_wait_all`` and ``_agree_again`` in one pass, for the common case of a use: every other
+        member is in step ``s`` already (or within a short spin), through the channel read last
+        time, having published what it published last time in this slot: what was agreed then.
+        None for anything else (nothing was changed: the general path reads it all again)."""
+        found = again.found[slot]
+        channels = self._channels
+        if found is None or channels is not again.channels:
+            return None
+        arrived, end = s << 32 | ARRIVE, s << 32 | END
+        heads, published = self._heads[slot], again.published[slot]
+        segments, indices = self._segments, self._their_index
+        for rank in again.others:
+            progress = channels[rank].progress
+            value = progress[0]
+            if value < arrived:
+                for _ in range(SPIN_AGAIN):
+                    value = progress[0]
+                    if value >= arrived:
+                        break
+                else:
+                    return None
+            if value >= arrived | ABORT and value != end:  # (gave it up, or in a later step: see _still_in)
+                return None
+            if segments[rank].keys[indices[rank]] != self.key:
+                return None
+            head = heads[rank]
+            if head[0] != s or (head[3], head[2]) != published[rank]:
+                return None
         return found
 
     def _agreed_anew(

@@ -27,7 +27,8 @@ holds up a collective or a receive from elsewhere.
 An all_reduce repeated on the same tensor (the same memory, shape, dtype, op and timeout: DDP's
 buckets, a model's layers step after step) runs its first call kept (``Runtime.repeat``, the lean
 path of persistent collectives): without its checks, view and agreement made again.
-COLLECTIVE_TORCH_REPEAT=0 turns this off for the groups made after it is set.
+COLLECTIVE_TORCH_REPEAT=0 (or COLLECTIVE_REPEAT=0, which turns off the numpy API's kept calls too)
+turns this off for the groups made after it is set.
 Errors are ``torch.distributed.DistBackendError`` with our message, caused by our error; a lost
 peer is one within seconds on every other rank (heartbeats), whatever torch's timeout.
 """
@@ -49,6 +50,7 @@ from collective.api import default_runtime
 from collective.errors import CollectiveError, RegistrationError
 from collective.groups import Group, new_group
 from collective.launch.bootstrap import init_with_store
+from collective.persistent.kept import REPEAT_VARIABLE as ALL_REPEAT
 from collective.runtime import Runtime
 from collective.torch.ops import Ops
 from collective.torch.p2p import PointToPoint, group_key
@@ -92,7 +94,7 @@ class CollectiveProcessGroup(Ops, PointToPoint, dist.ProcessGroup):  # type: ign
         self.call_timeout = call_timeout  # a subgroup's own timeout for its collectives (None: the job's)
         self._owns = owns
         self._done = TorchWork.completed([], "blocking call")
-        self.repeats = os.environ.get(REPEAT_VARIABLE, "1").strip() != "0"
+        self.repeats = all(os.environ.get(name, "1").strip() != "0" for name in (REPEAT_VARIABLE, ALL_REPEAT))
         self._kept = {}
         self._collectives = _shared_sequencer(runtime, self.members, peer)
         self._receives = Receives(f"collective-torch-{peer}-recv")

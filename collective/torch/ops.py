@@ -182,7 +182,7 @@ class Ops:
             return
         buffer = host(tensor)
         values = array(buffer)
-        self.runtime.all_reduce(self.peer, values, call.op_arg, group=self.group, timeout=timeout, out=values)
+        self.runtime.start(self.peer, AllReduce(values, call.op_arg, out=values), self.group, timeout, False)
         store_back(buffer, tensor)
 
     @on_every_rank(AllReduce)
@@ -192,8 +192,8 @@ class Ops:
             return self._sparse_allreduce(tensors[0], opts)
         group, timeout = self.group, seconds(opts.timeout) or self.call_timeout
 
-        def run(source: Any, out: Any, op: str) -> None:
-            self.runtime.all_reduce(self.peer, source, op, group=group, timeout=timeout, out=out)
+        def run(source: Any, out: Any, op: str) -> None:  # (start: views made anew, never kept)
+            self.runtime.start(self.peer, AllReduce(source, op, out=out), group, timeout, False)
 
         def kept(tensor: Any, op: str) -> bool:
             now = _kept_key([tensor], opts)  # (as the body runs: the memory its view is made of)

@@ -1,0 +1,142 @@
+"""Normal calls that come again on the same arrays run as uses of a persistent call.
+
+A training or decoding loop calls the same collective on the same buffers step after step::
+
+    for step in range(n):
+        ...                                      # x's contents change
+        col.all_reduce(peer, x, out=out)         # the same x, out, op and group each time
+
+A blocking all_reduce, broadcast, all_gather or reduce_scatter given numpy arrays of at most
+KEPT_BYTES (``out`` among them: where every use writes) is kept, by its peer, kind, the identity
+of its arrays, its op and the road to its group (the job and group it ran in). When a call of the
+same kind comes again on the same arrays, with the same op and group, and the arrays still have
+the shape, strides and dtype they had (``out`` still writable), it runs as a use of a persistent
+call (``Runtime.repeat``): the argument checks, the signature and the agreement of its first run
+hold for it (nothing they depend on changed) and are not made again; its input is read anew. For
+the other peers it is the same step as a call made anew, so they need not keep theirs. Anything
+else is a call made anew, which is then kept in its place.
+
+A kept call holds its arrays (at most KEPT_CALLS calls per runtime, the oldest let go first: a
+few MiB at most), so an array kept cannot be resized in place (``ndarray.resize``; numpy refuses
+it for an array another one references). ``COLLECTIVE_REPEAT=0`` turns keeping off (read when a
+runtime first keeps a call): every call is then checked and agreed anew.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from collective.algorithms.ops import ReduceOp
+from collective.calls.base import Call
+from collective.trace import RECORDER, caller
+
+if TYPE_CHECKING:
+    from collective.executors.rendezvous import Rendezvous
+    from collective.work import Sequencer
+
+__all__ = ["KEPT_BYTES", "KEPT_CALLS", "REPEAT_VARIABLE", "KeptCalls"]
+
+KEPT_CALLS = 64
+KEPT_BYTES = 64 << 10  # arrays up to this size (larger calls spend their time moving data)
+REPEAT_VARIABLE = "COLLECTIVE_REPEAT"  # 0: no call is kept (every call checked and agreed anew)
+
+
+class _Kept:
+    """A kept call, the arrays it runs on (held: their identities key it) and their layouts then."""
+
+    __slots__ = ("call", "layouts", "out", "rendezvous", "x")
+
+    def __init__(self, call: Call, x: np.ndarray | None, out: np.ndarray, rendezvous: Rendezvous) -> None:
+        self.call, self.x, self.out, self.rendezvous = call, x, out, rendezvous
+        self.layouts = _layouts(x, out)
+
+    def holds(self, x: np.ndarray | None, out: np.ndarray) -> bool:
+        """Whether ``x`` and ``out`` (the kept arrays) are laid out as they were, ``out`` writable."""
+        return _layouts(x, out) == self.layouts
+
+
+def _layouts(x: np.ndarray | None, out: np.ndarray) -> tuple[Any, ...]:
+    if x is None:
+        return (out.shape, out.strides, out.dtype, out.flags.writeable)
+    return (x.shape, x.strides, x.dtype, out.shape, out.strides, out.dtype, out.flags.writeable)
+
+
+class KeptCalls:
+    """The Runtime's keeping of its normal calls (a mixin of collective.runtime.Runtime)."""
+
+    _kept_calls: dict[tuple[Any, ...], _Kept] | None = None  # (made at the first call kept)
+    _kept_off = False  # COLLECTIVE_REPEAT=0
+
+    def _road(
+        self, peer_id: int, group: Any, timeout: float | None
+    ) -> tuple[Any, tuple[Rendezvous, Sequencer], float, str | None]:
+        raise NotImplementedError
+
+    def _start(
+        self,
+        peer_id: int,
+        call: Call,
+        group: Any,
+        timeout: float | None,
+        async_op: bool,
+        strategy: Any,
+    ) -> Any:
+        raise NotImplementedError
+
+    def _again_or_start(
+        self,
+        peer_id: int,
+        make: Callable[..., Call],
+        args: tuple[Any, ...],
+        out: Any,
+        group: Any,
+        timeout: float | None,
+        async_op: bool,
+        strategy: Any,
+    ) -> Any:
+        """``make(*args, out=out)`` (``args``: x, then op for a reduction) run by ``_start``, or the
+        call kept for these arguments run again (see the module's docstring)."""
+        x = args[0]
+        keepable = (
+            not async_op
+            and strategy is None
+            and type(out) is np.ndarray
+            and out.nbytes <= KEPT_BYTES
+            and (x is None or (type(x) is np.ndarray and x.nbytes <= KEPT_BYTES))
+            and all(type(op) is str or type(op) is ReduceOp for op in args[1:])
+        )
+        if not keepable or not self._keeping():
+            return self._start(peer_id, make(*args, out=out), group, timeout, async_op, strategy)
+        member, (rendezvous, sequencer), seconds, problem = self._road(peer_id, group, timeout)
+        key = (peer_id, make, id(x), id(out), *args[1:], id(rendezvous))
+        kept = self._kept_calls.pop(key, None)  # type: ignore[union-attr]  # (taken while it runs)
+        if kept is None or problem is not None or not kept.holds(x, out):
+            call = make(*args, out=out)
+            result = self._start(peer_id, call, group, timeout, False, None)
+            if call.out is not None:  # (it ran: checked and agreed, every later use runs it)
+                call.kept = call.signature
+                self._keep(key, _Kept(call, x, out, rendezvous))
+            return result
+        call = kept.call
+        call.origin = caller(3) if RECORDER.enabled else None
+        result = sequencer.call(rendezvous.again, call.kind, member.peer, member.device, seconds, call)
+        self._keep(key, kept)  # (back once it ran: one that failed is made anew next time)
+        return result
+
+    def _keeping(self) -> bool:
+        calls = self._kept_calls
+        if calls is None:
+            calls = self._kept_calls = {}
+            self._kept_off = os.environ.get(REPEAT_VARIABLE, "1").strip() == "0"
+        return not self._kept_off
+
+    def _keep(self, key: tuple[Any, ...], kept: _Kept) -> None:
+        calls = self._kept_calls
+        assert calls is not None
+        calls[key] = kept
+        if len(calls) > KEPT_CALLS:
+            calls.pop(next(iter(calls)), None)  # (the oldest kept)

@@ -1,0 +1,143 @@
+"""Normal calls that come again on the same arrays run kept (collective.persistent.kept): as uses
+of a persistent call, their input read anew, and made anew whenever anything they were checked
+for could have changed: the arrays' layout, ``out``'s writability, the op, the group, the job."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import collective as col
+from collective.persistent.kept import KEPT_CALLS, REPEAT_VARIABLE
+from tests.processes import finish_all, start_nodes
+from tests.test_persistent import run_peers
+
+
+def _kept(rt: col.Runtime, p: int) -> list[Any]:
+    """Peer ``p``'s kept calls, oldest first."""
+    return [kept.call for key, kept in (rt._kept_calls or {}).items() if key[0] == p]
+
+
+def test_calls_on_the_same_arrays_run_kept_and_read_their_inputs_each_time() -> None:
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        x, out = np.zeros(3, np.float32), np.zeros(3, np.float32)
+        block, gathered = np.zeros(2), np.zeros((3, 2))
+        row, part = np.zeros(6), np.zeros(2)
+        source, sent = np.zeros(2), np.zeros(2)
+        seen, calls = [], []
+        for use in range(4):
+            x[:] = p + use
+            block[:] = p * 10 + use
+            row[:] = np.arange(6) * (p + 1) + use
+            source[:] = use
+            summed = rt.all_reduce(p, x, out=out)
+            biggest = rt.all_reduce(p, x, "max", out=x)  # (in place: another call, kept apart)
+            rt.all_gather(p, block, out=gathered)
+            rt.reduce_scatter(p, row, "max", out=part)
+            rt.broadcast(p, source if p == 1 else None, out=sent)
+            results = (out.tolist(), biggest.tolist(), gathered.tolist(), part.tolist(), sent.tolist())
+            seen.append((summed is out, *results))
+            calls.append(_kept(rt, p))
+        return [seen, [len(c) for c in calls], all(a is b for a, b in zip(calls[0], calls[-1], strict=True))]
+
+    for p, (seen, counts, same) in run_peers(3, body).items():
+        assert counts == [5, 5, 5, 5] and same, (counts, same)  # made at the first call, then the same
+        for use, (returned, summed, biggest, gathered, part, sent) in enumerate(seen):
+            assert returned and summed == [3.0 * use + 3.0] * 3 and biggest == [use + 2.0] * 3
+            assert gathered == [[q * 10 + use] * 2 for q in range(3)]
+            assert part == [float(3 * i + use) for i in (2 * p, 2 * p + 1)]
+            assert sent == [float(use)] * 2
+
+
+def test_a_changed_array_runs_anew_and_a_read_only_out_fails_every_peer() -> None:
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        x, out = np.ones(6), np.zeros(6)
+        said: list[Any] = [rt.all_reduce(p, x, out=out).tolist(), rt.all_reduce(p, x, out=out).tolist()]
+        x.shape = out.shape = (2, 3)  # the same arrays, another shape
+        said.append(rt.all_reduce(p, x, out=out).tolist())
+        x.dtype = out.dtype = np.int64  # ... and another dtype (the same bytes, read as integers)
+        x[:] = p
+        said.append(rt.all_reduce(p, x, out=out).tolist())
+        if p == 0:
+            out.flags.writeable = False
+        try:
+            rt.all_reduce(p, x, out=out)
+        except col.InvalidArgumentError as exc:
+            said.append(str(exc))
+        out.flags.writeable = True
+        x[:] = 1
+        said.append(rt.all_reduce(p, x, out=out).tolist())  # the group is still in step
+        return said
+
+    found = run_peers(2, body)
+    for said in found.values():
+        assert said[:2] == [[2.0] * 6] * 2 and said[2] == [[2.0] * 3] * 2 and said[3] == [[1] * 3] * 2, said
+        assert "out" in said[4] and "writ" in said[4], said[4]  # every peer: named by peer 0's check
+        assert said[5] == [[2] * 3] * 2, said
+
+
+def test_a_kept_call_that_meets_another_call_is_a_mismatch_on_every_peer() -> None:
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        x, out = np.ones(4), np.zeros(4)
+        said: list[Any] = [rt.all_reduce(p, x, out=out)[0], rt.all_reduce(p, x, out=out)[0]]
+        try:  # peer 0 calls what it kept; peer 1 another op on the same arrays
+            rt.all_reduce(p, x, "sum" if p == 0 else "max", out=out)
+        except col.MismatchError as exc:
+            said.append(type(exc).__name__)
+        said.append(rt.all_reduce(p, x, out=out)[0])
+        return said
+
+    assert run_peers(2, body) == {p: [2.0, 2.0, "MismatchError", 2.0] for p in (0, 1)}
+
+
+def test_calls_are_not_kept_when_turned_off_nor_beyond_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    def many(rt: col.Runtime, p: int) -> int:
+        x = np.ones(2)
+        for _ in range(KEPT_CALLS + 8):
+            assert rt.all_reduce(p, x, out=np.zeros(2))[0] == 2.0  # (a new out each time)
+        return len(_kept(rt, p))
+
+    def twice(rt: col.Runtime, p: int) -> int:
+        x, out = np.ones(2), np.zeros(2)
+        rt.all_reduce(p, x, out=out)
+        rt.all_reduce(p, x, out=out)
+        rt.all_reduce(p, x, out=out, async_op=True).wait()  # (asynchronous: never kept)
+        rt.all_reduce(p, x)  # (no out: never kept)
+        return len(_kept(rt, p))
+
+    assert sum(run_peers(2, many).values()) <= KEPT_CALLS
+    assert run_peers(2, twice) == {0: 1, 1: 1}
+    monkeypatch.setenv(REPEAT_VARIABLE, "0")
+    assert run_peers(2, twice) == {0: 0, 1: 0}
+
+
+def test_a_call_kept_in_one_job_is_made_anew_in_the_next() -> None:
+    x, out = np.ones(3), np.zeros(3)
+    with col.Runtime() as rt:
+        for job, peers in (("first", 2), ("second", 3)):
+            config = col.CollectiveConfig(num_devices=peers, timeout=5.0, job=job)
+            results: dict[int, Any] = {}
+
+            def peer(p: int, config: Any = config, results: dict[int, Any] = results) -> None:
+                rt.register(p, "cpu", config)
+                mine, into = (x, out) if p == 0 else (np.ones(3), np.zeros(3))
+                results[p] = [rt.all_reduce(p, mine, out=into)[0] for _ in range(2)]
+                rt.finish(p)
+
+            threads = [threading.Thread(target=peer, args=(p,)) for p in range(peers)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            assert results == {p: [float(peers)] * 2 for p in range(peers)}, (job, results)
+        assert len(_kept(rt, 0)) == 2  # one a job: its road differs
+
+
+@pytest.mark.parametrize("shm", [1, 0], ids=["shared-memory", "three-phases"])
+def test_kept_calls_between_processes(orchestrator: str, shm: int) -> None:
+    nodes = start_nodes(orchestrator, f"kept-{shm}", 2, 1, "kept", shm=shm)
+    assert finish_all(nodes, 60) == [0, 0], [node.output() for node in nodes]
+    assert all(node.wait_for("OK 15", 5) for node in nodes)
