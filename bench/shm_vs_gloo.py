@@ -96,7 +96,7 @@ def run_system(
     processes: list[subprocess.Popen[str]] = []
     orchestrator = None
     try:
-        if system in ("ours", "persistent"):
+        if system in ("ours", "anew", "persistent"):
             orchestrator, address = start_orchestrator()
             job = f"shm-bench-{os.getpid()}-{world}"
             for rank in range(world):

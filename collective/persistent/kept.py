@@ -32,6 +32,7 @@ import numpy as np
 
 from collective.algorithms.ops import ReduceOp
 from collective.calls.base import Call
+from collective.groups import Group
 from collective.trace import RECORDER, caller
 
 if TYPE_CHECKING:
@@ -45,13 +46,22 @@ KEPT_BYTES = 64 << 10  # arrays up to this size (larger calls spend their time m
 REPEAT_VARIABLE = "COLLECTIVE_REPEAT"  # 0: no call is kept (every call checked and agreed anew)
 
 
+_OFF: dict[Any, Any] = {}  # the kept calls of a runtime that keeps none (never written)
+
+
 class _Kept:
-    """A kept call, the arrays it runs on (held: their identities key it) and their layouts then."""
+    """A kept call, the arrays it runs on (held: their identities key it) and their layouts then,
+    and its road: the peer's registration it was kept in, its rendezvous and sequencer there, the
+    job's timeout."""
 
-    __slots__ = ("call", "layouts", "out", "rendezvous", "x")
+    __slots__ = ("call", "layouts", "member", "out", "rendezvous", "seconds", "sequencer", "x")
+    member: Any
 
-    def __init__(self, call: Call, x: np.ndarray | None, out: np.ndarray, rendezvous: Rendezvous) -> None:
-        self.call, self.x, self.out, self.rendezvous = call, x, out, rendezvous
+    def __init__(
+        self, call: Call, x: np.ndarray | None, out: np.ndarray, road: tuple[Any, Any, Any, float]
+    ) -> None:
+        self.call, self.x, self.out = call, x, out
+        self.member, self.rendezvous, self.sequencer, self.seconds = road
         self.layouts = _layouts(x, out)
 
     def holds(self, x: np.ndarray | None, out: np.ndarray) -> bool:
@@ -69,7 +79,7 @@ class KeptCalls:
     """The Runtime's keeping of its normal calls (a mixin of collective.runtime.Runtime)."""
 
     _kept_calls: dict[tuple[Any, ...], _Kept] | None = None  # (made at the first call kept)
-    _kept_off = False  # COLLECTIVE_REPEAT=0
+    _peers: dict[int, Any]  # the Runtime's registered peers (a kept call is its registration's)
 
     def _road(
         self, peer_id: int, group: Any, timeout: float | None
@@ -101,38 +111,46 @@ class KeptCalls:
         """``make(*args, out=out)`` (``args``: x, then op for a reduction) run by ``_start``, or the
         call kept for these arguments run again (see the module's docstring)."""
         x = args[0]
-        keepable = (
-            not async_op
-            and strategy is None
-            and type(out) is np.ndarray
-            and out.nbytes <= KEPT_BYTES
-            and (x is None or (type(x) is np.ndarray and x.nbytes <= KEPT_BYTES))
-            and all(type(op) is str or type(op) is ReduceOp for op in args[1:])
-        )
-        if not keepable or not self._keeping():
+        op = args[1] if len(args) > 1 else None
+        calls = self._kept_calls if self._kept_calls is not None else self._keeping()
+        if (
+            calls is _OFF
+            or async_op
+            or strategy is not None
+            or type(out) is not np.ndarray
+            or out.nbytes > KEPT_BYTES
+            or (x is not None and (type(x) is not np.ndarray or x.nbytes > KEPT_BYTES))
+            or (op is not None and type(op) is not str and type(op) is not ReduceOp)
+            or (group is not None and type(group) is not Group)  # (a list of ids: made anew)
+        ):
             return self._start(peer_id, make(*args, out=out), group, timeout, async_op, strategy)
-        member, (rendezvous, sequencer), seconds, problem = self._road(peer_id, group, timeout)
-        key = (peer_id, make, id(x), id(out), *args[1:], id(rendezvous))
-        kept = self._kept_calls.pop(key, None)  # type: ignore[union-attr]  # (taken while it runs)
-        if kept is None or problem is not None or not kept.holds(x, out):
-            call = make(*args, out=out)
-            result = self._start(peer_id, call, group, timeout, False, None)
-            if call.out is not None:  # (it ran: checked and agreed, every later use runs it)
-                call.kept = call.signature
-                self._keep(key, _Kept(call, x, out, rendezvous))
-            return result
-        call = kept.call
-        call.origin = caller(3) if RECORDER.enabled else None
-        result = sequencer.call(rendezvous.again, call.kind, member.peer, member.device, seconds, call)
-        self._keep(key, kept)  # (back once it ran: one that failed is made anew next time)
+        key = (peer_id, make, id(x), id(out), op, group)
+        kept = calls.pop(key, None)  # (taken while it runs)
+        if kept is not None and kept.holds(x, out) and kept.member is self._peers.get(peer_id):
+            seconds, problem = kept.seconds, None
+            if timeout is not None:  # (checked as any call's; a bad one fails every peer, anew)
+                _, _, seconds, problem = self._road(peer_id, group, timeout)
+            if problem is None:
+                call = kept.call
+                call.origin = caller(3) if RECORDER.enabled else None
+                member: Any = kept.member
+                again = kept.rendezvous.again
+                result = kept.sequencer.call(again, call.kind, peer_id, member.device, seconds, call)
+                calls[key] = kept  # (back once it ran: one that failed is made anew next time)
+                return result
+        call = make(*args, out=out)
+        result = self._start(peer_id, call, group, timeout, False, None)
+        if call.out is not None:  # (it ran: checked and agreed, every later use runs it)
+            call.kept = call.signature
+            member, (rendezvous, sequencer), seconds, _ = self._road(peer_id, group, None)
+            self._keep(key, _Kept(call, x, out, (member, rendezvous, sequencer, seconds)))
         return result
 
-    def _keeping(self) -> bool:
-        calls = self._kept_calls
-        if calls is None:
-            calls = self._kept_calls = {}
-            self._kept_off = os.environ.get(REPEAT_VARIABLE, "1").strip() == "0"
-        return not self._kept_off
+    def _keeping(self) -> dict[tuple[Any, ...], _Kept]:
+        """The kept calls (``_OFF``: COLLECTIVE_REPEAT=0), made the first time."""
+        off = os.environ.get(REPEAT_VARIABLE, "1").strip() == "0"
+        calls = self._kept_calls = _OFF if off else {}
+        return calls
 
     def _keep(self, key: tuple[Any, ...], kept: _Kept) -> None:
         calls = self._kept_calls
