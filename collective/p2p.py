@@ -21,6 +21,7 @@ import numpy as np
 
 from collective.algorithms.ops import Array
 from collective.arrays import Device, check_array, integer, overlaps_itself
+from collective.calls.signature import Signature
 from collective.errors import (
     CollectiveError,
     CollectiveTimeout,
@@ -32,7 +33,7 @@ from collective.node.protocol import PART_BYTES, P2PMessage
 from collective.tensors import native, writable
 from collective.transport.wire import WireError
 
-__all__ = ["Mailbox", "recv", "send"]
+__all__ = ["Mailbox", "described", "recv", "send"]
 
 if TYPE_CHECKING:
     from collective.job import LocalJob
@@ -315,3 +316,11 @@ def _tag(tag: Any) -> int:
     if value is None or not 0 <= value <= MAX_TAG:
         raise InvalidArgumentError(f"tag must be an integer from 0 to 2**63 - 1, got {tag!r}")
     return value
+
+
+def described(x: Any) -> Signature | None:
+    """A point-to-point array's shape and dtype for the flight recorder (numpy dtypes only)."""
+    try:
+        return Signature("p2p", shape=tuple(x.shape), dtype=np.dtype(x.dtype))
+    except (AttributeError, TypeError):
+        return None

@@ -7,7 +7,8 @@ started; ``reset()``/``close()`` fail every waiting peer and drop it. The module
 Every collective takes the same road: the API method builds a call object (collective.calls), the
 peer's sequencer for the group keeps its calls in order (collective.work), the group's rendezvous
 agrees on the call and hands out a Step (collective.executors.rendezvous), whose executor runs it
-(collective.executors).
+(collective.executors). A call that comes again on the same numpy arrays runs kept, as a use of
+a persistent call (collective.persistent.kept).
 """
 
 from __future__ import annotations
@@ -43,7 +44,6 @@ from collective.calls import (
 )
 from collective.calls.base import Call
 from collective.calls.coalesced import coalesced_all_reduce
-from collective.calls.signature import Signature
 from collective.config import KINDS, STRATEGY_FIELDS, CollectiveConfig
 from collective.errors import (
     CollectiveError,
@@ -206,6 +206,7 @@ class Runtime(Persistents, KeptCalls):
         with self._lock:
             self._finished.add(peer_id)
             self._peers.pop(peer_id, None)
+            self._let_go(peer_id)  # (its kept calls, and the arrays and job they hold)
             if empty and self._job is job:
                 self._job = None
         self._mailbox.wake()
@@ -219,6 +220,7 @@ class Runtime(Persistents, KeptCalls):
         with self._lock:
             job, self._job = self._job, None
             self._peers.clear()
+            self._let_go(None)
             self._finished.clear()
         if job is not None:
             self._mailbox.close(JobClosedError("the job was reset"))
@@ -553,7 +555,7 @@ class Runtime(Persistents, KeptCalls):
         except BaseException as exc:
             RECORDER.closed(entry, exc)
             raise
-        entry[SIGNATURE] = _described(x)
+        entry[SIGNATURE] = p2p.described(x)
         RECORDER.closed(entry)
 
     def recv(
@@ -583,7 +585,7 @@ class Runtime(Persistents, KeptCalls):
         except BaseException as exc:
             RECORDER.closed(entry, exc)
             raise
-        entry[SIGNATURE] = _described(got)
+        entry[SIGNATURE] = p2p.described(got)
         RECORDER.closed(entry)
         return sender, got
 
@@ -674,14 +676,6 @@ class Runtime(Persistents, KeptCalls):
                 job.check_member(peer_id)  # raises the precise RegistrationError
             raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
         return member
-
-
-def _described(x: Any) -> Signature | None:
-    """A point-to-point array's shape and dtype for the flight recorder (numpy dtypes only)."""
-    try:
-        return Signature("p2p", shape=tuple(x.shape), dtype=np.dtype(x.dtype))
-    except (AttributeError, TypeError):
-        return None
 
 
 def _name_strategy(call: Call, strategy: Any) -> str | None:

@@ -4,7 +4,9 @@ for could have changed: the arrays' layout, ``out``'s writability, the op, the g
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -94,10 +96,12 @@ def test_a_kept_call_that_meets_another_call_is_a_mismatch_on_every_peer() -> No
 
 
 def test_calls_are_not_kept_when_turned_off_nor_beyond_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    peers = 1
+
     def many(rt: col.Runtime, p: int) -> int:
         x = np.ones(2)
         for _ in range(KEPT_CALLS + 8):
-            assert rt.all_reduce(p, x, out=np.zeros(2))[0] == 2.0  # (a new out each time)
+            assert rt.all_reduce(p, x, out=np.zeros(2))[0] == peers  # (a new out each time)
         return len(_kept(rt, p))
 
     def twice(rt: col.Runtime, p: int) -> int:
@@ -108,7 +112,7 @@ def test_calls_are_not_kept_when_turned_off_nor_beyond_the_bound(monkeypatch: py
         rt.all_reduce(p, x)  # (no out: never kept)
         return len(_kept(rt, p))
 
-    assert sum(run_peers(2, many).values()) <= KEPT_CALLS
+    assert run_peers(peers, many) == {0: KEPT_CALLS}
     assert run_peers(2, twice) == {0: 1, 1: 1}
     monkeypatch.setenv(REPEAT_VARIABLE, "0")
     assert run_peers(2, twice) == {0: 0, 1: 0}
@@ -126,6 +130,8 @@ def test_a_call_kept_in_one_job_is_made_anew_in_the_next() -> None:
                 rt.register(p, "cpu", config)
                 mine, into = (x, out) if p == 0 else (np.ones(3), np.zeros(3))
                 results[p] = [rt.all_reduce(p, mine, out=into)[0] for _ in range(2)]
+                if p == 0:
+                    kept.extend(_kept(rt, 0))
                 rt.finish(p)
 
             threads = [threading.Thread(target=peer, args=(p,)) for p in range(peers)]
@@ -134,8 +140,58 @@ def test_a_call_kept_in_one_job_is_made_anew_in_the_next() -> None:
             for thread in threads:
                 thread.join(30)
             assert results == {p: [float(peers)] * 2 for p in range(peers)}, (job, results)
-            kept += _kept(rt, 0)
     assert len(kept) == 2 and kept[0] is not kept[1]  # (the second job's made anew, kept in its place)
+
+
+@pytest.mark.parametrize("handle", [False, True], ids=["kept", "persistent"])
+def test_a_peer_alone_in_its_group_reads_its_input_at_each_call(handle: bool) -> None:
+    """A one-peer group (and a job of one peer): its step's result is made when the step is decided
+    (the fused path), so a use cannot run that step again; each use reads the input anew."""
+
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        alone = col.new_group([p])
+        x, out, gathered, part, sent = np.zeros(2), np.zeros(2), np.zeros((1, 2)), np.zeros(2), np.zeros(2)
+        made = [
+            lambda: rt.all_reduce(p, x, out=out, group=alone),
+            lambda: rt.all_gather(p, x, out=gathered, group=alone),
+            lambda: rt.reduce_scatter(p, x, out=part, group=alone),
+            lambda: rt.broadcast(p, x, out=sent, group=alone),
+        ]
+        if handle:
+            made = [
+                rt.all_reduce_init(p, x, out=out, group=alone),
+                rt.all_gather_init(p, x, out=gathered, group=alone),
+                rt.reduce_scatter_init(p, x, out=part, group=alone),
+                rt.broadcast_init(p, x, out=sent, group=alone),
+            ]
+        seen = []
+        for use in range(4):
+            x[:] = 10 * p + use
+            for call in made:
+                call()
+            seen.append([out.tolist(), gathered.tolist(), part.tolist(), sent.tolist()])
+        return seen
+
+    for p, seen in run_peers(2, body).items():
+        for use, (summed, gathered, part, sent) in enumerate(seen):
+            value = [10.0 * p + use] * 2
+            assert summed == part == sent == value and gathered == [value], (p, use, seen)
+
+
+def test_a_peer_that_finishes_lets_its_kept_calls_go() -> None:
+    held: dict[int, Any] = {}
+
+    def body(rt: col.Runtime, p: int) -> int:
+        x, out = np.ones(2), np.zeros(2)
+        rt.all_reduce(p, x, out=out)
+        held[p] = weakref.ref(x)
+        count = len(_kept(rt, p))
+        rt.finish(p)
+        return count + 10 * len(_kept(rt, p))
+
+    assert run_peers(2, body) == {0: 1, 1: 1}  # (kept, then let go by finish)
+    gc.collect()
+    assert all(ref() is None for ref in held.values()), "a finished peer's kept call holds its arrays"
 
 
 @pytest.mark.parametrize("shm", [1, 0], ids=["shared-memory", "three-phases"])

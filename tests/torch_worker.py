@@ -418,14 +418,23 @@ def repeats() -> None:
     m.fill_(1)
     dist.all_reduce(m)
     assert m.tolist() == [float(world)] * 4, m
-    # a kept call does not keep its tensor alive
+    # a kept call does not keep its tensor alive, nor do the other collectives (their views are
+    # made for each call: the runtime keeps none of their calls)
     w = torch.ones(1000)
     dist.all_reduce(w)
     dist.all_reduce(w)
-    gone = weakref.ref(w)
+    gone = [weakref.ref(w)]
     del w
+    for _ in range(3):
+        b, gathered, scattered = torch.ones(1000), torch.zeros(world * 10), torch.zeros(10)
+        dist.broadcast(b, src=0)
+        dist.all_gather_into_tensor(gathered, torch.ones(10))
+        dist.reduce_scatter_tensor(scattered, torch.ones(world * 10))
+        gone += [weakref.ref(b), weakref.ref(gathered), weakref.ref(scattered)]
+        del b, gathered, scattered
     gc.collect()
-    assert gone() is None, "a kept all_reduce keeps its tensor alive"
+    assert all(ref() is None for ref in gone), "a collective keeps its tensor alive"
+    assert not col.default_runtime()._kept_calls, "the runtime kept calls on views made for one call"
     # a queued call whose tensor moves before its body runs (rank 1 comes to the group only once
     # rank 0 has moved it, through a gloo barrier): found kept, or kept by its first run, it runs
     # on the memory the tensor has then, and keeps its call under that memory's key

@@ -311,7 +311,7 @@ def broadcast_parameters(
         xp = array_module(members[0])
         flat = xp.concatenate([a.reshape(-1) for a in members]) if peer == root else None
         buffer = xp.empty(sum(a.size for a in members), members[0].dtype) if peer != root else None
-        result = runtime.broadcast(peer, flat, group=group, out=buffer)
+        result = runtime.start(peer, Broadcast(flat, out=buffer), group, None, False)  # (never kept)
         offset = 0
         for array in members:
             array[...] = result[offset : offset + array.size].reshape(array.shape)

@@ -68,6 +68,7 @@ class Fused:
 
     path = "fused"
     strategy = None  # (no schedule: one exchange)
+    runs_again = False  # (the results are computed when it is chosen)
 
     def __init__(self, agreed: Signature, calls: list[Call], fused: list[Array | None]) -> None:
         size = len(calls)
@@ -97,6 +98,7 @@ class Shared:
 
     path = "shared"
     strategy = None  # (no schedule: one exchange)
+    runs_again = False  # (an exchange, and inputs, of one step)
 
     def __init__(
         self, exchange: Exchange, inputs: list[Array | None], movement: Movement, state: object
@@ -124,6 +126,7 @@ class Linked:
     """The configured strategy's schedule over the in-process Link."""
 
     path = "linked"
+    runs_again = False  # (an exchange of one step)
 
     def __init__(self, exchange: Exchange, strategy: Strategy, movement: Movement) -> None:
         self.exchange = exchange

@@ -112,7 +112,7 @@ class Rendezvous:
             call.prepare(device, self.members, self._ranks[index])
             step = self.step(peer, index, call, time.monotonic() + timeout, timeout)
             result = step.run()
-            if call.kept is not None and self._alone:
+            if call.kept is not None and self._alone and step.plan.executor.runs_again:
                 call.last = step  # (the next use runs again as this step: again())
             return result
         # Recorded: while open, the call (then its step) is this peer's live call here, which a dump
@@ -132,7 +132,7 @@ class Rendezvous:
             raise
         live[index] = None
         self._completed(step, created)
-        if call.kept is not None and self._alone:
+        if call.kept is not None and self._alone and step.plan.executor.runs_again:
             call.last = step
         return result
 

@@ -99,6 +99,7 @@ class ShmExecutor:
 
     path = "shm"
     strategy = None  # (no schedule: one exchange)
+    runs_again = True  # (its group's steps: each one's numbered and run in run())
 
     def __init__(self, group: ShmGroup) -> None:
         self.group = group

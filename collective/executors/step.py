@@ -45,6 +45,12 @@ class Executor(Protocol):
         """The schedule it runs, where chosen when the step is (the flight recorder's algorithm)."""
         ...
 
+    @property
+    def runs_again(self) -> bool:
+        """Whether a step it ran can run again as a persistent use (``Rendezvous.again``): its work
+        is all done in ``run``, none when it was chosen, and it holds no state of one step."""
+        ...
+
     def run(self, step: Step) -> Array | None:
         """This peer's part of the step: its result (None where it gets none)."""
         ...

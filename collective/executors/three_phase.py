@@ -47,6 +47,8 @@ __all__ = ["ThreePhase"]
 class ThreePhase:
     """One step of a group whose peers live on several nodes (or a multi-node job's any step)."""
 
+    runs_again = True  # (for a peer alone in its process: no exchange; the step's number is the plan's)
+
     def __init__(
         self,
         site: Site,

@@ -24,6 +24,7 @@ runtime first keeps a call): every call is then checked and agreed anew.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -138,11 +139,11 @@ class KeptCalls:
                 result = kept.sequencer.call(again, call.kind, peer_id, member.device, seconds, call)
                 calls[key] = kept  # (back once it ran: one that failed is made anew next time)
                 return result
-        call = make(*args, out=out)
+        member, (rendezvous, sequencer), seconds, _ = self._road(peer_id, group, None)  # (before: finish
+        call = make(*args, out=out)  # may come while it runs, and the call is kept under its road)
         result = self._start(peer_id, call, group, timeout, False, None)
         if call.out is not None:  # (it ran: checked and agreed, every later use runs it)
             call.kept = call.signature
-            member, (rendezvous, sequencer), seconds, _ = self._road(peer_id, group, None)
             self._keep(key, _Kept(call, x, out, (member, rendezvous, sequencer, seconds)))
         return result
 
@@ -157,4 +158,12 @@ class KeptCalls:
         assert calls is not None
         calls[key] = kept
         if len(calls) > KEPT_CALLS:
-            calls.pop(next(iter(calls)), None)  # (the oldest kept)
+            with contextlib.suppress(RuntimeError, StopIteration):  # (another peer's thread changed it)
+                calls.pop(next(iter(calls)), None)  # (the oldest kept)
+
+    def _let_go(self, peer_id: int | None) -> None:
+        """Forget the calls kept for ``peer_id`` (None: every peer), as it leaves its job."""
+        calls = self._kept_calls
+        if calls:
+            for key in [key for key in list(calls) if peer_id is None or key[0] == peer_id]:
+                calls.pop(key, None)

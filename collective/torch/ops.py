@@ -136,6 +136,10 @@ class Ops:
     def _kw(self, opts: Any) -> dict[str, Any]:
         return {"group": self.group, "timeout": seconds(getattr(opts, "timeout", None)) or self.call_timeout}
 
+    def _anew(self, call: Any, kw: dict[str, Any]) -> None:
+        """Run ``call`` on views made for this call alone (``start``: never kept by the runtime)."""
+        self.runtime.start(self.peer, call, kw["group"], kw["timeout"], False)
+
     def _reduction(
         self,
         tensor: Any,
@@ -311,7 +315,7 @@ class Ops:
             buffer = host(output)
             if np.may_share_memory(source, array(buffer)):  # in place: the output is a block of the input
                 source = source.copy()
-            self.runtime.reduce_scatter(self.peer, source, op, out=array(buffer).reshape(1, -1), **kw)
+            self._anew(ReduceScatter(source, op, out=array(buffer).reshape(1, -1)), kw)
             store_back(buffer, output)
 
         return self.launch("reduce_scatter_tensor", body, [output], opts)
@@ -337,7 +341,7 @@ class Ops:
         def body() -> None:
             buffer = host(tensor)
             values = array(buffer)
-            self.runtime.broadcast(self.peer, values if is_root else None, out=values, **kw)
+            self._anew(Broadcast(values if is_root else None, out=values), kw)
             store_back(buffer, tensor)
 
         return self.launch("broadcast", body, [tensor], opts)
@@ -385,7 +389,7 @@ class Ops:
             source = array(host(input))
             if np.may_share_memory(source, out):  # in place: the input is this rank's block of the output
                 source = source.copy()
-            self.runtime.all_gather(self.peer, source, out=out, **kw)
+            self._anew(AllGather(source, out=out), kw)
             store_back(buffer, output)
 
         return self.launch("all_gather_into_tensor", body, [output], opts)
