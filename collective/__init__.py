@@ -35,6 +35,7 @@ if TYPE_CHECKING:  # (what type checkers see; at run time each name loads on fir
         new_group,
         recv,
         recv_any,
+        recv_init,
         reduce,
         reduce_scatter,
         reduce_scatter_init,
@@ -43,6 +44,7 @@ if TYPE_CHECKING:  # (what type checkers see; at run time each name loads on fir
         reset,
         scatter,
         send,
+        send_init,
         world_size,
     )
     from collective.config import CollectiveConfig
@@ -58,7 +60,7 @@ if TYPE_CHECKING:  # (what type checkers see; at run time each name loads on fir
     )
     from collective.groups import Group
     from collective.launch import peer_ids_from_env
-    from collective.persistent import Persistent
+    from collective.persistent import Persistent, PersistentRecv, PersistentSend
     from collective.runtime import Runtime
     from collective.trace import dump_trace, stats
     from collective.tuning import Explanation
@@ -82,6 +84,8 @@ __all__ = [
     "MismatchError",
     "PeerLostError",
     "Persistent",
+    "PersistentRecv",
+    "PersistentSend",
     "ReduceOp",
     "RegistrationError",
     "Ring",
@@ -110,6 +114,7 @@ __all__ = [
     "peer_ids_from_env",
     "recv",
     "recv_any",
+    "recv_init",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_init",
@@ -118,6 +123,7 @@ __all__ = [
     "reset",
     "scatter",
     "send",
+    "send_init",
     "stats",
     "world_size",
 ]
@@ -131,14 +137,14 @@ _LAZY: dict[str, str] = {
         "collective.algorithms.strategies": "Auto Centralized Direct Ring Tree",
         "collective.api": "all_gather all_gather_init all_gather_v all_reduce all_reduce_coalesced "
         "all_reduce_init all_to_all all_to_all_v barrier barrier_init broadcast broadcast_init "
-        "default_runtime explain finish gather init new_group recv recv_any reduce reduce_scatter "
-        "reduce_scatter_init reduce_scatter_v register reset scatter send world_size",
+        "default_runtime explain finish gather init new_group recv recv_any recv_init reduce reduce_scatter "
+        "reduce_scatter_init reduce_scatter_v register reset scatter send send_init world_size",
         "collective.config": "CollectiveConfig",
         "collective.errors": "CollectiveError CollectiveTimeout ConfigError InvalidArgumentError "
         "JobClosedError MismatchError PeerLostError RegistrationError",
         "collective.groups": "Group",
         "collective.launch": "peer_ids_from_env",
-        "collective.persistent": "Persistent",
+        "collective.persistent": "Persistent PersistentRecv PersistentSend",
         "collective.runtime": "Runtime",
         "collective.trace": "dump_trace stats",
         "collective.tuning": "Explanation",

@@ -11,7 +11,7 @@ from collective.arrays import Device
 from collective.config import CollectiveConfig
 from collective.groups import Group
 from collective.groups import new_group as _new_group
-from collective.persistent import Persistent
+from collective.persistent import Persistent, PersistentRecv, PersistentSend
 from collective.runtime import Runtime
 from collective.tuning import Explanation
 
@@ -36,6 +36,7 @@ __all__ = [
     "new_group",
     "recv",
     "recv_any",
+    "recv_init",
     "reduce",
     "reduce_scatter",
     "reduce_scatter_init",
@@ -44,6 +45,7 @@ __all__ = [
     "reset",
     "scatter",
     "send",
+    "send_init",
     "world_size",
 ]
 
@@ -406,3 +408,17 @@ def reduce_scatter_init(
 def barrier_init(peer_id: int, *, group: Group | None = None, timeout: float | None = None) -> Persistent:
     """A persistent barrier (see Runtime.barrier_init)."""
     return _default.barrier_init(peer_id, group=group, timeout=timeout)
+
+
+def send_init(
+    peer_id: int, x: Array, dst: int, tag: int = 0, *, timeout: float | None = None
+) -> PersistentSend:
+    """A persistent send (see Runtime.send_init)."""
+    return _default.send_init(peer_id, x, dst, tag, timeout=timeout)
+
+
+def recv_init(
+    peer_id: int, src: int, tag: int = 0, *, out: Array | None = None, timeout: float | None = None
+) -> PersistentRecv:
+    """A persistent receive (see Runtime.recv_init)."""
+    return _default.recv_init(peer_id, src, tag, out=out, timeout=timeout)

@@ -8,6 +8,7 @@ copied once into a contiguous buffer, a contiguous one is used as it is.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ __all__ = [
     "placement",
     "same_memory",
     "scale_for_mean",
+    "timeout_seconds",
 ]
 
 _ORDERED_KINDS = frozenset("iuf")
@@ -55,6 +57,14 @@ def real(value: Any) -> float | None:
     if isinstance(value, bool | np.bool_) or not isinstance(value, int | float | np.integer | np.floating):
         return None
     return float(value)
+
+
+def timeout_seconds(timeout: Any) -> float:
+    """A call's ``timeout`` as seconds: a finite real number > 0, else InvalidArgumentError."""
+    value = real(timeout)
+    if value is None or not 0 < value < math.inf:
+        raise InvalidArgumentError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
+    return value
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -31,13 +31,25 @@ from collective.errors import (
 )
 from collective.node.protocol import PART_BYTES, P2PMessage
 from collective.tensors import native, writable
+from collective.trace import RECORDER, SIGNATURE
 from collective.transport.wire import WireError
 
-__all__ = ["Mailbox", "described", "recv", "send"]
+__all__ = [
+    "Mailbox",
+    "deliver",
+    "described",
+    "receive",
+    "recv",
+    "recv_checked",
+    "send",
+    "send_checked",
+    "traced",
+]
 
 if TYPE_CHECKING:
     from collective.job import LocalJob
 
+T = TypeVar("T")
 Key = tuple[int, int, int]  # (src, dst, tag)
 DEFAULT_LIMIT = 1 << 30  # unreceived bytes kept per source process
 MESSAGE_COST = 1 << 10  # bytes a message counts beyond its data (what keeping it costs, about)
@@ -219,11 +231,25 @@ HOST = Device("cpu")
 def send(job: LocalJob, mailbox: Mailbox, peer: int, device: Device, x: Any, dst: int, tag: int) -> None:
     """Peer ``peer``'s send: checked, copied, and into ``dst``'s mailbox (here or in its process).
     PeerLostError when ``dst`` is known to be gone: nothing would ever receive it."""
+    dst, tag, array = send_checked(job, peer, device, x, dst, tag)
+    deliver(job, mailbox, peer, array, dst, tag)
+
+
+def send_checked(
+    job: LocalJob, peer: int, device: Device, x: Any, dst: Any, tag: Any
+) -> tuple[int, int, Array]:
+    """A send's own checks: (the destination, the tag, ``x`` as the numpy or CuPy array sent);
+    InvalidArgumentError naming what is wrong."""
     dst, tag = _check(job, peer, dst, tag, "dst")
-    x, _ = native(x)
-    problem = check_array(x, device, None)
+    array, _ = native(x)
+    problem = check_array(array, device, None)
     if problem is not None:
         raise InvalidArgumentError(f"send: peer {peer}: {problem}")
+    return dst, tag, array
+
+
+def deliver(job: LocalJob, mailbox: Mailbox, peer: int, x: Array, dst: int, tag: int) -> None:
+    """A checked send's message: a copy of ``x`` into ``dst``'s mailbox, here or in its process."""
     if job.gone_among((dst,)):  # (this job's: a peer id may be another process's in a later job)
         raise PeerLostError(f"send: peer {dst} left the job (finish): it receives nothing more", [dst])
     lost = job.node.lost_peer(dst, orchestrator=False) if job.node is not None else None
@@ -247,20 +273,19 @@ def recv(
 ) -> tuple[int, Any]:
     """Peer ``peer``'s receive from ``src`` (None: any source): (the source, the array on
     ``device``, or ``out`` filled with it)."""
+    src, tag, target = recv_checked(job, peer, device, src, tag, out)
+    return receive(job, mailbox, peer, device, src, tag, seconds, out, target)
+
+
+def recv_checked(
+    job: LocalJob, peer: int, device: Device, src: Any, tag: Any, out: Any
+) -> tuple[int | None, int, Any]:
+    """A receive's own checks: (the source, the tag, ``out`` as the array written); the error
+    InvalidArgumentError naming what is wrong."""
     if src is None:
         tag = _tag(tag)
     else:
         src, tag = _check(job, peer, src, tag, "src")
-
-    def gone(source: int | None) -> CollectiveError | None:
-        """Why ``source`` can send no more; with None (any source): why no peer can."""
-        if source is None:
-            reasons = [gone(other) for other in range(job.world) if other != peer]
-            return reasons[0] if reasons and all(reasons) else None
-        if job.gone_among((source,)):  # (this job's: a peer id may be another process's in a later job)
-            return left_error(source, peer)
-        return job.node.lost_peer(source) if job.node is not None else None
-
     try:
         target = writable(out)
     except InvalidArgumentError as exc:  # an unreadable tensor, an immutable JAX array
@@ -276,6 +301,33 @@ def recv(
             )
         if problem is not None:
             raise InvalidArgumentError(f"recv: peer {peer}: {problem}")
+    return src, tag, target
+
+
+def receive(
+    job: LocalJob,
+    mailbox: Mailbox,
+    peer: int,
+    device: Device,
+    src: int | None,
+    tag: int,
+    seconds: float,
+    out: Any,
+    target: Any,
+    deadline: float | None = None,
+) -> tuple[int, Any]:
+    """A checked receive (``recv_checked``): (the source, the message on ``device``, or ``out``
+    filled with it, written through ``target``), within ``seconds`` (or until ``deadline``, a
+    time.monotonic() reading, when given: ``seconds`` is then the timeout its error names)."""
+
+    def gone(source: int | None) -> CollectiveError | None:
+        """Why ``source`` can send no more; with None (any source): why no peer can."""
+        if source is None:
+            reasons = [gone(other) for other in range(job.world) if other != peer]
+            return reasons[0] if reasons and all(reasons) else None
+        if job.gone_among((source,)):  # (this job's: a peer id may be another process's in a later job)
+            return left_error(source, peer)
+        return job.node.lost_peer(source) if job.node is not None else None
 
     def unfit(data: Array) -> str | None:  # the message stays queued for a recv that fits it
         if tuple(target.shape) == tuple(data.shape) and target.dtype == data.dtype:
@@ -288,7 +340,7 @@ def recv(
 
     remote = job.node is not None and (src is None or not job.node.is_local(src, job.peer_ids))
     pump = job.node.pump if remote and job.node is not None else None
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + seconds if deadline is None else deadline
     refuse = None if out is None else unfit
     source, taken = mailbox.take(src, peer, tag, deadline, seconds, gone, pump, refuse)
     data = device.adopt(taken)
@@ -324,3 +376,29 @@ def described(x: Any) -> Signature | None:
         return Signature("p2p", shape=tuple(x.shape), dtype=np.dtype(x.dtype))
     except (AttributeError, TypeError):
         return None
+
+
+def traced(
+    kind: str,
+    peer: int,
+    src: int,
+    dst: int,
+    tag: int,
+    frame: Any,
+    run: Callable[[], T],
+    shown: Callable[[T], Any],
+) -> T:
+    """``run()``, a send or receive (``kind``) of ``peer``, in the flight recorder when it is on:
+    its entry open from now (``src`` -1: from any peer), ended by the error it raises or with the
+    shape and dtype of ``shown(result)``."""
+    if not RECORDER.enabled:
+        return run()
+    entry = RECORDER.open_p2p(peer, src, dst, tag, kind, frame)
+    try:
+        result = run()
+    except BaseException as exc:
+        RECORDER.closed(entry, exc)
+        raise
+    entry[SIGNATURE] = described(shown(result))
+    RECORDER.closed(entry)
+    return result

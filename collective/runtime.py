@@ -13,7 +13,6 @@ a persistent call (collective.persistent.kept).
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Sequence
@@ -26,7 +25,7 @@ import numpy as np
 from collective import p2p
 from collective.algorithms.ops import Array, ReduceOp
 from collective.algorithms.strategies import Auto, Strategy, parse_strategy
-from collective.arrays import Device, integer, real
+from collective.arrays import Device, integer, timeout_seconds
 from collective.calls import (
     CALLS,
     AllGather,
@@ -58,7 +57,7 @@ from collective.groups import Group, as_group
 from collective.job import LocalJob, ProbeCalls
 from collective.p2p import Mailbox
 from collective.persistent import KeptCalls, Persistents
-from collective.trace import RECORDER, SIGNATURE, caller, install_signal
+from collective.trace import RECORDER, caller, install_signal
 from collective.trace.metrics import serve_from_env as serve_metrics
 from collective.tuning import Explanation
 from collective.tuning.overrides import pinned
@@ -545,18 +544,10 @@ class Runtime(Persistents, KeptCalls):
         ``timeout`` is checked like every call's (a send never waits, so it bounds nothing)."""
         job, member = self._member(peer_id), self._peer(peer_id)
         if timeout is not None:
-            _seconds(timeout)
-        if not RECORDER.enabled:
-            p2p.send(job, self._mailbox, peer_id, member.device, x, dst, tag)
-            return
-        entry = RECORDER.open_p2p(peer_id, peer_id, integer(dst) or 0, integer(tag) or 0, "send", caller(2))
-        try:
-            p2p.send(job, self._mailbox, peer_id, member.device, x, dst, tag)
-        except BaseException as exc:
-            RECORDER.closed(entry, exc)
-            raise
-        entry[SIGNATURE] = p2p.described(x)
-        RECORDER.closed(entry)
+            timeout_seconds(timeout)
+        frame = caller(2) if RECORDER.enabled else None
+        sent = partial(p2p.send, job, self._mailbox, peer_id, member.device, x, dst, tag)
+        p2p.traced("send", peer_id, peer_id, integer(dst) or 0, integer(tag) or 0, frame, sent, lambda _: x)
 
     def recv(
         self, peer_id: int, src: int, tag: int = 0, *, timeout: float | None = None, out: Array | None = None
@@ -575,19 +566,13 @@ class Runtime(Persistents, KeptCalls):
         self, peer_id: int, src: int | None, tag: int, timeout: float | None, out: Array | None
     ) -> tuple[int, Array]:
         job, member = self._member(peer_id), self._peer(peer_id)
-        seconds = job.config.timeout if timeout is None else _seconds(timeout)
-        if not RECORDER.enabled:
-            return p2p.recv(job, self._mailbox, peer_id, member.device, src, tag, seconds, out)
+        seconds = job.config.timeout if timeout is None else timeout_seconds(timeout)
+        frame = caller(3) if RECORDER.enabled else None
         source = -1 if src is None else integer(src) or 0
-        entry = RECORDER.open_p2p(peer_id, source, peer_id, integer(tag) or 0, "recv", caller(3))
-        try:
-            sender, got = p2p.recv(job, self._mailbox, peer_id, member.device, src, tag, seconds, out)
-        except BaseException as exc:
-            RECORDER.closed(entry, exc)
-            raise
-        entry[SIGNATURE] = p2p.described(got)
-        RECORDER.closed(entry)
-        return sender, got
+        taken = partial(p2p.recv, job, self._mailbox, peer_id, member.device, src, tag, seconds, out)
+        return p2p.traced(
+            "recv", peer_id, source, peer_id, integer(tag) or 0, frame, taken, lambda got: got[1]
+        )
 
     # -- the one road ---------------------------------------------------------------------------
 
@@ -654,7 +639,7 @@ class Runtime(Persistents, KeptCalls):
         if timeout is None:
             return member, route, job.config.timeout, None
         try:
-            return member, route, _seconds(timeout), None
+            return member, route, timeout_seconds(timeout), None
         except InvalidArgumentError as exc:
             return member, route, job.config.timeout, str(exc)
 
@@ -685,10 +670,3 @@ def _name_strategy(call: Call, strategy: Any) -> str | None:
     except ConfigError as exc:
         return f"strategy: {exc}"
     return None
-
-
-def _seconds(timeout: Any) -> float:
-    value = real(timeout)
-    if value is None or not 0 < value < math.inf:
-        raise InvalidArgumentError(f"timeout must be a finite number of seconds > 0, got {timeout!r}")
-    return value

@@ -257,6 +257,28 @@ def kept(peer: int, world: int) -> int:
     return count + 1
 
 
+def persistent_p2p(peer: int, world: int) -> int:
+    """Peers 0 and 1 pass a message back and forth 4 times through persistent sends and receives
+    (each use: the contents then, into the same buffer), between processes."""
+    other, out, back = 1 - peer, np.zeros(6), np.zeros(6)
+    sent = col.send_init(peer, out, dst=other, tag=4 + peer)
+    got = col.recv_init(peer, src=other, tag=4 + other, out=back)
+    count = 0
+    for use in range(4):
+        if peer == 0:
+            out[:] = np.arange(6) + 10 * use
+            sent()
+            assert got() is back and back.tolist() == (np.arange(6) + 10 * use + 1).tolist(), (use, back)
+        else:
+            got()
+            out[:] = back + 1
+            sent()
+        count += 2
+    sent.free()
+    got.free()
+    return count
+
+
 # -- the collective set ("collective_set" mode) ---------------------------------------------------
 
 # Elements per block: tiny blocks travel inside the call exchange among leaders; 200 KiB blocks
@@ -566,6 +588,7 @@ def straggle(peer: int, world: int) -> int:
 MODES = {
     "persistent": persistent,
     "kept": kept,
+    "persistent_p2p": persistent_p2p,
     "byte_order": byte_order,
     "remote_finish": remote_finish,
     "sent_then_left": sent_then_left,

@@ -20,6 +20,10 @@ DOCUMENTED = {
     "reduce_scatter_init",
     "barrier_init",
     "Persistent",
+    "send_init",  # persistent sends and receives (collective.persistent.p2p)
+    "recv_init",
+    "PersistentSend",
+    "PersistentRecv",
     "reduce",
     "broadcast",
     "all_gather",

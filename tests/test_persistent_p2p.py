@@ -1,0 +1,177 @@
+"""Persistent sends and receives (collective.persistent.p2p): checked once, each use a message;
+what can change between uses is checked at each, and every failure of send and recv holds."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+import pytest
+
+import collective as col
+from collective.trace import RECORDER
+from tests.processes import finish_all, start_nodes
+from tests.test_persistent import run_peers
+
+
+def test_each_use_sends_the_contents_then_and_receives_into_the_same_buffer() -> None:
+    started = threading.Event()
+
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        if p == 0:
+            x = np.zeros(3, np.float32)
+            with rt.send_init(p, x, dst=1, tag=7) as sent:
+                for use in range(4):
+                    x[:] = use
+                    assert sent() is None
+                started.wait(5)  # (peer 1's receive is started before this send comes)
+                x[:] = 99
+                sent.start()
+                sent.wait()
+            return []
+        buffer = np.zeros(3, np.float32)
+        seen = []
+        with rt.recv_init(p, src=0, tag=7, out=buffer) as into, rt.recv_init(p, src=0, tag=7) as fresh:
+            for _ in range(2):
+                seen.append((into() is buffer, buffer.tolist()))
+            first = fresh()  # (no out: the first use's array, written by every later use)
+            second = fresh()
+            seen.append((first is second is fresh.out, second.tolist()))
+            into.start()
+            started.set()
+            seen.append((into.wait(timeout=5) is buffer, buffer.tolist()))
+        return seen
+
+    found = run_peers(2, body)
+    assert found[1] == [(True, [0.0] * 3), (True, [1.0] * 3), (True, [3.0] * 3), (True, [99.0] * 3)], found
+
+
+def test_a_changed_buffer_a_wrong_message_and_misuse_are_errors() -> None:
+    def body(rt: col.Runtime, p: int) -> list[str]:
+        said = []
+        if p == 0:
+            x = np.zeros(4)
+            sent = rt.send_init(p, x, 1)
+            sent()
+            x.shape = (2, 2)
+            try:
+                sent()
+            except col.InvalidArgumentError as exc:
+                said.append(str(exc))
+            rt.send(p, np.ones(5), 1, tag=1)  # (a message that fits no buffer of 4)
+            sent.free()
+            sent.free()  # (a second free does nothing)
+            for use in (sent, sent.start):
+                try:
+                    use()
+                except col.InvalidArgumentError as exc:
+                    said.append(str(exc))
+            return said
+        buffer = np.zeros(4)
+        got = rt.recv_init(p, 0, out=buffer)
+        said.append(str(got().tolist()))
+        wrong = rt.recv_init(p, 0, tag=1, out=buffer)
+        try:
+            wrong()
+        except col.InvalidArgumentError as exc:
+            said.append(str(exc))
+        said.append(str(rt.recv(p, 0, tag=1).tolist()))  # (the message stayed queued)
+        try:
+            wrong.wait()
+        except col.InvalidArgumentError as exc:
+            said.append(str(exc))
+        for bad in (
+            lambda: rt.recv_init(p, p),
+            lambda: rt.recv_init(p, 0, tag=-1),
+            lambda: rt.send_init(p, [1], 0),
+        ):
+            try:
+                bad()
+            except col.InvalidArgumentError as exc:
+                said.append(str(exc))
+        return said
+
+    found = run_peers(2, body)
+    changed, freed, freed_start = found[0]
+    assert "changed since it was made: was shape (4,) float64, is shape (2, 2) float64" in changed, changed
+    assert freed == freed_start == "this persistent send was freed: make another"
+    first, wrong, queued, unstarted, itself, tag, array = found[1]
+    assert first == "[0.0, 0.0, 0.0, 0.0]" and queued == "[1.0, 1.0, 1.0, 1.0, 1.0]", found
+    assert "out has shape (4,)" in wrong and "still there" in wrong, wrong
+    assert unstarted == "wait() on a persistent recv with no use started: call start()"
+    assert "cannot send to or receive from itself" in itself and "tag must be" in tag and array, found
+
+
+def test_a_receive_times_out_and_a_wait_shorter_than_the_use_lets_it_go_on() -> None:
+    ready, done = threading.Event(), threading.Event()
+
+    def body(rt: col.Runtime, p: int) -> list[str]:
+        if p == 0:
+            ready.wait(5)
+            rt.send(p, np.full(2, 5.0), 1)
+            done.wait(5)  # (a peer that left would make the last receive a PeerLostError)
+            return []
+        said = []
+        with rt.recv_init(p, 0, timeout=5) as got:
+            got.start()
+            try:
+                got.wait(timeout=0.05)  # (the wait's own bound: the use goes on)
+            except col.CollectiveTimeout as exc:
+                said.append(str(exc))
+            ready.set()
+            said.append(str(got.wait().tolist()))
+            try:
+                got(timeout=0.05)  # (the use's own timeout: it ends)
+            except col.CollectiveTimeout as exc:
+                said.append(str(exc))
+            said.append(repr(got))
+        done.set()
+        return said
+
+    waited, received, ended, state = run_peers(2, body)[1]
+    assert "recv: peer 1 waited 0.05s for a message from peer 0 with tag 0" in waited, waited
+    assert received == "[5.0, 5.0]" and "waited 0.05s" in ended and "ready" in state, (received, ended, state)
+
+
+def test_a_receive_from_a_peer_that_left_is_a_peer_lost_error() -> None:
+    left = threading.Event()
+
+    def body(rt: col.Runtime, p: int) -> str:
+        if p == 0:
+            rt.finish(p)
+            left.set()
+            return ""
+        left.wait(5)
+        try:
+            rt.recv_init(p, 0)()
+        except col.PeerLostError as exc:
+            return str(exc)
+        return "no error"
+
+    assert "peer 0 left the job (finish)" in run_peers(2, body)[1]
+
+
+def test_uses_are_recorded_as_sends_and_receives() -> None:
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        x = np.zeros(2)
+        handle = rt.send_init(p, x, 1, tag=3) if p == 0 else rt.recv_init(p, 0, tag=3, out=x)
+        for _ in range(3):
+            handle()
+        entries = RECORDER.document("test")["entries"]
+        return [
+            (e["kind"], e["collective_seq_id"], e["state"], e["tag"], e["frames"][0]["name"])
+            for e in entries
+            if e["peer"] == p and e["is_p2p"]
+        ]
+
+    found = run_peers(2, body)
+    assert found[0][-3:] == [("send", i, "completed", 3, "body") for i in range(3)], found[0]
+    assert found[1][-3:] == [("recv", i, "completed", 3, "body") for i in range(3)], found[1]
+
+
+@pytest.mark.parametrize("shm", [1, 0], ids=["shared-memory", "zeromq"])
+def test_persistent_sends_and_receives_between_processes(orchestrator: str, shm: int) -> None:
+    nodes = start_nodes(orchestrator, f"persistent-p2p-{shm}", 2, 1, "persistent_p2p", shm=shm)
+    assert finish_all(nodes, 60) == [0, 0], [node.output() for node in nodes]
+    assert all(node.wait_for("OK 8", 5) for node in nodes)
