@@ -272,3 +272,29 @@ def test_a_repeated_call_runs_kept_and_one_without_out_is_never_kept() -> None:
     for use in range(4):
         assert all(seen[2 * use] == [20.0 + use] * 3 for seen in found.values()), found
         assert all(seen[2 * use + 1] == [3.0, 3.0] for seen in found.values()), found
+
+
+def test_an_out_made_read_only_fails_the_use_on_every_peer() -> None:
+    """Each use would write through the view made when the handle was: a read-only ``out`` now is
+    a changed buffer (the result is not written), on every peer; the group goes on."""
+
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        x, out = np.ones(2), np.zeros(2)
+        handle = rt.all_reduce_init(p, x, out=out)
+        said: list[Any] = [handle().tolist()]
+        out[:] = -1
+        out.flags.writeable = p != 0
+        try:
+            handle()
+        except col.InvalidArgumentError as exc:
+            said.append(str(exc))
+        said.append(out.tolist())
+        out.flags.writeable = True
+        said.append(handle().tolist())
+        handle.free()
+        return said
+
+    for said in run_peers(2, body).values():
+        assert said[0] == said[3] == [2.0, 2.0] and said[2] == [-1.0, -1.0], said
+        told = "peer 0: a buffer of this persistent all_reduce changed since it was made: it is read-only"
+        assert told in said[1], said

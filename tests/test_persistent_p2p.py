@@ -77,6 +77,12 @@ def test_a_changed_buffer_a_wrong_message_and_misuse_are_errors() -> None:
         except col.InvalidArgumentError as exc:
             said.append(str(exc))
         said.append(str(rt.recv(p, 0, tag=1).tolist()))  # (the message stayed queued)
+        buffer.flags.writeable = False
+        try:
+            got()
+        except col.InvalidArgumentError as exc:
+            said.append(str(exc))
+        buffer.flags.writeable = True
         try:
             wrong.wait()
         except col.InvalidArgumentError as exc:
@@ -96,7 +102,8 @@ def test_a_changed_buffer_a_wrong_message_and_misuse_are_errors() -> None:
     changed, freed, freed_start = found[0]
     assert "changed since it was made: was shape (4,) float64, is shape (2, 2) float64" in changed, changed
     assert freed == freed_start == "this persistent send was freed: make another"
-    first, wrong, queued, unstarted, itself, tag, array = found[1]
+    first, wrong, queued, read_only, unstarted, itself, tag, array = found[1]
+    assert "changed since it was made: it is read-only now" in read_only, read_only
     assert first == "[0.0, 0.0, 0.0, 0.0]" and queued == "[1.0, 1.0, 1.0, 1.0, 1.0]", found
     assert "out has shape (4,)" in wrong and "still there" in wrong, wrong
     assert unstarted == "wait() on a persistent recv with no use started: call start()"

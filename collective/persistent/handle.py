@@ -28,6 +28,8 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from collective.calls.base import Call
 from collective.calls.persistent import agreement_of, release_of
 from collective.errors import InvalidArgumentError, MismatchError
@@ -55,7 +57,7 @@ class Persistent:
         self.kind = call.kind
         self._call = call
         unique = {id(item): item for item in given if item is not None}  # (out may be x)
-        self._watched = [_Watched(item) for item in unique.values()]
+        self._watched = [_Watched(item, item is call.out_given) for item in unique.values()]
         member, (rendezvous, sequencer), seconds, problem = road(timeout)
         self._road = road
         self._member, self._rendezvous, self._sequencer = member, rendezvous, sequencer
@@ -210,16 +212,18 @@ def _refused(call: Call, problem: str) -> Call:
 
 
 class _Watched:
-    """What must not change of one buffer between uses: its shape and dtype, and a torch tensor's
-    memory (``set_`` moves it; numpy and CuPy arrays cannot move). Checked at every use: cheap."""
+    """What must not change of one buffer between uses: its shape and dtype, a torch tensor's
+    memory (``set_`` moves it; numpy and CuPy arrays cannot move), and, for a buffer the uses write
+    (``written``), that a numpy array is still writable. Checked at every use: cheap."""
 
-    __slots__ = ("at", "dtype", "item", "pointer", "shape")
+    __slots__ = ("at", "dtype", "item", "pointer", "shape", "written")
 
-    def __init__(self, item: Any) -> None:
+    def __init__(self, item: Any, written: bool = False) -> None:
         self.item, self.shape, self.dtype = item, item.shape, item.dtype
         pointer = getattr(item, "data_ptr", None)
         self.pointer = pointer if callable(pointer) else None
         self.at = self.pointer() if self.pointer is not None else None
+        self.written = written and type(item) is np.ndarray  # (a numpy array's flags: read at each use)
 
     def change(self) -> str | None:
         """How it changed, or None."""
@@ -229,4 +233,6 @@ class _Watched:
             return f"was shape {tuple(self.shape)} {self.dtype}, is shape {tuple(shape)} {dtype}"
         if self.pointer is not None and self.pointer() != self.at:
             return f"its memory moved (shape {tuple(shape)} {dtype})"
+        if self.written and not item.flags.writeable:
+            return f"it is read-only now (shape {tuple(shape)} {dtype}): the result cannot be written"
         return None

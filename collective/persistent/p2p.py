@@ -171,7 +171,7 @@ class PersistentRecv(_PointHandle):
         assert found is not None  # (a source is named: recv_any has no persistent form)
         self.src = found
         self._out = out
-        self._watched = [_Watched(out)] if out is not None else []
+        self._watched = [_Watched(out, written=True)] if out is not None else []
         self._frame: Any = None
 
     @property
@@ -204,5 +204,5 @@ class PersistentRecv(_PointHandle):
         self._deadline = None
         if self._out is None:  # (the first use's array: every later use writes into it)
             self._out, self._target = got, p2p.recv_checked(job, peer, device, src, tag, got)[2]
-            self._watched = [_Watched(got)]
+            self._watched = [_Watched(got, written=True)]
         return got
