@@ -43,6 +43,8 @@ __all__ = [
     "recv_checked",
     "send",
     "send_checked",
+    "sent_array",
+    "out_target",
     "traced",
 ]
 
@@ -241,11 +243,16 @@ def send_checked(
     """A send's own checks: (the destination, the tag, ``x`` as the numpy or CuPy array sent);
     InvalidArgumentError naming what is wrong."""
     dst, tag = _check(job, peer, dst, tag, "dst")
+    return dst, tag, sent_array(peer, device, x)
+
+
+def sent_array(peer: int, device: Device, x: Any) -> Array:
+    """``x`` as the numpy or CuPy array a send of ``peer`` copies (InvalidArgumentError if none)."""
     array, _ = native(x)
     problem = check_array(array, device, None)
     if problem is not None:
         raise InvalidArgumentError(f"send: peer {peer}: {problem}")
-    return dst, tag, array
+    return array
 
 
 def deliver(job: LocalJob, mailbox: Mailbox, peer: int, x: Array, dst: int, tag: int) -> None:
@@ -286,6 +293,12 @@ def recv_checked(
         tag = _tag(tag)
     else:
         src, tag = _check(job, peer, src, tag, "src")
+    return src, tag, out_target(peer, device, out)
+
+
+def out_target(peer: int, device: Device, out: Any) -> Any:
+    """The array a receive of ``peer`` writes its message through (``out``'s view; None for no
+    ``out``); InvalidArgumentError when it cannot be written."""
     try:
         target = writable(out)
     except InvalidArgumentError as exc:  # an unreadable tensor, an immutable JAX array
@@ -301,7 +314,7 @@ def recv_checked(
             )
         if problem is not None:
             raise InvalidArgumentError(f"recv: peer {peer}: {problem}")
-    return src, tag, target
+    return target
 
 
 def receive(

@@ -298,3 +298,36 @@ def test_an_out_made_read_only_fails_the_use_on_every_peer() -> None:
         assert said[0] == said[3] == [2.0, 2.0] and said[2] == [-1.0, -1.0], said
         told = "peer 0: a buffer of this persistent all_reduce changed since it was made: it is read-only"
         assert told in said[1], said
+
+
+def test_a_buffer_whose_strides_changed_or_read_as_a_copy_fails_every_peer() -> None:
+    """Each use reads and writes through the view made when the handle was: a torch tensor
+    transposed in place (same shape, memory and dtype) is refused at the use, on every peer; a
+    conjugate view (read as a copy) is refused when the handle is made."""
+    torch = pytest.importorskip("torch")
+
+    def body(rt: col.Runtime, p: int) -> list[str]:
+        said = []
+        square = torch.arange(4.0).reshape(2, 2)
+        handle = rt.all_reduce_init(p, square, out=square)
+        handle()
+        if p == 0:
+            square.t_()
+        try:
+            handle()
+        except col.InvalidArgumentError as exc:
+            said.append(str(exc))
+        try:
+            rt.all_reduce_init(p, torch.ones(2, dtype=torch.complex64).conj() if p == 1 else torch.ones(2))
+        except col.InvalidArgumentError as exc:
+            said.append(str(exc))
+        return said
+
+    for strides, conjugate in run_peers(2, body).values():
+        assert (
+            "peer 0: a buffer of this persistent all_reduce changed since it was made: its strides" in strides
+        )
+        assert (
+            "peer 1: a persistent all_reduce: a conjugate or negative torch view is read as a copy"
+            in conjugate
+        )

@@ -182,3 +182,76 @@ def test_persistent_sends_and_receives_between_processes(orchestrator: str, shm:
     nodes = start_nodes(orchestrator, f"persistent-p2p-{shm}", 2, 1, "persistent_p2p", shm=shm)
     assert finish_all(nodes, 60) == [0, 0], [node.output() for node in nodes]
     assert all(node.wait_for("OK 8", 5) for node in nodes)
+
+
+def test_a_use_checks_the_peer_and_its_buffer_when_it_is_waited_for_and_a_bounded_wait_records_nothing() -> (
+    None
+):
+    """The peer must still be in its job at each use (as send and recv check it); a receive's
+    buffer made read-only between start() and wait() fails the use before its message is taken;
+    a wait that ends on its own bound leaves no entry in the flight recorder, nor does it take a
+    number; any other error ends the use."""
+    go = threading.Event()
+
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        said: list[Any] = []
+        if p == 0:
+            sent = rt.send_init(p, np.ones(2), 1)
+            go.wait(5)
+            sent()
+            sent()
+            rt.finish(p)
+            try:
+                sent()
+            except col.RegistrationError as exc:
+                said.append(type(exc).__name__)
+            return said
+        buffer = np.zeros(2)
+        got = rt.recv_init(p, 0, out=buffer)
+        got.start()
+        try:
+            got.wait(timeout=0.05)
+        except col.CollectiveTimeout:
+            said.append("bounded")
+        go.set()
+        said.append(got.wait().tolist())
+        got.start()
+        buffer.flags.writeable = False
+        try:
+            got.wait()
+        except col.InvalidArgumentError as exc:
+            said.append("read-only" in str(exc))
+        said.append(repr(got))  # (the use ended: ready)
+        said.append(rt.recv(p, 0).tolist())  # (the message was not taken)
+        entries = RECORDER.document("test")["entries"]
+        said.append([(e["collective_seq_id"], e["state"]) for e in entries if e["peer"] == p and e["is_p2p"]])
+        return said
+
+    found = run_peers(2, body)
+    assert found[0] == ["RegistrationError"], found
+    bounded, first, read_only, state, queued, recorded = found[1]
+    assert bounded == "bounded" and first == [1.0, 1.0] and read_only and "ready" in state, found[1]
+    assert queued == [1.0, 1.0] and recorded[:2] == [(0, "completed"), (1, "failed")], recorded
+
+
+def test_a_torch_buffer_is_viewed_at_each_use() -> None:
+    """A conjugate view (read as a copy) sends what it holds at each use; a receive into a tensor
+    whose memory moved (set_) writes its new memory."""
+    torch = pytest.importorskip("torch")
+
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        if p == 0:
+            base = torch.zeros(2, dtype=torch.complex64)
+            sent = rt.send_init(p, base.conj(), 1)
+            for use in range(2):
+                base.fill_(complex(use, 1))
+                sent()
+            return []
+        out = torch.zeros(2, dtype=torch.complex64)
+        got = rt.recv_init(p, 0, out=out)
+        seen = [got().tolist()]
+        out.set_(torch.zeros(2, dtype=torch.complex64))
+        seen.append(got().tolist())
+        return seen
+
+    assert run_peers(2, body)[1] == [[-1j, -1j], [1 - 1j, 1 - 1j]]

@@ -57,7 +57,8 @@ class Persistent:
         self.kind = call.kind
         self._call = call
         unique = {id(item): item for item in given if item is not None}  # (out may be x)
-        self._watched = [_Watched(item, item is call.out_given) for item in unique.values()]
+        unfit = next((found for item in unique.values() if (found := _Watched.unfit(item))), None)
+        self._watched = [] if unfit else [_Watched(item, item is call.out_given) for item in unique.values()]
         member, (rendezvous, sequencer), seconds, problem = road(timeout)
         self._road = road
         self._member, self._rendezvous, self._sequencer = member, rendezvous, sequencer
@@ -65,8 +66,8 @@ class Persistent:
         self._work: Work | None = None
         self._freed = False
         agreement = agreement_of(call)
-        if problem is not None:
-            agreement.refuse(problem)
+        if problem is not None or unfit is not None:  # (refused on every peer, as a call would be)
+            agreement.refuse(problem or f"a persistent {call.kind}: {unfit}")
         self._run(agreement, seconds, caller(3) if RECORDER.enabled else None)
         call.kept = call.signature  # (checked and agreed: kept for every use)
 
@@ -212,18 +213,30 @@ def _refused(call: Call, problem: str) -> Call:
 
 
 class _Watched:
-    """What must not change of one buffer between uses: its shape and dtype, a torch tensor's
-    memory (``set_`` moves it; numpy and CuPy arrays cannot move), and, for a buffer the uses write
+    """What must not change of one buffer between uses: its shape, dtype and strides (each use
+    reads and writes it through the view made when the handle was), a torch tensor's memory
+    (``set_`` moves it; numpy and CuPy arrays cannot move), and, for a buffer the uses write
     (``written``), that a numpy array is still writable. Checked at every use: cheap."""
 
-    __slots__ = ("at", "dtype", "item", "pointer", "shape", "written")
+    __slots__ = ("at", "dtype", "item", "pointer", "shape", "strides", "written")
 
     def __init__(self, item: Any, written: bool = False) -> None:
-        self.item, self.shape, self.dtype = item, item.shape, item.dtype
+        self.item, self.shape, self.dtype, self.strides = item, item.shape, item.dtype, _strides(item)
         pointer = getattr(item, "data_ptr", None)
         self.pointer = pointer if callable(pointer) else None
         self.at = self.pointer() if self.pointer is not None else None
-        self.written = written and type(item) is np.ndarray  # (a numpy array's flags: read at each use)
+        self.written = written and isinstance(item, np.ndarray)  # (its flags: read at each use)
+
+    @staticmethod
+    def unfit(item: Any) -> str | None:
+        """Why ``item`` cannot be a persistent call's buffer (None: it can): each use must read and
+        write the same memory, which an array-like without a shape, or a torch view read as a
+        copy (conjugate, negative), is not."""
+        if not hasattr(item, "shape") or not hasattr(item, "dtype"):
+            return f"a {type(item).__name__} is read as a copy: pass a numpy, CuPy or torch array"
+        if callable(getattr(item, "is_conj", None)) and (item.is_conj() or item.is_neg()):
+            return "a conjugate or negative torch view is read as a copy: pass x.resolve_conj().resolve_neg()"
+        return None
 
     def change(self) -> str | None:
         """How it changed, or None."""
@@ -231,8 +244,16 @@ class _Watched:
         shape, dtype = item.shape, item.dtype
         if shape != self.shape or (dtype is not self.dtype and dtype != self.dtype):
             return f"was shape {tuple(self.shape)} {self.dtype}, is shape {tuple(shape)} {dtype}"
+        if _strides(item) != self.strides:
+            return f"its strides changed (shape {tuple(shape)} {dtype}, was laid out as {self.strides})"
         if self.pointer is not None and self.pointer() != self.at:
             return f"its memory moved (shape {tuple(shape)} {dtype})"
         if self.written and not item.flags.writeable:
             return f"it is read-only now (shape {tuple(shape)} {dtype}): the result cannot be written"
         return None
+
+
+def _strides(item: Any) -> tuple[int, ...]:
+    """numpy's and CuPy's ``strides``, torch's ``stride()``."""
+    strides = getattr(item, "strides", None)
+    return tuple(item.stride()) if strides is None else strides
