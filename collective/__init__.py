@@ -60,7 +60,8 @@ if TYPE_CHECKING:  # (what type checkers see; at run time each name loads on fir
     )
     from collective.groups import Group
     from collective.launch import peer_ids_from_env
-    from collective.persistent import Persistent, PersistentRecv, PersistentSend
+    from collective.p2p import PersistentRecv, PersistentSend
+    from collective.persistent import Persistent
     from collective.runtime import Runtime
     from collective.trace import dump_trace, stats
     from collective.tuning import Explanation
@@ -144,7 +145,8 @@ _LAZY: dict[str, str] = {
         "JobClosedError MismatchError PeerLostError RegistrationError",
         "collective.groups": "Group",
         "collective.launch": "peer_ids_from_env",
-        "collective.persistent": "Persistent PersistentRecv PersistentSend",
+        "collective.p2p": "PersistentRecv PersistentSend",
+        "collective.persistent": "Persistent",
         "collective.runtime": "Runtime",
         "collective.trace": "dump_trace stats",
         "collective.tuning": "Explanation",

@@ -11,7 +11,8 @@ from collective.arrays import Device
 from collective.config import CollectiveConfig
 from collective.groups import Group
 from collective.groups import new_group as _new_group
-from collective.persistent import Persistent, PersistentRecv, PersistentSend
+from collective.p2p import PersistentRecv, PersistentSend
+from collective.persistent import Persistent
 from collective.runtime import Runtime
 from collective.tuning import Explanation
 

@@ -15,13 +15,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from collective.algorithms.ops import Array
 from collective.arrays import Device, check_array, integer, overlaps_itself
-from collective.calls.signature import Signature
 from collective.errors import (
     CollectiveError,
     CollectiveTimeout,
@@ -30,12 +29,16 @@ from collective.errors import (
     PeerLostError,
 )
 from collective.node.protocol import PART_BYTES, P2PMessage
+from collective.persistent.p2p import PersistentRecv, PersistentSend, described, traced
 from collective.tensors import native, writable
-from collective.trace import RECORDER, SIGNATURE
 from collective.transport.wire import WireError
 
 __all__ = [
     "Mailbox",
+    "PersistentPoints",
+    "PeerMessages",
+    "PersistentRecv",
+    "PersistentSend",
     "deliver",
     "described",
     "receive",
@@ -51,7 +54,6 @@ __all__ = [
 if TYPE_CHECKING:
     from collective.job import LocalJob
 
-T = TypeVar("T")
 Key = tuple[int, int, int]  # (src, dst, tag)
 DEFAULT_LIMIT = 1 << 30  # unreceived bytes kept per source process
 MESSAGE_COST = 1 << 10  # bytes a message counts beyond its data (what keeping it costs, about)
@@ -383,35 +385,71 @@ def _tag(tag: Any) -> int:
     return value
 
 
-def described(x: Any) -> Signature | None:
-    """A point-to-point array's shape and dtype for the flight recorder (numpy dtypes only)."""
-    try:
-        return Signature("p2p", shape=tuple(x.shape), dtype=np.dtype(x.dtype))
-    except (AttributeError, TypeError):
-        return None
+class PeerMessages:
+    """``peer``'s messages in ``job`` (collective.persistent.p2p's ``Messages``: what its persistent
+    sends and receives do at each use)."""
+
+    def __init__(self, job: LocalJob, mailbox: Mailbox, peer: int, device: Device) -> None:
+        self.job, self.mailbox, self.peer, self.device = job, mailbox, peer, device
+
+    def check(self) -> None:
+        with self.job.lock:
+            self.job.check_member(self.peer)
+
+    def sent_array(self, x: Any) -> Array:
+        return sent_array(self.peer, self.device, x)
+
+    def deliver(self, array: Array, dst: int, tag: int) -> None:
+        deliver(self.job, self.mailbox, self.peer, array, dst, tag)
+
+    def out_target(self, out: Any) -> Any:
+        return out_target(self.peer, self.device, out)
+
+    def receive(self, src: int, tag: int, seconds: float, out: Any, target: Any, deadline: float) -> Any:
+        return receive(
+            self.job, self.mailbox, self.peer, self.device, src, tag, seconds, out, target, deadline
+        )[1]
 
 
-def traced(
-    kind: str,
-    peer: int,
-    src: int,
-    dst: int,
-    tag: int,
-    frame: Any,
-    run: Callable[[], T],
-    shown: Callable[[T], Any],
-) -> T:
-    """``run()``, a send or receive (``kind``) of ``peer``, in the flight recorder when it is on:
-    its entry open from now (``src`` -1: from any peer), ended by the error it raises or with the
-    shape and dtype of ``shown(result)``."""
-    if not RECORDER.enabled:
-        return run()
-    entry = RECORDER.open_p2p(peer, src, dst, tag, kind, frame)
-    try:
-        result = run()
-    except BaseException as exc:
-        RECORDER.closed(entry, exc)
-        raise
-    entry[SIGNATURE] = described(shown(result))
-    RECORDER.closed(entry)
-    return result
+class PersistentPoints:
+    """The Runtime's ``send_init`` and ``recv_init`` (a mixin of collective.runtime.Runtime)."""
+
+    _mailbox: Mailbox
+
+    def _road(self, peer_id: int, group: Any, timeout: float | None) -> tuple[Any, Any, float, str | None]:
+        raise NotImplementedError
+
+    def send_init(
+        self, peer_id: int, x: Array, dst: int, tag: int = 0, *, timeout: float | None = None
+    ) -> PersistentSend:
+        """A persistent send of ``x`` to ``dst`` with ``tag``: each use sends x's contents then.
+        Raises as send does (InvalidArgumentError for a bad peer, tag or array), when made."""
+        member, seconds = self._point(peer_id, timeout)
+        job, device = member.job, member.device
+        dst, tag, array = send_checked(job, peer_id, device, x, dst, tag)
+        return PersistentSend(
+            peer_id, PeerMessages(job, self._mailbox, peer_id, device), seconds, x, array, dst, tag
+        )
+
+    def recv_init(
+        self, peer_id: int, src: int, tag: int = 0, *, out: Array | None = None, timeout: float | None = None
+    ) -> PersistentRecv:
+        """A persistent receive from ``src`` with ``tag``: each use receives the next such message
+        into ``out`` (without one: the array the first use received). Raises as recv does."""
+        if src is None:
+            raise InvalidArgumentError(
+                f"recv_init: peer {peer_id}: a persistent receive is from one peer: name src (a receive from "
+                f"any peer has no persistent form: call recv_any)"
+            )
+        member, seconds = self._point(peer_id, timeout)
+        job, device = member.job, member.device
+        found, tag, target = recv_checked(job, peer_id, device, src, tag, out)
+        messages = PeerMessages(job, self._mailbox, peer_id, device)
+        return PersistentRecv(peer_id, messages, seconds, found, tag, out, target)  # type: ignore[arg-type]
+
+    def _point(self, peer_id: int, timeout: float | None) -> tuple[Any, float]:
+        """The peer (registered: else RegistrationError) and a use's timeout (checked)."""
+        member, _, seconds, problem = self._road(peer_id, None, timeout)
+        if problem is not None:
+            raise InvalidArgumentError(problem)
+        return member, seconds

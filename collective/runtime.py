@@ -90,7 +90,7 @@ class _Peer:
         return found
 
 
-class Runtime(Persistents, KeptCalls):
+class Runtime(Persistents, KeptCalls, p2p.PersistentPoints):
     """The collective API for the peers (threads) of this process. Usable as a context manager."""
 
     def __init__(self, fuse_below: int = DEFAULT_FUSE_BELOW, share_below: int = DEFAULT_SHARE_BELOW) -> None:

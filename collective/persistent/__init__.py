@@ -3,12 +3,12 @@
 ``handle``: ``Persistent``, one peer's handle (its uses, ``start``/``wait``, ``free``); ``kinds``:
 ``Persistents``, the Runtime's ``all_reduce_init`` and the others, which make one; ``kept``:
 ``KeptCalls``, the Runtime's normal calls that come again on the same arrays, run as uses;
-``p2p``: ``PersistentSend`` and ``PersistentRecv``, a peer's persistent sends and receives.
+``p2p``: ``PersistentSend`` and ``PersistentRecv``, a peer's persistent sends and receives (made
+by collective.p2p's ``PersistentPoints``, the Runtime's ``send_init`` and ``recv_init``).
 """
 
 from collective.persistent.handle import Persistent
 from collective.persistent.kept import KeptCalls
 from collective.persistent.kinds import Persistents
-from collective.persistent.p2p import PersistentRecv, PersistentSend
 
-__all__ = ["KeptCalls", "Persistent", "PersistentRecv", "PersistentSend", "Persistents"]
+__all__ = ["KeptCalls", "Persistent", "Persistents"]

@@ -57,8 +57,8 @@ class Persistent:
         self.kind = call.kind
         self._call = call
         unique = {id(item): item for item in given if item is not None}  # (out may be x)
-        unfit = next((found for item in unique.values() if (found := _Watched.unfit(item))), None)
-        self._watched = [] if unfit else [_Watched(item, item is call.out_given) for item in unique.values()]
+        unfit = next((found for item in unique.values() if (found := Watched.unfit(item))), None)
+        self._watched = [] if unfit else [Watched(item, item is call.out_given) for item in unique.values()]
         member, (rendezvous, sequencer), seconds, problem = road(timeout)
         self._road = road
         self._member, self._rendezvous, self._sequencer = member, rendezvous, sequencer
@@ -212,7 +212,7 @@ def _refused(call: Call, problem: str) -> Call:
     return type(call).refused(problem, root=call.root_peer, op=call.op_arg)
 
 
-class _Watched:
+class Watched:
     """What must not change of one buffer between uses: its shape, dtype and strides (each use
     reads and writes it through the view made when the handle was), a torch tensor's memory
     (``set_`` moves it; numpy and CuPy arrays cannot move), and, for a buffer the uses write

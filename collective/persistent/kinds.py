@@ -1,6 +1,5 @@
-"""The ``<kind>_init`` methods of the Runtime: a persistent call of each kind (collective.persistent),
-and persistent sends and receives (``send_init``, ``recv_init``: collective.persistent.p2p); and
-``repeat``, which runs a call kept by its caller as a persistent use each time it comes again."""
+"""The ``<kind>_init`` methods of the Runtime: a persistent call of each kind (collective.persistent);
+and ``repeat``, which runs a call kept by its caller as a persistent use each time it comes again."""
 
 from __future__ import annotations
 
@@ -10,15 +9,12 @@ from typing import TYPE_CHECKING, Any
 from collective.algorithms.ops import Array, ReduceOp
 from collective.calls import AllGather, AllReduce, Barrier, Broadcast, ReduceScatter
 from collective.calls.base import Call
-from collective.errors import InvalidArgumentError
 from collective.groups import Group
 from collective.persistent.handle import Persistent
-from collective.persistent.p2p import PersistentRecv, PersistentSend
 from collective.trace import RECORDER, caller
 
 if TYPE_CHECKING:
     from collective.executors.rendezvous import Rendezvous
-    from collective.p2p import Mailbox
     from collective.work import Sequencer
 
 __all__ = ["Persistents"]
@@ -29,8 +25,6 @@ Op = ReduceOp | str
 class Persistents:
     """The ``<kind>_init`` methods of collective.runtime.Runtime: a persistent call of each kind,
     made on the road to the group that Runtime finds (``_road``)."""
-
-    _mailbox: Mailbox  # the Runtime's point-to-point messages
 
     def _road(
         self, peer_id: int, group: Any, timeout: float | None
@@ -123,35 +117,6 @@ class Persistents:
     ) -> Persistent:
         """A persistent barrier."""
         return self._persistent(peer_id, Barrier(), (), group, timeout)
-
-    def send_init(
-        self, peer_id: int, x: Array, dst: int, tag: int = 0, *, timeout: float | None = None
-    ) -> PersistentSend:
-        """A persistent send of ``x`` to ``dst`` with ``tag``: each use sends x's contents then.
-        Raises as send does (InvalidArgumentError for a bad peer, tag or array), when made."""
-        member, seconds = self._point(peer_id, timeout)
-        return PersistentSend(peer_id, member.job, self._mailbox, member.device, seconds, x, dst, tag)
-
-    def recv_init(
-        self,
-        peer_id: int,
-        src: int,
-        tag: int = 0,
-        *,
-        out: Array | None = None,
-        timeout: float | None = None,
-    ) -> PersistentRecv:
-        """A persistent receive from ``src`` with ``tag``: each use receives the next such message
-        into ``out`` (without one: the array the first use received). Raises as recv does."""
-        member, seconds = self._point(peer_id, timeout)
-        return PersistentRecv(peer_id, member.job, self._mailbox, member.device, seconds, src, tag, out)
-
-    def _point(self, peer_id: int, timeout: float | None) -> tuple[Any, float]:
-        """The peer (registered: else RegistrationError) and a use's timeout (checked)."""
-        member, _, seconds, problem = self._road(peer_id, None, timeout)
-        if problem is not None:
-            raise InvalidArgumentError(problem)
-        return member, seconds
 
     def _persistent(
         self, peer_id: int, call: Call, given: tuple[Any, ...], group: Group | None, timeout: float | None

@@ -23,27 +23,57 @@ holds for a use: a receive times out naming the source (``wait(timeout)`` shorte
 own: the use goes on, wait again, and the flight recorder counts one receive), and fails with
 PeerLostError when the source left. Each use is recorded in the flight recorder as a send or a
 receive (a receive from its start).
+
+The handles use the core's messages through ``Messages`` (collective.p2p's ``PeerMessages``), so
+they live below it, beside the persistent collectives; ``described`` and ``traced``, how a send
+or receive is recorded, are here for the same reason (the core's send and recv use them too).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from collective import p2p
-from collective.arrays import Device, timeout_seconds
+from collective.algorithms.ops import Array
+from collective.arrays import timeout_seconds
+from collective.calls.signature import Signature
 from collective.errors import CollectiveTimeout, InvalidArgumentError
-from collective.persistent.handle import _Watched
+from collective.persistent.handle import Watched
 from collective.trace import RECORDER, SIGNATURE, caller
 
-if TYPE_CHECKING:
-    from collective.job import LocalJob
-    from collective.p2p import Mailbox
+__all__ = ["Messages", "PersistentRecv", "PersistentSend", "described", "traced"]
 
-__all__ = ["PersistentRecv", "PersistentSend"]
+T = TypeVar("T")
+
+
+class Messages(Protocol):
+    """What a persistent send or receive does with its peer's messages (collective.p2p's, for the
+    peer it was made by): each checked as the call made anew would be, but for its arguments."""
+
+    def check(self) -> None:
+        """Raise RegistrationError (or JobClosedError) unless the peer is still in its job."""
+        ...
+
+    def sent_array(self, x: Any) -> Array:
+        """``x`` as the array a send copies (InvalidArgumentError if none)."""
+        ...
+
+    def deliver(self, array: Array, dst: int, tag: int) -> None:
+        """A copy of ``array`` to ``dst`` with ``tag``."""
+        ...
+
+    def out_target(self, out: Any) -> Any:
+        """The array a receive writes ``out`` through (InvalidArgumentError if none)."""
+        ...
+
+    def receive(self, src: int, tag: int, seconds: float, out: Any, target: Any, deadline: float) -> Any:
+        """The next message from ``src`` with ``tag`` (``out`` filled, through ``target``), by
+        ``deadline`` (its CollectiveTimeout naming ``seconds``)."""
+        ...
 
 
 class _PointHandle:
@@ -51,9 +81,9 @@ class _PointHandle:
 
     kind = ""
 
-    def __init__(self, peer: int, job: LocalJob, mailbox: Mailbox, device: Device, seconds: float) -> None:
+    def __init__(self, peer: int, messages: Messages, seconds: float) -> None:
         self.peer = peer
-        self._job, self._mailbox, self._device = job, mailbox, device
+        self._messages = messages
         self._seconds = seconds  # each use's timeout, unless it names its own
         self._deadline: float | None = None  # of the use started (None: none is)
         self._use_seconds = seconds  # (its timeout)
@@ -110,9 +140,7 @@ class _PointHandle:
     def _check(self) -> None:
         """What a use checks: the peer still in its job (as a send or receive checks it), and its
         buffer as it was made."""
-        job = self._job
-        with job.lock:
-            job.check_member(self.peer)
+        self._messages.check()
 
     def _begin(self, frame: Any) -> None:
         """What a use does as it starts."""
@@ -126,7 +154,7 @@ class _PointHandle:
         self._deadline = None
 
 
-def _changed(kind: str, peer: int, watched: _Watched | None) -> None:
+def _changed(kind: str, peer: int, watched: Watched | None) -> None:
     """Raise InvalidArgumentError if the buffer ``watched`` changed since it was made."""
     change = watched.change() if watched is not None else None
     if change is not None:
@@ -137,37 +165,29 @@ def _changed(kind: str, peer: int, watched: _Watched | None) -> None:
 
 
 class PersistentSend(_PointHandle):
-    """One peer's persistent send (``Runtime.send_init``): each use sends ``x``'s contents then."""
+    """One peer's persistent send (``Runtime.send_init``): each use sends ``x``'s contents then
+    (``array``: x as checked when it was made, its array)."""
 
     kind = "send"
 
     def __init__(
-        self,
-        peer: int,
-        job: LocalJob,
-        mailbox: Mailbox,
-        device: Device,
-        seconds: float,
-        x: Any,
-        dst: Any,
-        tag: Any,
+        self, peer: int, messages: Messages, seconds: float, x: Any, array: Array, dst: int, tag: int
     ) -> None:
-        super().__init__(peer, job, mailbox, device, seconds)
-        self.dst, self.tag, self._array = p2p.send_checked(job, peer, device, x, dst, tag)
-        self._given = x
+        super().__init__(peer, messages, seconds)
+        self.dst, self.tag, self._array, self._given = dst, tag, array, x
         # A numpy array is read through the same array every use (its layout watched); anything
         # else is viewed anew (a torch tensor may move, a conjugate view is read as a copy, ...).
-        self._watched = _Watched(x) if type(x) is np.ndarray else None
+        self._watched = Watched(x) if type(x) is np.ndarray else None
 
     def _begin(self, frame: Any) -> None:
         peer, dst, tag = self.peer, self.dst, self.tag
         if self._watched is None:
-            array = self._array = p2p.sent_array(peer, self._device, self._given)
+            array = self._array = self._messages.sent_array(self._given)
         else:
             _changed(self.kind, peer, self._watched)
             array = self._array
-        sent = partial(p2p.deliver, self._job, self._mailbox, peer, array, dst, tag)
-        p2p.traced("send", peer, peer, dst, tag, frame, sent, lambda _: array)
+        sent = partial(self._messages.deliver, array, dst, tag)
+        traced("send", peer, peer, dst, tag, frame, sent, lambda _: array)
 
     def _end(self, timeout: float | None) -> None:
         self._ended()
@@ -180,26 +200,12 @@ class PersistentRecv(_PointHandle):
     kind = "recv"
 
     def __init__(
-        self,
-        peer: int,
-        job: LocalJob,
-        mailbox: Mailbox,
-        device: Device,
-        seconds: float,
-        src: Any,
-        tag: Any,
-        out: Any,
+        self, peer: int, messages: Messages, seconds: float, src: int, tag: int, out: Any, target: Any
     ) -> None:
-        super().__init__(peer, job, mailbox, device, seconds)
-        if src is None:
-            raise InvalidArgumentError(
-                f"recv_init: peer {peer}: a persistent receive is from one peer: name src (a receive from "
-                f"any peer has no persistent form: call recv_any)"
-            )
-        found, self.tag, self._target = p2p.recv_checked(job, peer, device, src, tag, out)
-        self.src: int = found  # type: ignore[assignment]  # (a peer: src is not None)
+        super().__init__(peer, messages, seconds)
+        self.src, self.tag, self._target = src, tag, target
         self._out = out
-        self._watched = _Watched(out, written=True) if type(out) is np.ndarray else None
+        self._watched = Watched(out, written=True) if type(out) is np.ndarray else None
         self._entry: list[Any] | None = None  # the flight recorder's entry of the use started
 
     @property
@@ -220,17 +226,15 @@ class PersistentRecv(_PointHandle):
         if bounded:  # comes first: when it passes, the use goes on; wait again)
             assert timeout is not None
             deadline, seconds = time.monotonic() + timeout, timeout
-        peer, device, out = self.peer, self._device, self._out
+        peer, out, messages = self.peer, self._out, self._messages
         try:
             self._check()  # (again: the buffer may have changed since the use started)
             if self._watched is not None:
                 _changed(self.kind, peer, self._watched)
                 target = self._target
             else:
-                target = p2p.out_target(peer, device, out)  # (anything else is viewed anew)
-            _, got = p2p.receive(
-                self._job, self._mailbox, peer, device, self.src, self.tag, seconds, out, target, deadline
-            )
+                target = messages.out_target(out)  # (anything else is viewed anew)
+            got = messages.receive(self.src, self.tag, seconds, out, target, deadline)
         except CollectiveTimeout as exc:
             if not bounded:
                 self._ended(exc)
@@ -240,10 +244,10 @@ class PersistentRecv(_PointHandle):
             raise
         self._ended()
         if out is None:  # (the first use's array: every later use writes into it)
-            self._out, self._target = got, p2p.out_target(peer, device, got)
-            self._watched = _Watched(got, written=True) if type(got) is np.ndarray else None
+            self._out, self._target = got, messages.out_target(got)
+            self._watched = Watched(got, written=True) if type(got) is np.ndarray else None
         if self._entry is not None:
-            self._entry[SIGNATURE] = p2p.described(got)
+            self._entry[SIGNATURE] = described(got)
         return got
 
     def _ended(self, error: BaseException | None = None) -> None:
@@ -251,3 +255,37 @@ class PersistentRecv(_PointHandle):
         entry, self._entry = self._entry, None
         if entry is not None:
             RECORDER.closed(entry, error)
+
+
+def described(x: Any) -> Signature | None:
+    """A point-to-point array's shape and dtype for the flight recorder (numpy dtypes only)."""
+    try:
+        return Signature("p2p", shape=tuple(x.shape), dtype=np.dtype(x.dtype))
+    except (AttributeError, TypeError):
+        return None
+
+
+def traced(
+    kind: str,
+    peer: int,
+    src: int,
+    dst: int,
+    tag: int,
+    frame: Any,
+    run: Callable[[], T],
+    shown: Callable[[T], Any],
+) -> T:
+    """``run()``, a send or receive (``kind``) of ``peer``, in the flight recorder when it is on:
+    its entry open from now (``src`` -1: from any peer), ended by the error it raises or with the
+    shape and dtype of ``shown(result)``."""
+    if not RECORDER.enabled:
+        return run()
+    entry = RECORDER.open_p2p(peer, src, dst, tag, kind, frame)
+    try:
+        result = run()
+    except BaseException as exc:
+        RECORDER.closed(entry, exc)
+        raise
+    entry[SIGNATURE] = described(shown(result))
+    RECORDER.closed(entry)
+    return result
