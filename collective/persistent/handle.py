@@ -218,7 +218,7 @@ class Watched:
     (``set_`` moves it; numpy and CuPy arrays cannot move), and, for a buffer the uses write
     (``written``), that a numpy array is still writable. Checked at every use: cheap."""
 
-    __slots__ = ("at", "dtype", "item", "pointer", "shape", "strides", "written")
+    __slots__ = ("at", "dtype", "item", "numpy", "pointer", "shape", "strides", "written")
 
     def __init__(self, item: Any, written: bool = False) -> None:
         self.item, self.shape, self.dtype, self.strides = item, item.shape, item.dtype, _strides(item)
@@ -226,6 +226,7 @@ class Watched:
         self.pointer = pointer if callable(pointer) else None
         self.at = self.pointer() if self.pointer is not None else None
         self.written = written and isinstance(item, np.ndarray)  # (its flags: read at each use)
+        self.numpy = isinstance(item, np.ndarray)  # (its layout read as attributes: the quick check)
 
     @staticmethod
     def unfit(item: Any) -> str | None:
@@ -241,6 +242,14 @@ class Watched:
     def change(self) -> str | None:
         """How it changed, or None."""
         item = self.item
+        if (  # (a numpy array as it was: the common case, in one expression)
+            self.numpy
+            and item.shape == self.shape
+            and item.strides == self.strides
+            and item.dtype is self.dtype
+            and (not self.written or item.flags.writeable)
+        ):
+            return None
         shape, dtype = item.shape, item.dtype
         if shape != self.shape or (dtype is not self.dtype and dtype != self.dtype):
             return f"was shape {tuple(self.shape)} {self.dtype}, is shape {tuple(shape)} {dtype}"

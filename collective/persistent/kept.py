@@ -55,7 +55,17 @@ class _Kept:
     and its road: the peer's registration it was kept in, its rendezvous and sequencer there, the
     job's timeout."""
 
-    __slots__ = ("call", "layouts", "member", "out", "rendezvous", "seconds", "sequencer", "x")
+    __slots__ = (
+        "call",
+        "layout",
+        "member",
+        "out",
+        "out_layout",
+        "rendezvous",
+        "seconds",
+        "sequencer",
+        "x",
+    )
     member: Any
 
     def __init__(
@@ -63,17 +73,20 @@ class _Kept:
     ) -> None:
         self.call, self.x, self.out = call, x, out
         self.member, self.rendezvous, self.sequencer, self.seconds = road
-        self.layouts = _layouts(x, out)
+        self.layout = None if x is None else (x.shape, x.strides, x.dtype)
+        self.out_layout = (out.shape, out.strides, out.dtype)
 
     def holds(self, x: np.ndarray | None, out: np.ndarray) -> bool:
-        """Whether ``x`` and ``out`` (the kept arrays) are laid out as they were, ``out`` writable."""
-        return _layouts(x, out) == self.layouts
-
-
-def _layouts(x: np.ndarray | None, out: np.ndarray) -> tuple[Any, ...]:
-    if x is None:
-        return (out.shape, out.strides, out.dtype, out.flags.writeable)
-    return (x.shape, x.strides, x.dtype, out.shape, out.strides, out.dtype, out.flags.writeable)
+        """Whether ``x`` and ``out`` (the kept arrays) are laid out as they were, ``out`` writable
+        (one expression: this is every kept call's; a dtype set anew, even to an equal one, is a
+        change)."""
+        shape, strides, dtype = self.out_layout
+        if out.shape != shape or out.strides != strides or out.dtype is not dtype or not out.flags.writeable:
+            return False
+        if x is None:
+            return True
+        shape, strides, dtype = self.layout  # type: ignore[misc]
+        return x.shape == shape and x.strides == strides and x.dtype is dtype
 
 
 class KeptCalls:
