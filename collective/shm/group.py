@@ -349,8 +349,8 @@ class ShmGroup:
                 return None
             if segments[rank].keys[indices[rank]] != self.key:
                 return None
-            head = heads[rank]
-            if head[0] != s or (head[3], head[2]) != published[rank]:
+            head, (digest, size) = heads[rank], published[rank]
+            if head[0] != s or head[3] != digest or head[2] != size:
                 return None
         return found
 
