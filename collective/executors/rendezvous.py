@@ -164,24 +164,7 @@ class Rendezvous:
             self._failed(0, call, exc)
             raise
         live[0] = None
-        executor = plan.executor  # (the entry of _completed, in line: this is the per-call floor)
-        RECORDER.record(
-            (
-                step.peer,
-                self.members,
-                number,
-                call.kind,
-                call.origin,
-                step.agreed,
-                executor.path,
-                call.algorithm or executor.strategy,
-                "completed",
-                created,
-                created,
-                time.time_ns(),
-                None,
-            )
-        )
+        self._completed(step, created)
         return result
 
     def _completed(self, step: Step, created: int) -> None:

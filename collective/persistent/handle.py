@@ -79,24 +79,8 @@ class Persistent:
 
     def __call__(self, timeout: float | None = None) -> Any:
         """Run once: the result (``out``), or the use's error."""
-        call = self._call
-        if timeout is not None or self._freed or self._work is not None or call.out is None:
-            seconds, call = self._use(timeout)
-            return self._run(call, seconds, caller(2) if RECORDER.enabled else None)
-        # A use as most are (the general path above, in one frame): every buffer as it was made
-        for watched in self._watched:
-            if watched.change() is not None:
-                seconds, call = self._use(timeout)  # (refused on every peer, naming the change)
-                return self._run(call, seconds, caller(2) if RECORDER.enabled else None)
-        call.origin = caller(2) if RECORDER.enabled else None
-        member = self._member
-        try:
-            return self._sequencer.call(
-                self._rendezvous.again, call.kind, member.peer, member.device, self._seconds, call
-            )
-        except MismatchError as exc:
-            self._met_a_free(exc)
-            raise
+        seconds, call = self._use(timeout)
+        return self._run(call, seconds, caller(2) if RECORDER.enabled else None)
 
     def start(self, timeout: float | None = None) -> None:
         """Start a use; ``wait()`` gives its result. One use at a time."""

@@ -301,19 +301,10 @@ class ShmGroup:
         """``_agree`` for a repeated task: when every other member published what it published at
         the last step in this slot (its digest and input size), and the channels are the ones
         read then, what was agreed then; else ``_agree`` (which names a member calling something
-        else, or freeing its handle)."""
-        found = again.found[slot]
-        channels = self._channels
-        if found is not None and channels is again.channels:
-            heads, published = self._heads[slot], again.published[slot]
-            for rank in again.others:
-                self._still_in(s, rank, channels[rank])
-                head = heads[rank]
-                if head[0] != s or (head[3], head[2]) != published[rank]:
-                    found = None
-                    break
-            else:
-                return found
+        else, or freeing its handle, or gave the step up)."""
+        found = self._arrived_again(s, slot, again)
+        if found is not None:
+            return found
         found = self._agree(s, slot, again.message, again.digest, again.task)
         if self._channels is not again.channels:  # (the other slot's views are of channels gone too)
             again.found, again.published, again.channels = [None, None], [[], []], self._channels
