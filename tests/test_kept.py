@@ -19,8 +19,9 @@ from tests.test_persistent import run_peers
 
 
 def _kept(rt: col.Runtime, p: int) -> list[Any]:
-    """Peer ``p``'s kept calls, oldest first."""
-    return [kept.call for key, kept in (rt._kept_calls or {}).items() if key[0] == p]
+    """Peer ``p``'s kept calls, oldest first (not those only noted once)."""
+    noted = (rt._kept_calls or {}).items()
+    return [kept.call for key, kept in noted if key[0] == p and hasattr(kept, "call")]
 
 
 def test_calls_on_the_same_arrays_run_kept_and_read_their_inputs_each_time() -> None:
@@ -43,10 +44,10 @@ def test_calls_on_the_same_arrays_run_kept_and_read_their_inputs_each_time() -> 
             results = (out.tolist(), biggest.tolist(), gathered.tolist(), part.tolist(), sent.tolist())
             seen.append((summed is out, *results))
             calls.append(_kept(rt, p))
-        return [seen, [len(c) for c in calls], all(a is b for a, b in zip(calls[0], calls[-1], strict=True))]
+        return [seen, [len(c) for c in calls], all(a is b for a, b in zip(calls[1], calls[-1], strict=True))]
 
     for p, (seen, counts, same) in run_peers(3, body).items():
-        assert counts == [5, 5, 5, 5] and same, (counts, same)  # made at the first call, then the same
+        assert counts == [0, 5, 5, 5] and same, (counts, same)  # kept at the second call, then the same
         for use, (returned, summed, biggest, gathered, part, sent) in enumerate(seen):
             assert returned and summed == [3.0 * use + 3.0] * 3 and biggest == [use + 2.0] * 3
             assert gathered == [[q * 10 + use] * 2 for q in range(3)]
@@ -98,11 +99,15 @@ def test_a_kept_call_that_meets_another_call_is_a_mismatch_on_every_peer() -> No
 def test_calls_are_not_kept_when_turned_off_nor_beyond_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     peers = 1
 
-    def many(rt: col.Runtime, p: int) -> int:
-        x = np.ones(2)
+    def many(rt: col.Runtime, p: int) -> list[int]:
+        x, outs = np.ones(2), [np.zeros(2) for _ in range(KEPT_CALLS + 8)]
         for _ in range(KEPT_CALLS + 8):
-            assert rt.all_reduce(p, x, out=np.zeros(2))[0] == peers  # (a new out each time)
-        return len(_kept(rt, p))
+            assert rt.all_reduce(p, x, out=np.zeros(2))[0] == peers  # (a new out each time: never kept)
+        never = len(_kept(rt, p))
+        for out in outs:  # (each out twice: kept)
+            rt.all_reduce(p, x, out=out)
+            rt.all_reduce(p, x, out=out)
+        return [never, len(_kept(rt, p)), len(rt._kept_calls or {})]
 
     def twice(rt: col.Runtime, p: int) -> int:
         x, out = np.ones(2), np.zeros(2)
@@ -112,7 +117,7 @@ def test_calls_are_not_kept_when_turned_off_nor_beyond_the_bound(monkeypatch: py
         rt.all_reduce(p, x)  # (no out: never kept)
         return len(_kept(rt, p))
 
-    assert run_peers(peers, many) == {0: KEPT_CALLS}
+    assert run_peers(peers, many) == {0: [0, KEPT_CALLS, KEPT_CALLS]}
     assert run_peers(2, twice) == {0: 1, 1: 1}
     monkeypatch.setenv(REPEAT_VARIABLE, "0")
     assert run_peers(2, twice) == {0: 0, 1: 0}
@@ -183,6 +188,7 @@ def test_a_peer_that_finishes_lets_its_kept_calls_go() -> None:
 
     def body(rt: col.Runtime, p: int) -> int:
         x, out = np.ones(2), np.zeros(2)
+        rt.all_reduce(p, x, out=out)
         rt.all_reduce(p, x, out=out)
         held[p] = weakref.ref(x)
         count = len(_kept(rt, p))

@@ -85,6 +85,63 @@ def test_stats_count_calls_by_kind_algorithm_and_size() -> None:
     assert sum(row["histogram"].values()) == row["calls"] and row["seconds"] > 0
 
 
+def test_stats_rows_are_the_same_whether_calls_share_their_signature_or_not() -> None:
+    """The tally numbers entries by their agreed Signature object when the calls of a number agree
+    on the rest of their key, else by the whole key's value: the rows are the same either way."""
+    from collective.calls.signature import Signature
+    from collective.trace.recorder import Stats
+
+    def signature(count: int) -> Signature:
+        return Signature("all_reduce", None, None, (count,), np.dtype(np.float32))
+
+    shared, ring = signature(2), signature(2)
+
+    def entry(
+        seq: int, what: Signature | None, path: str, algorithm: str | None, ended: int
+    ) -> tuple[Any, ...]:
+        group, kind = ((0, 1, 5), "recv") if what is None else ((0, 1), "all_reduce")
+        state, error = ("failed", "E") if ended == 301 else ("completed", None)
+        return (0, group, seq, kind, None, what, path, algorithm, state, 0, 0, ended, error)
+
+    entries = [
+        *[entry(i, shared, "shm", None, 100) for i in range(6)],
+        entry(6, shared, "fused", "ring", 301),  # (the same Signature, another key; failed)
+        entry(7, signature(2), "shm", None, 100),  # (another Signature, the same key)
+        entry(8, ring, "fused", "ring", 299),
+        entry(9, signature(300), "shm", None, 100),
+        *[entry(i, None, "p2p", None, 50) for i in range(2)],
+    ]
+    expected = {
+        ("all_reduce", "shm", "<=1KiB"): [7, 0, 700, 8 * 7],  # (calls, failed, ns, bytes)
+        ("all_reduce", "ring", "<=1KiB"): [2, 1, 600, 8 * 2],
+        ("all_reduce", "shm", "<=4KiB"): [1, 0, 100, 1200],
+        ("recv", "p2p", "0"): [2, 0, 100, 0],
+    }
+    repeated = entries[:6] * 10 + [entries[7], entries[9]]  # (numbered by Signature: three numbers)
+    for batch, rows in (
+        (entries, expected),  # (numbered by value: entries of one Signature under two keys)
+        (
+            repeated,
+            {
+                ("all_reduce", "shm", "<=1KiB"): [61, 0, 6100, 8 * 61],
+                ("all_reduce", "shm", "<=4KiB"): [1, 0, 100, 1200],
+            },
+        ),
+    ):
+        stats = Stats()
+        stats.tally(batch)
+        found = {
+            (r["kind"], r["algorithm"], r["size_class"]): [
+                r["calls"],
+                r["failed"],
+                round(r["seconds"] * 1e9),
+                r["bytes"],
+            ]
+            for r in stats.snapshot((0, 1))
+        }
+        assert found == rows, found
+
+
 def test_every_call_of_a_loop_is_counted_past_the_ring() -> None:
     """Once the ring drops the oldest calls, stats still count every one, in its own size class,
     and a dump shows the newest, each with its own number, caller and times."""

@@ -14,10 +14,12 @@ the shape, strides and dtype they had (``out`` still writable), it runs as a use
 call (``Runtime.repeat``): the argument checks, the signature and the agreement of its first run
 hold for it (nothing they depend on changed) and are not made again; its input is read anew. For
 the other peers it is the same step as a call made anew, so they need not keep theirs. Anything
-else is a call made anew, which is then kept in its place.
+else is a call made anew. A call is kept the second time it comes on the same arrays (the first
+time it is only noted, weakly: a loop that passes new arrays each time keeps nothing and pays
+nothing for keeping), and one kept whose arrays changed is kept anew in its place.
 
-A kept call holds its arrays (at most KEPT_CALLS calls per runtime, the oldest let go first: a
-few MiB at most), so an array kept cannot be resized in place (``ndarray.resize``; numpy refuses
+A kept call holds its arrays (at most KEPT_CALLS calls noted or kept per runtime, the oldest let
+go first: a few MiB at most), so an array kept cannot be resized in place (``ndarray.resize``; numpy refuses
 it for an array another one references). ``COLLECTIVE_REPEAT=0`` turns keeping off (read when a
 runtime first keeps a call): every call is then checked and agreed anew.
 """
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -89,10 +92,19 @@ class _Kept:
         return x.shape == shape and x.strides == strides and x.dtype is dtype
 
 
+# A call that came once on these arrays: weak references to its x and out (an array let go frees
+# its id for a new one, which must not count as the same), kept if it comes again on them.
+_Seen = tuple[Callable[[], Any], Callable[[], Any]]
+
+
+def _none() -> None:
+    """The weak reference of a call's x that is None."""
+
+
 class KeptCalls:
     """The Runtime's keeping of its normal calls (a mixin of collective.runtime.Runtime)."""
 
-    _kept_calls: dict[tuple[Any, ...], _Kept] | None = None  # (made at the first call kept)
+    _kept_calls: dict[tuple[Any, ...], _Kept | _Seen] | None = None  # (made at the first call kept)
     _peers: dict[int, Any]  # the Runtime's registered peers (a kept call is its registration's)
 
     def _road(
@@ -140,7 +152,13 @@ class KeptCalls:
             return self._start(peer_id, make(*args, out=out), group, timeout, async_op, strategy)
         key = (peer_id, make, id(x), id(out), op, group)
         kept = calls.pop(key, None)  # (taken while it runs)
-        if kept is not None and kept.holds(x, out) and kept.member is self._peers.get(peer_id):
+        if not isinstance(kept, _Kept):
+            if kept is None or kept[1]() is not out or kept[0]() is not x:  # (first seen: made anew)
+                calls[key] = (_none if x is None else weakref.ref(x), weakref.ref(out))
+                if len(calls) > KEPT_CALLS:
+                    self._keep(key, calls[key])
+                return self._start(peer_id, make(*args, out=out), group, timeout, False, None)
+        elif kept.holds(x, out) and kept.member is self._peers.get(peer_id):
             seconds, problem = kept.seconds, None
             if timeout is not None:  # (checked as any call's; a bad one fails every peer, anew)
                 _, _, seconds, problem = self._road(peer_id, group, timeout)
@@ -160,13 +178,13 @@ class KeptCalls:
             self._keep(key, _Kept(call, x, out, (member, rendezvous, sequencer, seconds)))
         return result
 
-    def _keeping(self) -> dict[tuple[Any, ...], _Kept]:
+    def _keeping(self) -> dict[tuple[Any, ...], _Kept | _Seen]:
         """The kept calls (``_OFF``: COLLECTIVE_REPEAT=0), made the first time."""
         off = os.environ.get(REPEAT_VARIABLE, "1").strip() == "0"
         calls = self._kept_calls = _OFF if off else {}
         return calls
 
-    def _keep(self, key: tuple[Any, ...], kept: _Kept) -> None:
+    def _keep(self, key: tuple[Any, ...], kept: _Kept | _Seen) -> None:
         calls = self._kept_calls
         assert calls is not None
         calls[key] = kept
