@@ -13,6 +13,7 @@ import itertools
 import math
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,8 @@ class Mailbox:
         self._cut_off: dict[int, str] = {}  # src -> why its messages are dropped (it passed the limit)
         self._dropped: dict[tuple[int, int], int] = {}  # (dst, tag) of a dropped message -> its src
         self._assembling: dict[tuple[int, int], tuple[np.ndarray, int]] = {}  # (node, id): (bytes, next part)
+        # the receives started and not yet matched, by key, in the order started (``post``)
+        self._posted: dict[Key, list[weakref.ref[Any]]] = {}
 
     def put(self, src: int, dst: int, tag: int, data: Array, remote: bool = False) -> None:
         """Keep ``data`` for ``dst``. From another process (``remote``), at most ``limit`` unreceived
@@ -153,6 +156,35 @@ class Mailbox:
         self._cv.notify_all()
         return False
 
+    def post(self, src: int, dst: int, tag: int, receive: Any) -> None:
+        """``receive`` (held weakly: one let go gives its turn up) started: it takes its message in
+        the order started among the receives from ``src`` to ``dst`` with ``tag`` (MPI's order):
+        the n-th of those not yet matched takes the n-th message, whichever is waited for first,
+        and a receive made after it takes the next one. ``take(..., posted=receive)`` takes it."""
+        with self._cv:
+            self._posted.setdefault((src, dst, tag), []).append(weakref.ref(receive))
+
+    def unpost(self, src: int, dst: int, tag: int, receive: Any) -> None:
+        """``receive`` gives its turn up (its use ended without a message)."""
+        with self._cv:
+            self._ahead((src, dst, tag), receive, True)
+
+    def _ahead(self, key: Key, receive: Any = None, remove: bool = False) -> int:
+        """How many receives started before ``receive`` (None: all of them) still wait for a message
+        of ``key`` (lock held); ``remove``: ``receive`` leaves the line."""
+        posted = self._posted.get(key)
+        if not posted:
+            return 0
+        live = [ref for ref in posted if ref() is not None]  # (a receive let go: its turn is given up)
+        found = next((i for i, ref in enumerate(live) if ref() is receive), len(live))
+        if remove and found < len(live):
+            del live[found]
+        if live:
+            self._posted[key] = live
+        else:
+            del self._posted[key]
+        return found
+
     def take(
         self,
         src: int | None,
@@ -163,25 +195,35 @@ class Mailbox:
         gone: Callable[[int | None], CollectiveError | None],
         pump: Callable[[float], None] | None = None,
         refuse: Callable[[Array], str | None] | None = None,
+        posted: Any = None,
     ) -> tuple[int, Array]:
         """(the source, the next message from ``src`` to ``dst`` with ``tag``); raises at the deadline
         or on loss (``gone(src)``). With ``src`` None, from any source: the earliest to arrive.
+        The messages of receives started before (``post``) are theirs: this takes the one after;
+        ``posted``: the receive started, which takes its own in its turn (and leaves the line).
 
         ``pump(seconds)`` lets messages from other processes arrive while this waits. A message
-        that ``refuse`` finds a problem with stays first in line (InvalidArgumentError).
+        that ``refuse`` finds a problem with stays where it is (InvalidArgumentError).
         """
         looked_last = False  # (a source is gone: what it sent before may still be on its way in)
         while True:
             with self._cv:
-                key = (src, dst, tag) if src is not None else self._earliest(dst, tag)
+                if src is None:
+                    key, index = self._earliest(dst, tag)
+                else:
+                    key = (src, dst, tag)
+                    index = self._ahead(key, posted) if self._posted else 0
                 box = self._boxes.get(key) if key is not None else None
-                if key is not None and box:
-                    problem = refuse(box[0][0]) if refuse is not None else None
+                if key is not None and box is not None and len(box) > index:
+                    problem = refuse(box[index][0]) if refuse is not None else None
                     if problem is not None:
                         raise InvalidArgumentError(problem)
-                    data, remote, _ = box.popleft()
+                    data, remote, _ = box[index]
+                    del box[index]
                     if not box:
                         del self._boxes[key]
+                    if posted is not None:
+                        self._ahead(key, posted, True)
                     if remote:
                         self._pending[key[0]] -= data.nbytes + MESSAGE_COST
                     return key[0], data
@@ -209,10 +251,19 @@ class Mailbox:
                 looked_last = lost is not None
                 pump(0 if looked_last else min(remaining, PUMP_SLICE))
 
-    def _earliest(self, dst: int, tag: int) -> Key | None:
-        """The key of the earliest message waiting for ``dst`` with ``tag``, from any source."""
-        found = [(box[0][2], key) for key, box in self._boxes.items() if key[1:] == (dst, tag) and box]
-        return min(found)[1] if found else None
+    def _earliest(self, dst: int, tag: int) -> tuple[Key | None, int]:
+        """The key of the earliest message for ``dst`` with ``tag`` from any source that no receive
+        started before waits for, and its place in its box (lock held)."""
+        found = []
+        for key, box in self._boxes.items():
+            if key[1:] == (dst, tag):
+                index = self._ahead(key) if self._posted else 0
+                if len(box) > index:
+                    found.append((box[index][2], key, index))
+        if not found:
+            return None, 0
+        _, key, index = min(found)
+        return key, index
 
     def wake(self) -> None:
         """Let waiting receivers look again (a peer left, a node was lost)."""
@@ -330,10 +381,12 @@ def receive(
     out: Any,
     target: Any,
     deadline: float | None = None,
+    posted: Any = None,
 ) -> tuple[int, Any]:
     """A checked receive (``recv_checked``): (the source, the message on ``device``, or ``out``
     filled with it, written through ``target``), within ``seconds`` (or until ``deadline``, a
-    time.monotonic() reading, when given: ``seconds`` is then the timeout its error names)."""
+    time.monotonic() reading, when given: ``seconds`` is then the timeout its error names).
+    ``posted``: a receive started before (``Mailbox.post``), which takes the message of its turn."""
 
     def gone(source: int | None) -> CollectiveError | None:
         """Why ``source`` can send no more; with None (any source): why no peer can."""
@@ -357,7 +410,7 @@ def receive(
     pump = job.node.pump if remote and job.node is not None else None
     deadline = time.monotonic() + seconds if deadline is None else deadline
     refuse = None if out is None else unfit
-    source, taken = mailbox.take(src, peer, tag, deadline, seconds, gone, pump, refuse)
+    source, taken = mailbox.take(src, peer, tag, deadline, seconds, gone, pump, refuse, posted)
     data = device.adopt(taken)
     if out is None:
         return source, data
@@ -405,10 +458,17 @@ class PeerMessages:
     def out_target(self, out: Any) -> Any:
         return out_target(self.peer, self.device, out)
 
-    def receive(self, src: int, tag: int, seconds: float, out: Any, target: Any, deadline: float) -> Any:
-        return receive(
-            self.job, self.mailbox, self.peer, self.device, src, tag, seconds, out, target, deadline
-        )[1]
+    def post(self, src: int, tag: int, receive: Any) -> None:
+        self.mailbox.post(src, self.peer, tag, receive)
+
+    def unpost(self, src: int, tag: int, receive: Any) -> None:
+        self.mailbox.unpost(src, self.peer, tag, receive)
+
+    def receive(
+        self, src: int, tag: int, seconds: float, out: Any, target: Any, deadline: float, posted: Any
+    ) -> Any:
+        job, mailbox, peer, device = self.job, self.mailbox, self.peer, self.device
+        return receive(job, mailbox, peer, device, src, tag, seconds, out, target, deadline, posted)[1]
 
 
 class PersistentPoints:

@@ -260,7 +260,8 @@ def kept(peer: int, world: int) -> int:
 
 def persistent_p2p(peer: int, world: int) -> int:
     """Peers 0 and 1 pass a message back and forth 4 times through persistent sends and receives
-    (each use: the contents then, into the same buffer), between processes."""
+    (each use: the contents then, into the same buffer), between processes; a receive started
+    takes its message before a recv made after it."""
     other, out, back = 1 - peer, np.zeros(6), np.zeros(6)
     sent = col.send_init(peer, out, dst=other, tag=4 + peer)
     got = col.recv_init(peer, src=other, tag=4 + other, out=back)
@@ -275,6 +276,15 @@ def persistent_p2p(peer: int, world: int) -> int:
             out[:] = back + 1
             sent()
         count += 2
+    if peer == 0:  # (receives from another process match in the order started too)
+        for value in (1.0, 2.0):
+            col.send(peer, np.full(6, value), other, tag=9)
+    else:
+        later = col.recv_init(peer, src=other, tag=9)
+        later.start()
+        assert col.recv(peer, other, tag=9)[0] == 2.0 and later.wait()[0] == 1.0, "in the order started"
+        later.free()
+    count += 1
     sent.free()
     got.free()
     return count

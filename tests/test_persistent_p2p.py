@@ -47,6 +47,41 @@ def test_each_use_sends_the_contents_then_and_receives_into_the_same_buffer() ->
     assert found[1] == [(True, [0.0] * 3), (True, [1.0] * 3), (True, [3.0] * 3), (True, [99.0] * 3)], found
 
 
+def test_receives_take_their_messages_in_the_order_they_were_started() -> None:
+    """MPI's order: the receives from one source with one tag match its messages in the order
+    they were started, whichever is waited for first; a recv or recv_any made after them takes
+    the next; a use that ends without a message, and a handle let go, give their turn up."""
+    sent, started = threading.Event(), threading.Event()
+
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        if p == 0:
+            started.wait(5)
+            for value in range(1, 8):
+                rt.send(p, np.full(2, float(value)), 1, tag=3)
+            sent.set()
+            return []
+        first, second = rt.recv_init(p, 0, tag=3), rt.recv_init(p, 0, tag=3, timeout=5)
+        lost, dropped = rt.recv_init(p, 0, tag=3, timeout=0.05), rt.recv_init(p, 0, tag=3)
+        lost.start()
+        with pytest.raises(col.CollectiveTimeout):
+            lost.wait()  # (its use ends without a message: its turn is given up)
+        first.start()
+        dropped.start()
+        second.start()
+        del dropped  # (let go while started: its turn is given up)
+        started.set()
+        sent.wait(5)
+        seen = [rt.recv(p, 0, tag=3)[0]]  # (made after the three: the third message)
+        seen += [second.wait()[0], first.wait()[0]]
+        first.start()
+        seen += [rt.recv_any(p, tag=3)[1][0], first.wait()[0]]  # (from any peer: the next too)
+        first.start()
+        seen += [rt.recv(p, 0, tag=3)[0], first.wait()[0]]
+        return seen
+
+    assert run_peers(2, body)[1] == [3.0, 2.0, 1.0, 5.0, 4.0, 7.0, 6.0]
+
+
 def test_a_changed_buffer_a_wrong_message_and_misuse_are_errors() -> None:
     def body(rt: col.Runtime, p: int) -> list[str]:
         said = []
@@ -181,7 +216,7 @@ def test_uses_are_recorded_as_sends_and_receives() -> None:
 def test_persistent_sends_and_receives_between_processes(orchestrator: str, shm: int) -> None:
     nodes = start_nodes(orchestrator, f"persistent-p2p-{shm}", 2, 1, "persistent_p2p", shm=shm)
     assert finish_all(nodes, 60) == [0, 0], [node.output() for node in nodes]
-    assert all(node.wait_for("OK 8", 5) for node in nodes)
+    assert all(node.wait_for("OK 9", 5) for node in nodes)
 
 
 def test_a_use_checks_the_peer_and_its_buffer_when_it_is_waited_for_and_a_bounded_wait_records_nothing() -> (

@@ -142,6 +142,21 @@ def test_stats_rows_are_the_same_whether_calls_share_their_signature_or_not() ->
         assert found == rows, found
 
 
+def test_a_receive_left_open_by_its_job_ends_as_failed_when_the_next_job_begins() -> None:
+    """A receive started and never waited for (its handle let go) cannot end once its job is
+    over: the next job's ring does not carry it as open, and stats count it as failed."""
+    from collective.trace.recorder import Recorder
+
+    recorder = Recorder(8)
+    recorder.joined("first", (0, 1), (1,), 1)
+    recorder.open_p2p(1, 0, 1, 3, "recv", None)
+    assert [entry["state"] for entry in recorder.document("test")["entries"]] == ["started"]
+    recorder.joined("second", (0, 1), (1,), 2)
+    assert recorder.document("test")["entries"] == []
+    rows = recorder.snapshot()
+    assert [(row["kind"], row["calls"], row["failed"]) for row in rows] == [("recv", 1, 1)], rows
+
+
 def test_every_call_of_a_loop_is_counted_past_the_ring() -> None:
     """Once the ring drops the oldest calls, stats still count every one, in its own size class,
     and a dump shows the newest, each with its own number, caller and times."""

@@ -12,8 +12,10 @@ s.free(); r.free()                               # (or: with col.send_init(...) 
 MPI's ``MPI_Send_init`` / ``MPI_Recv_init``: the peer, the tag and the array are checked once
 (``p2p.send_checked``, ``p2p.recv_checked``), and each use does only what a message needs: a
 send copies ``x``'s contents into the destination's mailbox (here, or through its process), a
-receive takes the next message from ``src`` with ``tag`` into the same buffer (``out``; without
-one, the array the first use received) as it is waited for. A use checks what can change: the
+receive takes its message from ``src`` with ``tag`` into the same buffer (``out``; without one,
+the array the first use received) as it is waited for: receives match messages in the order they
+were started (MPI's), whichever is waited for first, and a ``recv`` made after a receive started
+takes the message after its. A use checks what can change: the
 peer still in its job, a numpy buffer still the shape, strides and dtype it was (a receive's
 still writable, checked again as it is waited for); any other buffer (a torch tensor may move,
 or be a view read as a copy) is viewed anew at each use. A pair needs no agreement (a message
@@ -70,9 +72,19 @@ class Messages(Protocol):
         """The array a receive writes ``out`` through (InvalidArgumentError if none)."""
         ...
 
-    def receive(self, src: int, tag: int, seconds: float, out: Any, target: Any, deadline: float) -> Any:
-        """The next message from ``src`` with ``tag`` (``out`` filled, through ``target``), by
-        ``deadline`` (its CollectiveTimeout naming ``seconds``)."""
+    def post(self, src: int, tag: int, receive: Any) -> None:
+        """``receive`` started: it takes its message from ``src`` with ``tag`` in the order started."""
+        ...
+
+    def unpost(self, src: int, tag: int, receive: Any) -> None:
+        """``receive`` ended without a message: it gives its turn up."""
+        ...
+
+    def receive(
+        self, src: int, tag: int, seconds: float, out: Any, target: Any, deadline: float, posted: Any
+    ) -> Any:
+        """The message from ``src`` with ``tag`` of ``posted`` (the receive started: its turn), with
+        ``out`` filled, through ``target``, by ``deadline`` (its CollectiveTimeout naming ``seconds``)."""
         ...
 
 
@@ -216,6 +228,7 @@ class PersistentRecv(_PointHandle):
     def _begin(self, frame: Any) -> None:
         if self._watched is not None:
             _changed(self.kind, self.peer, self._watched)
+        self._messages.post(self.src, self.tag, self)  # (its turn: matched in the order started)
         if RECORDER.enabled:  # (open from the start: a dump shows a receive started, not yet met)
             self._entry = RECORDER.open_p2p(self.peer, self.src, self.peer, self.tag, "recv", frame)
 
@@ -234,7 +247,7 @@ class PersistentRecv(_PointHandle):
                 target = self._target
             else:
                 target = messages.out_target(out)  # (anything else is viewed anew)
-            got = messages.receive(self.src, self.tag, seconds, out, target, deadline)
+            got = messages.receive(self.src, self.tag, seconds, out, target, deadline, self)
         except CollectiveTimeout as exc:
             if not bounded:
                 self._ended(exc)
@@ -252,6 +265,8 @@ class PersistentRecv(_PointHandle):
 
     def _ended(self, error: BaseException | None = None) -> None:
         self._deadline = None
+        if error is not None:  # (no message taken: the next receive takes the one it would have)
+            self._messages.unpost(self.src, self.tag, self)
         entry, self._entry = self._entry, None
         if entry is not None:
             RECORDER.closed(entry, error)

@@ -399,6 +399,7 @@ class Recorder:
                 if self.every_job and self._token:
                     self.dump_job("the job ended")
                 self._token = token
+                self._end_open("the job ended with it open")
                 self._fold(len(self.ring))
                 self._dumped.clear()
                 self._whereabouts.clear()
@@ -422,8 +423,16 @@ class Recorder:
     def fresh(self) -> None:
         """Start an empty ring (counted into ``stats``), to be numbered by the next job to come."""
         with self._lock:
+            self._end_open("the job ended with it open")
             self._fold(len(self.ring))
             self._token = 0
+
+    def _end_open(self, why: str) -> None:
+        """End, as failed for ``why``, the entries still open of the job that ends (a receive
+        started and never waited for: none of them can end any more) (lock held)."""
+        for entry in itertools.chain(self._open, self.ring):
+            if not entry[ENDED] and type(entry) is list:
+                entry[ERROR], entry[STATE], entry[ENDED] = why, "failed", time.time_ns()
 
     def watch(self, group: Any) -> None:
         """Read ``group.in_flight()`` (the entries of its open calls) into every dump."""
