@@ -175,6 +175,12 @@ class Mailbox:
         posted = self._posted.get(key)
         if not posted:
             return 0
+        if receive is not None and posted[0]() is receive:  # (first in line: the common case)
+            if remove:
+                del posted[0]
+                if not posted:
+                    del self._posted[key]
+            return 0
         live = [ref for ref in posted if ref() is not None]  # (a receive let go: its turn is given up)
         found = next((i for i, ref in enumerate(live) if ref() is receive), len(live))
         if remove and found < len(live):

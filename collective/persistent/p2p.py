@@ -109,6 +109,7 @@ class _PointHandle:
     def start(self, timeout: float | None = None) -> None:
         """Start a use (a send is made now: sends never wait); ``wait()`` ends it. One at a time."""
         self._start(timeout, caller(2) if RECORDER.enabled else None)
+        self._started()
 
     def wait(self, timeout: float | None = None) -> Any:
         """The started use's result; CollectiveTimeout after ``timeout`` seconds of waiting when
@@ -156,6 +157,9 @@ class _PointHandle:
 
     def _begin(self, frame: Any) -> None:
         """What a use does as it starts."""
+
+    def _started(self) -> None:
+        """What a use started apart from its wait does, once started (``start()``)."""
 
     def _end(self, timeout: float | None) -> Any:
         """What a use does as it is waited for (``timeout``: the wait's own bound, or None)."""
@@ -219,6 +223,7 @@ class PersistentRecv(_PointHandle):
         self._out = out
         self._watched = Watched(out, written=True) if type(out) is np.ndarray else None
         self._entry: list[Any] | None = None  # the flight recorder's entry of the use started
+        self._in_line = False  # (started apart from its wait: its turn posted)
 
     @property
     def out(self) -> Any:
@@ -228,9 +233,14 @@ class PersistentRecv(_PointHandle):
     def _begin(self, frame: Any) -> None:
         if self._watched is not None:
             _changed(self.kind, self.peer, self._watched)
-        self._messages.post(self.src, self.tag, self)  # (its turn: matched in the order started)
         if RECORDER.enabled:  # (open from the start: a dump shows a receive started, not yet met)
             self._entry = RECORDER.open_p2p(self.peer, self.src, self.peer, self.tag, "recv", frame)
+
+    def _started(self) -> None:
+        """Its turn: receives started match messages in the order started (a use started and
+        waited for at once takes the next message, as a recv does: its turn is then)."""
+        self._messages.post(self.src, self.tag, self)
+        self._in_line = True
 
     def _end(self, timeout: float | None) -> Any:
         assert self._deadline is not None
@@ -247,7 +257,8 @@ class PersistentRecv(_PointHandle):
                 target = self._target
             else:
                 target = messages.out_target(out)  # (anything else is viewed anew)
-            got = messages.receive(self.src, self.tag, seconds, out, target, deadline, self)
+            posted = self if self._in_line else None
+            got = messages.receive(self.src, self.tag, seconds, out, target, deadline, posted)
         except CollectiveTimeout as exc:
             if not bounded:
                 self._ended(exc)
@@ -265,8 +276,10 @@ class PersistentRecv(_PointHandle):
 
     def _ended(self, error: BaseException | None = None) -> None:
         self._deadline = None
-        if error is not None:  # (no message taken: the next receive takes the one it would have)
-            self._messages.unpost(self.src, self.tag, self)
+        if self._in_line:  # (ended without its message: the next receive takes the one it would have)
+            self._in_line = False
+            if error is not None:
+                self._messages.unpost(self.src, self.tag, self)
         entry, self._entry = self._entry, None
         if entry is not None:
             RECORDER.closed(entry, error)
