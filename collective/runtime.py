@@ -55,7 +55,7 @@ from collective.executors import DEFAULT_FUSE_BELOW, DEFAULT_SHARE_BELOW, explai
 from collective.executors.rendezvous import Rendezvous
 from collective.groups import Group, as_group
 from collective.job import LocalJob, ProbeCalls
-from collective.p2p import Mailbox
+from collective.node.mailbox import Mailbox
 from collective.persistent import KeptCalls, Persistents
 from collective.trace import RECORDER, caller, install_signal
 from collective.trace.metrics import serve_from_env as serve_metrics

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import collective as col
+from collective.node.mailbox import Mailbox
 from collective.node.protocol import PART_BYTES, P2PMessage
-from collective.p2p import Mailbox
 from collective.transport.wire import WireError
 
 pytestmark = pytest.mark.timeout(30)

@@ -104,7 +104,7 @@ SKIP_TAG = FINISHED_TAG + 2  # one with it takes the turn of a message whose sen
 @dataclass(frozen=True)
 class P2PMessage:
     """One point-to-point array, or part ``part`` of ``parts`` of one (message ``ident`` of its
-    process): an array over PART_BYTES travels in parts (reassembled by collective.p2p.Mailbox).
+    process): an array over PART_BYTES travels in parts (reassembled by collective.node.mailbox.Mailbox).
     ``order`` numbers the messages from one node to another (-1: none, delivered as it comes): they
     take two paths on one host, TCP and shared memory, and are delivered in this order."""
 
