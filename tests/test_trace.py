@@ -85,9 +85,10 @@ def test_stats_count_calls_by_kind_algorithm_and_size() -> None:
     assert sum(row["histogram"].values()) == row["calls"] and row["seconds"] > 0
 
 
-def test_stats_rows_are_the_same_whether_calls_share_their_signature_or_not() -> None:
-    """The tally numbers entries by their agreed Signature object when the calls of a number agree
-    on the rest of their key, else by the whole key's value: the rows are the same either way."""
+def test_stats_rows_are_keyed_by_what_the_calls_were_not_by_their_signature_objects() -> None:
+    """A batch tallied: one row per kind, algorithm (or path), size class and group, whether the
+    calls share one agreed Signature object or each has its own, and one Signature under two
+    paths counted apart; failures, times and bytes summed per row."""
     from collective.calls.signature import Signature
     from collective.trace.recorder import Stats
 
@@ -117,9 +118,9 @@ def test_stats_rows_are_the_same_whether_calls_share_their_signature_or_not() ->
         ("all_reduce", "shm", "<=4KiB"): [1, 0, 100, 1200],
         ("recv", "p2p", "0"): [2, 0, 100, 0],
     }
-    repeated = entries[:6] * 10 + [entries[7], entries[9]]  # (numbered by Signature: three numbers)
+    repeated = entries[:6] * 10 + [entries[7], entries[9]]  # (one Signature object, mostly)
     for batch, rows in (
-        (entries, expected),  # (numbered by value: entries of one Signature under two keys)
+        (entries, expected),
         (
             repeated,
             {

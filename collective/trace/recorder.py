@@ -290,53 +290,34 @@ def _row() -> list[Any]:
 
 
 def _tally(entries: Sequence[Sequence[Any]], rows: dict[tuple[Any, ...], list[Any]]) -> None:
-    """Add ended ``entries`` to ``rows``: entries numbered by their row in C (``_numbered``),
+    """Add ended ``entries`` to ``rows``: keys gathered and numbered in C (itemgetter, map, dict),
     durations and histogram bins counted in numpy (a batch costs a few C passes, not a Python
     statement an entry)."""
     size = len(entries)
     if not size:
         return
-    codes, firsts = _numbered(entries)
+    signatures = list(map(_SIGNATURE, entries))
+    if None in signatures:
+        signatures = [_UNSIZED if signature is None else signature for signature in signatures]
+    keys = zip(map(_KEY, entries), map(_SIZED, signatures), strict=True)
+    index: defaultdict[tuple[Any, ...], int] = defaultdict(itertools.count().__next__)  # key -> its code
+    codes = np.fromiter(map(index.__getitem__, keys), np.int64, size)
     ended = np.fromiter(map(_ENDED, entries), np.int64, size)
     nanoseconds = np.maximum(ended - np.fromiter(map(_CREATED, entries), np.int64, size), 0)
     bins = np.minimum(np.frexp(nanoseconds.astype(np.float64))[1], BINS - 1)  # (frexp: the bit length)
-    count = len(firsts)
+    count = len(index)
     calls = np.bincount(codes, minlength=count)
     total = np.bincount(codes, weights=nanoseconds, minlength=count)
     histogram = np.bincount(codes * BINS + bins, minlength=count * BINS).reshape(count, BINS)
     errors = list(map(_ERROR, entries))
     failed = Counter(codes[[error is not None for error in errors]].tolist()) if any(errors) else Counter()
-    for code, first in enumerate(firsts):
-        group, kind, algorithm, path = _KEY(first)
-        signature = first[SIGNATURE] or _UNSIZED
-        key = (group, kind, str(algorithm or path or "-"), _SIZED(signature))
+    for ((group, kind, algorithm, path), sized), code in index.items():
+        key = (group, kind, str(algorithm or path or "-"), sized)
         row = rows.setdefault(key, _row())
         row[0] += int(calls[code])
         row[1] += failed.get(code, 0)
         row[2] += int(total[code])
         row[3] = [a + int(b) for a, b in zip(row[3], histogram[code], strict=True)]
-
-
-def _numbered(entries: Sequence[Sequence[Any]]) -> tuple[np.ndarray, list[Sequence[Any]]]:
-    """Each entry's number (int64) and the first entry of each number, entries of one number
-    being of one row (group, kind, algorithm, path, shape and dtype). Calls of one site share the
-    Signature object their group agreed (a rendezvous and a shared-memory group keep it), so they
-    are numbered by its identity, checked to share the rest of their key too: a few C passes.
-    Else (a batch of calls each with a Signature of its own, or entries of one Signature under
-    different keys) by the value of the whole key, an entry at a time."""
-    size = len(entries)
-    index: defaultdict[Any, int] = defaultdict(itertools.count().__next__)  # what -> its number
-    codes = np.fromiter(map(index.__getitem__, map(id, map(_SIGNATURE, entries))), np.int64, size)
-    if len(index) <= size // 4 + 1:
-        firsts = np.unique(codes, return_index=True)[1].tolist()  # (numbers are 0, 1, ... in order)
-        keys = list(map(_KEY, entries))
-        if all(map(operator.eq, keys, map(keys.__getitem__, np.take(firsts, codes).tolist()))):
-            return codes, [entries[first] for first in firsts]
-    signatures = [_UNSIZED if signature is None else signature for signature in map(_SIGNATURE, entries)]
-    index = defaultdict(itertools.count().__next__)
-    valued = zip(map(_KEY, entries), map(_SIZED, signatures), strict=True)
-    codes = np.fromiter(map(index.__getitem__, valued), np.int64, size)
-    return codes, [entries[first] for first in np.unique(codes, return_index=True)[1].tolist()]
 
 
 def _merge(into: list[Any], row: list[Any], nbytes: int) -> None:
