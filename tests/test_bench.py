@@ -532,6 +532,16 @@ def test_host_tier_bench_times_the_tier_beside_the_flat_path(capsys: pytest.Capt
     assert "# wrong result elements: 0" in out
 
 
+def test_keeping_study_times_calls_on_the_same_and_on_new_arrays(capsys: pytest.CaptureFixture[str]) -> None:
+    from collective.bench.studies import keeping
+
+    assert keeping.main(["--rounds", "1", "--calls", "50"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split(":")[0].strip(): line.split() for line in out.splitlines() if "on - off " in line}
+    assert set(rows) == {"same", "fresh"}, out
+    assert all(float(row[2]) > 0 and float(row[4]) > 0 for row in rows.values()), out
+
+
 def test_thread_floor_bench_times_the_floor_the_baseline_and_ours(capsys: pytest.CaptureFixture[str]) -> None:
     from collective.bench import thread_floor
 
