@@ -15,8 +15,8 @@ call (``Runtime.repeat``): the argument checks, the signature and the agreement 
 hold for it (nothing they depend on changed) and are not made again; its input is read anew. For
 the other peers it is the same step as a call made anew, so they need not keep theirs. Anything
 else is a call made anew. A call is kept the second time it comes on the same arrays (the first
-time it is only noted, weakly: a loop that passes new arrays each time keeps nothing and pays
-nothing for keeping), and one kept whose arrays changed is kept anew in its place.
+time it is only noted, weakly: a loop that passes new arrays each time keeps nothing, and pays
+only for the noting), and one kept whose arrays changed is kept anew in its place.
 
 A kept call holds its arrays (at most KEPT_CALLS calls noted or kept per runtime, the oldest let
 go first: a few MiB at most), so an array kept cannot be resized in place (``ndarray.resize``; numpy refuses
@@ -154,9 +154,9 @@ class KeptCalls:
         kept = calls.pop(key, None)  # (taken while it runs)
         if not isinstance(kept, _Kept):
             if kept is None or kept[1]() is not out or kept[0]() is not x:  # (first seen: made anew)
-                calls[key] = (_none if x is None else weakref.ref(x), weakref.ref(out))
+                calls[key] = seen = (_none if x is None else weakref.ref(x), weakref.ref(out))
                 if len(calls) > KEPT_CALLS:
-                    self._keep(key, calls[key])
+                    self._keep(key, seen)  # (the oldest let go)
                 return self._start(peer_id, make(*args, out=out), group, timeout, False, None)
         elif kept.holds(x, out) and kept.member is self._peers.get(peer_id):
             seconds, problem = kept.seconds, None

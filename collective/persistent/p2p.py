@@ -15,16 +15,16 @@ send copies ``x``'s contents into the destination's mailbox (here, or through it
 receive takes its message from ``src`` with ``tag`` into the same buffer (``out``; without one,
 the array the first use received) as it is waited for: receives match messages in the order they
 were started (MPI's), whichever is waited for first, and a ``recv`` made after a receive started
-takes the message after its. A use checks what can change: the
-peer still in its job, a numpy buffer still the shape, strides and dtype it was (a receive's
-still writable, checked again as it is waited for); any other buffer (a torch tensor may move,
-or be a view read as a copy) is viewed anew at each use. A pair needs no agreement (a message
-that does not fit the receive's buffer stays queued, InvalidArgumentError at the receiver), so a
-handle is one peer's alone and ``free`` is local. Every failure of a normal send and receive
-holds for a use: a receive times out naming the source (``wait(timeout)`` shorter than the use's
-own: the use goes on, wait again, and the flight recorder counts one receive), and fails with
-PeerLostError when the source left. Each use is recorded in the flight recorder as a send or a
-receive (a receive from its start).
+takes the message after its. A use checks what can change: the peer still in its job, a numpy
+buffer still the shape, strides and dtype it was (a receive's still writable, checked again as
+it is waited for); any other buffer (a torch tensor may move, or be a view read as a copy) is
+viewed anew at each use. A pair needs no agreement (a message that does not fit the receive's
+buffer stays queued, InvalidArgumentError at the receiver), so a handle is one peer's alone and
+``free`` is local. Every failure of a normal send and receive holds for a use: a receive times
+out naming the source (``wait(timeout)`` shorter than the use's own: the use goes on, wait
+again, and the flight recorder counts one receive), and fails with PeerLostError when the source
+left. Each use is recorded in the flight recorder as a send or a receive (a receive from its
+start).
 
 The handles use the core's messages through ``Messages`` (collective.p2p's ``PeerMessages``), so
 they live below it, beside the persistent collectives; ``described`` and ``traced``, how a send
