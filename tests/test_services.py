@@ -323,8 +323,13 @@ def test_an_abort_carries_the_senders_error_record_and_a_malformed_one_is_refuse
         b.receive(0, 1, time.monotonic() + 5, "step 1")  # (the step timed out there: no peer was lost)
     assert timed.value.missing == (3,)
     a.abort(2, ErrorRecord.of(MemoryError("simulated")))
-    with pytest.raises(PeerLostError, match="node 0 gave up step 2: MemoryError: simulated"):
+    with pytest.raises(PeerLostError, match="node 0 gave up step 2: MemoryError: simulated") as failed:
         b.receive(0, 2, time.monotonic() + 5, "step 2")
+    assert failed.value.peers == ()  # (nobody was lost: node 0 failed)
+    a.abort(3, ErrorRecord.of(PeerLostError("peer 5 died", [5])))
+    with pytest.raises(PeerLostError, match="node 0 gave up step 3: PeerLostError: peer 5 died") as lost:
+        b.receive(0, 3, time.monotonic() + 5, "step 3")
+    assert lost.value.peers == (5,)  # (the peer node 0 lost: the one this error names too)
     assert "invalid peers of an error" in caplog.text
 
 

@@ -84,11 +84,13 @@ Step = tuple[int, int]  # (channel, step): every group has its own channel and c
 
 def _gave_up(seq: int, node: int, why: ErrorRecord) -> CollectiveError:
     """The error of a wait that node ``node`` ended by giving up step ``seq``: a timeout where the
-    step timed out there (slow data is no lost peer), else a lost peer."""
+    step timed out there (slow data is no lost peer), else a lost peer: the peers node ``node``
+    lost, when it gave the step up for one (what those peers were doing is then looked up for
+    this error too, as for a peer this node lost itself)."""
     text = f"node {node} gave up step {seq}: {why}"
     if why.name == CollectiveTimeout.__name__:
         return CollectiveTimeout(text, why.peers)
-    return PeerLostError(text, ())
+    return PeerLostError(text, why.peers if why.name == PeerLostError.__name__ else ())
 
 
 def _identity(index: int) -> bytes:
