@@ -247,6 +247,30 @@ def test_a_straggler_is_named(tmp_path: Path) -> None:
     assert [line.split(" of group")[0] for line in report.stragglers] == ["peer 2"], report.lines()
 
 
+def test_a_few_milliseconds_or_a_few_calls_make_no_straggler() -> None:
+    """A busy machine schedules peers milliseconds apart: lateness under the floor, or over fewer
+    calls than it takes to tell, is no verdict; the same lateness past the floor over enough
+    calls is."""
+    from collective.trace.analyze import STRAGGLER_CALLS, STRAGGLER_FLOOR_S, Report, _stragglers
+
+    def named(late_s: float, calls: int) -> list[str]:
+        report = Report()
+        peers = {
+            peer: [
+                {"collective_seq_id": seq, "time_created_ns": int((seq + (late_s if peer == 1 else 0)) * 1e9)}
+                for seq in range(calls)
+            ]
+            for peer in (0, 1, 2)
+        }
+        _stragglers(report, "world", [0, 1, 2], peers)
+        return report.stragglers
+
+    assert named(STRAGGLER_FLOOR_S / 2, 10) == []  # (the scheduler's milliseconds)
+    assert named(5 * STRAGGLER_FLOOR_S, STRAGGLER_CALLS - 1) == []  # (too few calls to tell)
+    found = named(5 * STRAGGLER_FLOOR_S, STRAGGLER_CALLS)
+    assert [line.split(" of group")[0] for line in found] == ["peer 1"], found
+
+
 def test_a_straggler_among_nodes_is_named_from_the_dumps_each_process_writes_at_exit(
     orchestrator: str, tmp_path: Path
 ) -> None:

@@ -8,7 +8,8 @@ What it says, first things first:
    broadcast #511 at train.py:88"), and a member no dump holds left none (its process may have died);
 2. the first call the peers of a group disagree on (kind, op, shapes, dtypes);
 3. stragglers: a peer whose calls start later than the group's first arrival by more than
-   STRAGGLER_FACTOR times the median peer's lateness (and at least STRAGGLER_FLOOR_S);
+   STRAGGLER_FACTOR times the median peer's lateness and more than STRAGGLER_FLOOR_S, over at
+   least STRAGGLER_CALLS calls (fewer, or a few milliseconds, are the scheduler's doing);
 4. per peer: its calls, how many completed and failed, and its last call.
 
 Exit status 0 when all is consistent, 1 when it found a culprit, a disagreement, a straggler or a
@@ -27,10 +28,23 @@ from typing import IO, Any
 
 from collective.trace.recorder import FORMAT, VERSION
 
-__all__ = ["STRAGGLER_FACTOR", "Dump", "Report", "analyze", "load_dumps", "main", "runs"]
+__all__ = [
+    "STRAGGLER_CALLS",
+    "STRAGGLER_FACTOR",
+    "STRAGGLER_FLOOR_S",
+    "Dump",
+    "Report",
+    "analyze",
+    "load_dumps",
+    "main",
+    "runs",
+]
 
 STRAGGLER_FACTOR = 4.0
-STRAGGLER_FLOOR_S = 0.001
+# A peer later by less than this, or over fewer calls, is no straggler: threads and processes of a
+# busy machine are scheduled milliseconds apart (seen: 3-4 ms over 1-2 calls of a healthy job).
+STRAGGLER_FLOOR_S = 0.010
+STRAGGLER_CALLS = 3
 MAX_DUMP_BYTES = 256 << 20
 
 
@@ -227,7 +241,9 @@ def _stragglers(report: Report, group: str, ranks: list[int], peers: dict[int, l
             first = min(arrivals.values())
             for peer, when in arrivals.items():
                 late[peer].append((when - first) / 1e9)
-    medians = {peer: statistics.median(values) for peer, values in late.items() if values}
+    medians = {
+        peer: statistics.median(values) for peer, values in late.items() if len(values) >= STRAGGLER_CALLS
+    }
     if len(medians) < 2:
         return
     for peer, lateness in sorted(medians.items()):
