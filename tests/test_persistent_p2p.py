@@ -4,16 +4,13 @@ what can change between uses is checked at each, and every failure of send and r
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import numpy as np
 import pytest
 
 import collective as col
-from collective.node.mailbox import Mailbox
 from collective.trace import RECORDER
-from tests.conftest import wait_until
 from tests.processes import finish_all, start_nodes
 from tests.test_persistent import run_peers
 
@@ -83,29 +80,6 @@ def test_receives_take_their_messages_in_the_order_they_were_started() -> None:
         return seen
 
     assert run_peers(2, body)[1] == [3.0, 2.0, 1.0, 5.0, 4.0, 7.0, 6.0]
-
-
-def test_a_recv_that_waits_keeps_its_turn_before_a_receive_started_after_it() -> None:
-    """Two threads of one peer: a recv already waiting when a persistent receive is started takes
-    the first message, the receive started after it the second (the mailbox, directly)."""
-    box, got = Mailbox(), {}
-
-    class Started:  # (what a persistent receive posts: any object held weakly)
-        pass
-
-    def waiting() -> None:
-        got["recv"] = box.take(0, 1, 3, time.monotonic() + 10, 10, lambda _: None)[1]
-
-    thread = threading.Thread(target=waiting)
-    thread.start()
-    wait_until(lambda: box._posted, 5, "the recv waiting in line")
-    later = Started()
-    box.post(0, 1, 3, later)
-    for value in (1.0, 2.0):
-        box.put(0, 1, 3, np.full(2, value))
-    thread.join(10)
-    second = box.take(0, 1, 3, time.monotonic() + 5, 5, lambda _: None, posted=later)[1]
-    assert (got["recv"][0], second[0], box._posted) == (1.0, 2.0, {})
 
 
 def test_a_changed_buffer_a_wrong_message_and_misuse_are_errors() -> None:

@@ -35,10 +35,6 @@ MAX_DROPPED_KEYS = 1024  # (dst, tag) pairs of dropped messages remembered for a
 PUMP_SLICE = 0.005  # a receive waiting for another process lets its messages in this often
 
 
-class _Turn:
-    """The place in line of a recv that waits for its message (``Mailbox.take``)."""
-
-
 class Mailbox:
     """The messages waiting for this process's peers."""
 
@@ -189,59 +185,50 @@ class Mailbox:
         that ``refuse`` finds a problem with stays where it is (InvalidArgumentError).
         """
         looked_last = False  # (a source is gone: what it sent before may still be on its way in)
-        own: _Turn | None = None  # (a recv that waits holds its turn: a receive started later comes after)
-        try:
-            while True:
-                with self._cv:
-                    if src is None:
-                        key, index = self._earliest(dst, tag)
-                    else:
-                        key = (src, dst, tag)
-                        index = self._ahead(key, posted) if self._posted else 0
-                    box = self._boxes.get(key) if key is not None else None
-                    if key is not None and box is not None and len(box) > index:
-                        problem = refuse(box[index][0]) if refuse is not None else None
-                        if problem is not None:
-                            raise InvalidArgumentError(problem)
-                        data, remote, _ = box[index]
-                        del box[index]
-                        if not box:
-                            del self._boxes[key]
-                        if posted is not None:
-                            self._ahead(key, posted, True)
-                        if remote:
-                            self._pending[key[0]] -= data.nbytes + MESSAGE_COST
-                        return key[0], data
-                    if self._closed is not None:
-                        raise self._closed
-                    if src in self._cut_off:
-                        raise MismatchError(self._cut_off[src])
-                    dropped = self._dropped.get((dst, tag)) if src is None else None  # (one for it was)
-                    if dropped is not None:
-                        raise MismatchError(self._cut_off[dropped])
-                    lost = gone(src)
-                    if lost is not None and (pump is None or looked_last):
-                        raise lost
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        sender = f"peer {src}" if src is not None else "any peer"
-                        raise CollectiveTimeout(
-                            f"recv: peer {dst} waited {timeout:g}s for a message from {sender} with tag "
-                            f"{tag}; check that {sender} calls send(..., dst={dst}, tag={tag})",
-                            [src] if src is not None else [],
-                        )
-                    if src is not None and posted is None:  # (it waits: its turn, from now)
-                        posted = own = _Turn()
-                        self._posted.setdefault((src, dst, tag), []).append(weakref.ref(own))
-                    if pump is None:
-                        self._cv.wait(min(remaining, 0.05))
-                if pump is not None:
-                    looked_last = lost is not None
-                    pump(0 if looked_last else min(remaining, PUMP_SLICE))
-        finally:
-            if own is not None and src is not None:
-                with self._cv:
-                    self._ahead((src, dst, tag), own, True)
+        while True:
+            with self._cv:
+                if src is None:
+                    key, index = self._earliest(dst, tag)
+                else:
+                    key = (src, dst, tag)
+                    index = self._ahead(key, posted) if self._posted else 0
+                box = self._boxes.get(key) if key is not None else None
+                if key is not None and box is not None and len(box) > index:
+                    problem = refuse(box[index][0]) if refuse is not None else None
+                    if problem is not None:
+                        raise InvalidArgumentError(problem)
+                    data, remote, _ = box[index]
+                    del box[index]
+                    if not box:
+                        del self._boxes[key]
+                    if posted is not None:
+                        self._ahead(key, posted, True)
+                    if remote:
+                        self._pending[key[0]] -= data.nbytes + MESSAGE_COST
+                    return key[0], data
+                if self._closed is not None:
+                    raise self._closed
+                if src in self._cut_off:
+                    raise MismatchError(self._cut_off[src])
+                dropped = self._dropped.get((dst, tag)) if src is None else None  # (one for it was)
+                if dropped is not None:
+                    raise MismatchError(self._cut_off[dropped])
+                lost = gone(src)
+                if lost is not None and (pump is None or looked_last):
+                    raise lost
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    sender = f"peer {src}" if src is not None else "any peer"
+                    raise CollectiveTimeout(
+                        f"recv: peer {dst} waited {timeout:g}s for a message from {sender} with tag {tag}; "
+                        f"check that {sender} calls send(..., dst={dst}, tag={tag})",
+                        [src] if src is not None else [],
+                    )
+                if pump is None:
+                    self._cv.wait(min(remaining, 0.05))
+            if pump is not None:
+                looked_last = lost is not None
+                pump(0 if looked_last else min(remaining, PUMP_SLICE))
 
     def _earliest(self, dst: int, tag: int) -> tuple[Key | None, int]:
         """The key of the earliest message for ``dst`` with ``tag`` from any source that no receive
