@@ -154,9 +154,7 @@ class KeptCalls:
         kept = calls.pop(key, None)  # (taken while it runs)
         if not isinstance(kept, _Kept):
             if kept is None or kept[1]() is not out or kept[0]() is not x:  # (first seen: made anew)
-                calls[key] = seen = (_none if x is None else weakref.ref(x), weakref.ref(out))
-                if len(calls) > KEPT_CALLS:
-                    self._keep(key, seen)  # (the oldest let go)
+                self._keep(key, (_none if x is None else weakref.ref(x), weakref.ref(out)))
                 return self._start(peer_id, make(*args, out=out), group, timeout, False, None)
         elif kept.holds(x, out) and kept.member is self._peers.get(peer_id):
             seconds, problem = kept.seconds, None
