@@ -32,7 +32,8 @@ every path that reduces in one place gives the same bits.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -192,6 +193,11 @@ class Movement:
         """``rank``'s result into ``dst``, from every rank's input (read directly)."""
         raise NotImplementedError
 
+    def own_bound(self, inputs: list[Any], rank: int, dst: Array) -> Callable[[], Any]:
+        """``own`` with its arguments bound, for a step repeated on the same inputs and ``dst`` (a
+        persistent call's uses through shared memory: collective.shm.group's lane)."""
+        return partial(self.own, inputs, rank, dst)
+
     def shared(self, inputs: list[Any]) -> Any:
         """State the ranks of one Shared step share (e.g. a result buffer)."""
         return None
@@ -300,6 +306,12 @@ class Reduction(Movement):
 
     def own(self, inputs: list[Any], rank: int, dst: Array) -> None:
         reduce_all(self.op, inputs, dst)
+
+    def own_bound(self, inputs: list[Any], rank: int, dst: Array) -> Callable[[], Any]:
+        first = inputs[0]
+        if len(inputs) == 2 and type(first) is np.ndarray and type(dst) is np.ndarray:  # (reduce_all's
+            return partial(elementwise(self.op, first), first, inputs[1], out=dst)  # ufunc, bound)
+        return super().own_bound(inputs, rank, dst)
 
     def shared(self, inputs: list[Any]) -> Any:
         return np.empty_like(inputs[0])

@@ -92,6 +92,10 @@ class Fused:
     def abort(self, error: CollectiveError) -> None:
         """Nobody waits for anybody on this path."""
 
+    def lane(self, step: Step) -> None:
+        """None: a use is a step of its own here (the results are computed when it is chosen)."""
+        return None
+
 
 class Shared:
     """Each peer does its part reading the others' inputs, all meet at one barrier, each finishes."""
@@ -121,6 +125,10 @@ class Shared:
     def abort(self, error: CollectiveError) -> None:
         self.exchange.abort(error)
 
+    def lane(self, step: Step) -> None:
+        """None: a use is a step of its own here (an exchange of one step)."""
+        return None
+
 
 class Linked:
     """The configured strategy's schedule over the in-process Link."""
@@ -144,3 +152,7 @@ class Linked:
 
     def abort(self, error: CollectiveError) -> None:
         self.exchange.abort(error)
+
+    def lane(self, step: Step) -> None:
+        """None: a use is a step of its own here (an exchange of one step)."""
+        return None

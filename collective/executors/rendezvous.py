@@ -15,9 +15,11 @@ import math
 import os
 import threading
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+from collective.algorithms.ops import ReduceOp
 from collective.arrays import Device
 from collective.calls import Barrier, rules_of
 from collective.calls.base import Call
@@ -151,7 +153,7 @@ class Rendezvous:
             job.check_member(peer)
             number = self._next[0]
             self._next[0] = number + 1
-        plan.number, plan.label = number, f"{call.kind} #{number}"
+        plan.number = number
         step.deadline, step.timeout = time.monotonic() + timeout, timeout
         if not RECORDER.enabled:
             return step.run()
@@ -166,6 +168,69 @@ class Rendezvous:
         live[0] = None
         self._completed(step, created)
         return result
+
+    def lane(self, call: Call) -> Callable[[float], Any] | None:
+        """``again`` as one function of a use's timeout in seconds, with what stays the same from
+        use to use bound once (the step, its executor's lane, the recorder's fields of its entry):
+        a persistent call's per-use floor. None where ``again`` would run anew (its last step is
+        not kept) or the executor has no lane (yet). Its outcome is ``again``'s: a use the lane
+        does not take runs the executor's ``run``, and a use's error is recorded as ``again``
+        records it."""
+        step = call.last
+        if step is None or call.packed:  # (a packed input is packed again by ``again``)
+            return None
+        plan = step.plan
+        executor = plan.executor
+        run = executor.lane(step)
+        if run is None:
+            return None
+        job, peer, members, kind, finish = self.job, step.peer, self.members, call.kind, call.finish
+        agreed, size, path = step.agreed, plan.size, executor.path
+        out = call.out_given if call.out is not None and agreed.op is not ReduceOp.MEAN else None
+        algorithm = call.algorithm or executor.strategy
+        next_, live, record = self._next, self._live, RECORDER.record
+        time_ns, monotonic = time.time_ns, time.monotonic
+
+        def use(seconds: float) -> Any:
+            job.check_member(peer)  # (without the lock: it reads; a finish() racing it fails the step)
+            number = next_[0]  # (only this peer's steps number this group: it is alone here)
+            next_[0] = number + 1
+            plan.number = number
+            step.deadline, step.timeout = monotonic() + seconds, seconds
+            if not RECORDER.enabled:
+                result = run(number)
+                return out if out is not None and result is not None else finish(result, agreed, size)
+            created = time_ns()
+            live[0] = step
+            try:
+                result = run(number)
+                result = out if out is not None and result is not None else finish(result, agreed, size)
+            except BaseException as exc:
+                call.created = call.started = created
+                self._failed(0, call, exc)
+                raise
+            live[0] = None
+            ended = time_ns()
+            record(
+                (
+                    peer,
+                    members,
+                    number,
+                    kind,
+                    call.origin,
+                    agreed,
+                    path,
+                    algorithm,
+                    "completed",
+                    created,
+                    created,
+                    ended,
+                    None,
+                )
+            )
+            return result
+
+        return use
 
     def _completed(self, step: Step, created: int) -> None:
         """The recorder's entry of a completed step (one tuple in its ring)."""
@@ -271,7 +336,7 @@ class Rendezvous:
         """Multi-node: the one local peer that tells the other nodes this step failed here."""
         label = f"{call.kind} #{number}"
         executor = choose(self.job.site, self.members, self.local, call.signature, [], label)
-        plan = Plan(number, label, call.signature, [call], self.members, executor, clone_error(error))
+        plan = Plan(number, call.signature, [call], self.members, executor, clone_error(error))
         return Step(plan, peer, index, self._ranks[index], call, deadline, timeout)
 
     def _arrive(
@@ -342,7 +407,7 @@ class Rendezvous:
                 executor = choose(job.site, self.members, self.local, agreed, [call], label)
             except CollectiveError as exc:
                 return number, exc
-            return number, Plan(number, label, agreed, [call], self.members, executor)
+            return number, Plan(number, agreed, [call], self.members, executor)
         outcome = self._decide(_Slot(number, {0: call}))
         if isinstance(outcome, Plan) and signature.error is None:  # a broadcast, a scatter
             if len(self._sourced) >= 32:
@@ -413,7 +478,7 @@ class Rendezvous:
         except CollectiveError as exc:  # found in the agreed call (its movement): every peer's verdict
             return exc
         self._steps += 1
-        return Plan(slot.number, label, agreed, calls, self.members, executor)
+        return Plan(slot.number, agreed, calls, self.members, executor)
 
     def _who(self, ranks: list[int]) -> str:
         return describe_peers([self.members[rank] for rank in ranks])

@@ -14,7 +14,7 @@ from collective.calls import rules_of
 from collective.calls.movement import Movement
 from collective.calls.signature import Rules, Signature
 from collective.errors import CollectiveError
-from collective.executors.step import Step
+from collective.executors.step import Lane, Step
 from collective.shm.chunks import Pieces
 from collective.shm.group import ShmGroup
 from collective.transport.shm_ring import INLINE_BYTES
@@ -115,6 +115,13 @@ class ShmExecutor:
             plan.number, plan.label, step.deadline, step.timeout, task, plan.error
         )
         return result
+
+    def lane(self, step: Step) -> Lane | None:
+        """Its group's lane for the step's kept task (``ShmGroup.lane``), whose slow way is ``run``."""
+        task = step.task
+        if task is None or not task.repeated:
+            return None
+        return self.group.lane(task, lambda: self.run(step))
 
     def abort(self, error: CollectiveError) -> None:
         self.group.abort(error)

@@ -27,9 +27,11 @@ if TYPE_CHECKING:
     from collective.calls.base import Call
     from collective.node import NodeJob
 
-__all__ = ["Executor", "Plan", "Site", "Step"]
+__all__ = ["Executor", "Lane", "Plan", "Site", "Step"]
 
 T = TypeVar("T")
+
+Lane = Callable[[int], Array | None]  # an executor's run of a persistent use, by its step number
 
 
 class Executor(Protocol):
@@ -53,6 +55,13 @@ class Executor(Protocol):
 
     def run(self, step: Step) -> Array | None:
         """This peer's part of the step: its result (None where it gets none)."""
+        ...
+
+    def lane(self, step: Step) -> Lane | None:
+        """``run`` of a persistent use of ``step`` (``Rendezvous.lane``): a function of the use's
+        step number (its plan renumbered, its deadline set), with what each use reads bound once;
+        None where it has none (or none yet). A lane runs the common case of a use and ``run`` for
+        anything else, so its outcome is ``run``'s."""
         ...
 
     def abort(self, error: CollectiveError) -> None:
@@ -87,12 +96,11 @@ class Site:
 class Plan:
     """What the rendezvous decided for one step, shared by the local peers of the group."""
 
-    __slots__ = ("agreed", "calls", "error", "executor", "label", "members", "number", "size")
+    __slots__ = ("agreed", "calls", "error", "executor", "members", "number", "size")
 
     def __init__(
         self,
         number: int,
-        label: str,  # "all_reduce #12" for messages
         agreed: Signature,
         calls: list[Call],  # every local peer's call, by local index
         members: tuple[int, ...],  # the group's peer ids, by rank
@@ -100,13 +108,18 @@ class Plan:
         error: CollectiveError | None = None,  # multi-node: a local failure told to the other nodes
     ) -> None:
         self.number = number
-        self.label = label
         self.agreed = agreed
         self.calls = calls
         self.members = members
         self.executor = executor
         self.error = error
         self.size = len(members)
+
+    @property
+    def label(self) -> str:
+        """The step for messages: "all_reduce #12" (made when read: a persistent use renumbers the
+        plan of its last use, and reads it only to say what failed)."""
+        return f"{self.agreed.kind} #{self.number}"
 
 
 class Step:

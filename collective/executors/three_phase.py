@@ -83,6 +83,11 @@ class ThreePhase:
         if self.tier is not None and self.tier.group is not None:
             self.tier.group.abort(error)
 
+    def lane(self, step: Step) -> None:
+        """None: a use runs as ``run`` (through ``Rendezvous.again``), its exchange with the nodes'
+        costs beyond what a lane would save."""
+        return None
+
     def run(self, step: Step) -> Array | None:
         plan, tier = step.plan, self.tier
         if tier is not None and tier.group is not None:

@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = ["Persistent"]
 
+LANE_TRIES = 4  # uses after which a handle looks for its lane (a shared-memory step's agrees both slots)
+
 
 # The road to the group for a timeout (Runtime._road for the peer and group): the peer, its
 # rendezvous and sequencer there, the timeout in seconds, a problem with that timeout.
@@ -65,6 +67,8 @@ class Persistent:
         self._seconds = seconds
         self._work: Work | None = None
         self._freed = False
+        self._lane: Callable[[float], Any] | None = None  # each use once the first ones found it
+        self._lane_tries = LANE_TRIES
         agreement = agreement_of(call)
         if problem is not None or unfit is not None:  # (refused on every peer, as a call would be)
             agreement.refuse(problem or f"a persistent {call.kind}: {unfit}")
@@ -79,8 +83,25 @@ class Persistent:
 
     def __call__(self, timeout: float | None = None) -> Any:
         """Run once: the result (``out``), or the use's error."""
+        lane = self._lane
+        if lane is not None and timeout is None and self._work is None and not self._freed:
+            for watched in self._watched:
+                if watched.change() is not None:
+                    break
+            else:  # (the common use: the rendezvous's lane, Rendezvous.lane)
+                call = self._call
+                call.origin = caller(2) if RECORDER.enabled else None
+                try:
+                    return self._sequencer.call(lane, call.kind, self._seconds)
+                except MismatchError as exc:
+                    self._met_a_free(exc)
+                    raise
         seconds, call = self._use(timeout)
-        return self._run(call, seconds, caller(2) if RECORDER.enabled else None)
+        result = self._run(call, seconds, caller(2) if RECORDER.enabled else None)
+        if lane is None and call is self._call and self._lane_tries:
+            self._lane_tries -= 1
+            self._lane = self._rendezvous.lane(call)
+        return result
 
     def start(self, timeout: float | None = None) -> None:
         """Start a use; ``wait()`` gives its result. One use at a time."""

@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter
+from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
 
 import numpy as np
@@ -229,6 +230,100 @@ class ShmGroup:
         self._finished(s)
         STEPS[agreed.kind] += 1
         return agreed, again.result
+
+    def lane(self, task: ShmTask, slow: Callable[[], Array | None]) -> Callable[[int], Array | None] | None:
+        """A repeated task's use (step ``s``) as one function: ``_step_again`` with every view it
+        reads bound once, for the common case alone (this group still holds its channel, every
+        member met the last step, and each one is in step ``s`` within a short spin, through the
+        channel read last time, having published what it published last time in this slot).
+        Anything else is ``slow()``: ``run`` (the general wait with its timeout and watch of lost
+        peers, the agreement that names who calls something else), which publishes the same again.
+        None until a use was agreed as repeated (the lane reads what each slot's found)."""
+        again = self._again
+        channels = self._channels
+        if again is None or again.task is not task or channels is not again.channels:
+            return None
+        ring, group, me, key = self.ring, self, self.rank, self.key
+        spin = SPIN_AGAIN if self.waiting.crowded else 16 * SPIN_AGAIN  # (reads: then the general wait)
+        mine = self.mine
+        heads = mine.slot_heads
+        message, digest, written, result, dst = (
+            again.message,
+            again.digest,
+            self._written,
+            again.result,
+            again.dst,
+        )
+        source = again.source  # (flat: a live view of its bytes, copied into the slot each use)
+        size = -1 if source is None else source.nbytes
+        source_bytes = source.view(np.uint8).data if source is not None and size > 0 else None
+        targets = [mine.data[slot][: max(size, 0)] for slot in (0, 1)]
+        theirs = [  # every other member: (rank, its progress, its segment's keys, its channel's index)
+            (rank, channels[rank].progress, self._segments[rank].keys, self._their_index[rank])
+            for rank in again.others
+        ]
+        their_heads = [[self._heads[slot][rank] for rank, *_ in theirs] for slot in (0, 1)]
+        found, published = again.found, again.published
+        agreements: list[Any] = [None, None]  # what each slot's use found when last agreed (and so:)
+        owns: list[Callable[[], Any] | None] = [None, None]  # its movement.own into dst, bound
+
+        def use(s: int) -> Array | None:
+            if not ring.hold(group):
+                return slow()
+            try:
+                if group._met != s - 1 or group._channels is not channels or group._again is not again:
+                    return slow()  # (after a step that failed, or channels that moved: the general path)
+                group._active = group.last = s
+                slot = s & 1
+                head = heads[slot]
+                if written[slot] is not message:  # (another call used this slot since)
+                    mine.messages[slot][: len(message)] = message
+                    written[slot] = message
+                    head[1], head[3] = len(message), digest
+                if source_bytes is not None:
+                    targets[slot][:] = source_bytes
+                head[2] = size
+                head[0] = s
+                arrived = s << 32 | ARRIVE
+                self.post(arrived)
+                agreement = found[slot]
+                if agreement is None:  # (not agreed in this slot yet: the general step agrees it)
+                    return slow()
+                if agreement is not agreements[slot]:  # (its first use in this slot, or agreed anew)
+                    if agreement[2] is None:
+                        return slow()
+                    agreements[slot] = agreement
+                    _, movement, inputs = agreement
+                    owns[slot] = None if dst is None or inputs is None else movement.own_bound(inputs, me, dst)
+                slot_heads, last = their_heads[slot], published[slot]
+                for (rank, their, keys, index), their_head in zip(theirs, slot_heads, strict=True):
+                    value = their[0]
+                    if value < arrived:
+                        for _ in range(spin):
+                            value = their[0]
+                            if value >= arrived:
+                                break
+                        else:
+                            return slow()
+                    if value >= arrived | ABORT and value != arrived | END:  # (gave it up, or is on)
+                        return slow()
+                    if keys[index] != key or their_head[0] != s:
+                        return slow()
+                    if (their_head[3], their_head[2]) != last[rank]:  # (it calls something else now)
+                        return slow()
+                group._met = s
+                own = owns[slot]
+                if own is not None:
+                    own()
+                group._active = None
+                group.ended = (s, None)
+                self.post(arrived | END)
+                STEPS[agreement[0].kind] += 1
+                return result
+            finally:
+                group.busy = False
+
+        return use
 
     def _map(self, s: int) -> None:
         """Map every other member's segment (a failure is this process giving up the step)."""

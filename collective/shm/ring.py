@@ -124,6 +124,17 @@ class HostRing:
                 )
             time.sleep(0.0005)
 
+    def hold(self, group: User) -> bool:
+        """Mark ``group`` busy in the channel it holds (``channel``'s common case, without a step's
+        label or deadline: a persistent use's lane); False when it holds none now (then ``channel``)."""
+        with self._lock:
+            index = group.index
+            if index is None or self._users[index] is not group:
+                return False
+            group.busy = True  # (under the lock: no other thread's group takes the channel now)
+            self._used[index] = time.monotonic()
+            return True
+
     def _take(self, group: User) -> int | None:
         index = group.index
         if index is not None and self._users[index] is group:
