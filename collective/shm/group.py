@@ -294,7 +294,9 @@ class ShmGroup:
                         return slow()
                     agreements[slot] = agreement
                     _, movement, inputs = agreement
-                    owns[slot] = None if dst is None or inputs is None else movement.own_bound(inputs, me, dst)
+                    owns[slot] = None
+                    if dst is not None and inputs is not None:
+                        owns[slot] = movement.own_bound(inputs, me, dst)
                 slot_heads, last = their_heads[slot], published[slot]
                 for (rank, their, keys, index), their_head in zip(theirs, slot_heads, strict=True):
                     value = their[0]
