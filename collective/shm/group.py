@@ -55,6 +55,7 @@ __all__ = ["STEPS", "ShmGroup", "ShmTask"]
 log = logging.getLogger(__name__)
 
 SPIN_AGAIN = 64  # reads of a member's progress a use waits inline before the general wait
+AGAINS = 16  # repeated tasks a group keeps what their last step found for (then it starts anew)
 
 STEPS: Counter[str] = Counter()  # steps this process ran through shared memory, by kind (for tests)
 
@@ -126,7 +127,8 @@ class ShmGroup:
         self._channels: list[Any] = []  # every member's channel, by rank (once all were found)
         self._heads: list[list[Any]] = [[], []]  # every member's slot head, by slot and rank
         self._agreed: dict[tuple[Any, ...], Any] = {}  # (agreed call, inline inputs) by digests and sizes
-        self._again: _Again | None = None  # what a repeated task's last small step found (``_step_again``)
+        self._agains: dict[Any, _Again] = {}  # what each repeated task's last small step found, by task
+        # (``_step_again``: every persistent call of the group has its own)
 
     # -- the step -------------------------------------------------------------------------------
 
@@ -155,8 +157,8 @@ class ShmGroup:
             self.last = s
             if not self._segments:
                 self._map(s)
-            again = self._again
-            if again is not None and again.task is task and error is None:
+            again = self._agains.get(task) if task is not None else None
+            if again is not None and error is None:
                 return self._step_again(s, deadline, again)
             return self._step(s, deadline, task, error)
         except CollectiveError as exc:
@@ -205,7 +207,9 @@ class ShmGroup:
         STEPS[agreed.kind] += 1
         if task.repeated and inputs is not None and host and (source is None or source is inline):
             others = [rank for rank in range(self.n) if rank != self.rank]
-            self._again = _Again(task, message, digest, inline, result, dst, others)
+            if len(self._agains) >= AGAINS:
+                self._agains.clear()
+            self._agains[task] = _Again(task, message, digest, inline, result, dst, others)
         return agreed, result
 
     def _step_again(self, s: int, deadline: float, again: _Again) -> tuple[Signature, Array | None]:
@@ -239,11 +243,11 @@ class ShmGroup:
         Anything else is ``slow()``: ``run`` (the general wait with its timeout and watch of lost
         peers, the agreement that names who calls something else), which publishes the same again.
         None until a use was agreed as repeated (the lane reads what each slot's found)."""
-        again = self._again
+        again = self._agains.get(task)
         channels = self._channels
-        if again is None or again.task is not task or channels is not again.channels:
+        if again is None or channels is not again.channels:
             return None
-        ring, group, me, key = self.ring, self, self.rank, self.key
+        ring, group, me, key, agains = self.ring, self, self.rank, self.key, self._agains
         spin = SPIN_AGAIN if self.waiting.crowded else 16 * SPIN_AGAIN  # (reads: then the general wait)
         mine = self.mine
         heads = mine.slot_heads
@@ -271,7 +275,7 @@ class ShmGroup:
             if not ring.hold(group):
                 return slow()
             try:
-                if group._met != s - 1 or group._channels is not channels or group._again is not again:
+                if group._met != s - 1 or group._channels is not channels or agains.get(task) is not again:
                     return slow()  # (after a step that failed, or channels that moved: the general path)
                 group._active = group.last = s
                 slot = s & 1

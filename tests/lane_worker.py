@@ -1,0 +1,178 @@
+"""One process of a job whose persistent uses run in their lane (collective.shm.group's
+``ShmGroup.lane``): run by tests/test_persistent_lane.py, one peer per process.
+
+Usage: python tests/lane_worker.py MODE   (the job comes from COLLECTIVE_* variables)
+
+Every peer knows every peer's input (a function of the peer and the use), so it checks each
+result itself. ``ShmExecutor.run`` is counted per call: the general step, which a use runs where
+its lane does not take it. Output: "GENERAL <handle> <uses> <lane found: 1 or 0> <general steps>" per handle,
+"ERROR <class> <message>" for a collective's error (exit status 3), "OK <checks>" at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import numpy as np
+
+import collective as col
+from collective.executors.shm import ShmExecutor
+
+GENERAL: Counter[int] = Counter()  # general steps by the id of their call
+_general_run = ShmExecutor.run
+
+
+def _counted(self: ShmExecutor, step: Any) -> Any:
+    GENERAL[id(step.call)] += 1
+    return _general_run(self, step)
+
+
+ShmExecutor.run = _counted  # type: ignore[method-assign]
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def inputs(world: int, length: int, use: int) -> list[np.ndarray]:
+    """Every peer's input at ``use``: a different one each time."""
+    return [np.arange(length, dtype=np.float64) * (p + 1) + 10 * use + p for p in range(world)]
+
+
+def general(handle: Any) -> str:
+    """Whether ``handle`` found its lane (1 or 0), and the general steps its uses ran."""
+    return f"{int(handle._lane is not None)} {GENERAL[id(handle._call)]}"
+
+
+def uses(peer: int, world: int) -> int:
+    """Every kind's uses read their input anew and write the same result buffer, whatever lies
+    between them: other calls of the group (every use in one of the group's two slots, then in
+    the other, then in both by turns), a mean (scaled in its buffer), a result made by the first
+    use (no ``out``). A handle used 24 times runs a handful of general steps: its lane runs the rest."""
+    checks = 0
+    x, block, row, source, y = np.zeros(5), np.zeros(3), np.zeros(2 * world), np.zeros(4), np.zeros(6)
+    handles = {
+        "all_reduce": col.all_reduce_init(peer, x, out=x),
+        "mean": col.all_reduce_init(peer, y, op="mean"),
+        "all_gather": col.all_gather_init(peer, block),
+        "reduce_scatter": col.reduce_scatter_init(peer, row),
+        "broadcast": col.broadcast_init(peer, source if peer == 0 else None),
+        "barrier": col.barrier_init(peer),
+    }
+    made: dict[str, Any] = {}  # the result buffer the first use made
+    for use in range(24):
+        between = use < 8 or (use >= 16 and use % 2 == 0)  # (one slot, the other, then both by turns)
+        for name, handle in handles.items():
+            if name == "all_reduce":
+                everyone = inputs(world, 5, use)
+                x[:] = everyone[peer]
+                assert handle() is x, "the result is written into out=x"
+                np.testing.assert_array_equal(x, np.sum(everyone, axis=0), err_msg=f"{name} use {use}")
+            elif name == "mean":
+                everyone = inputs(world, 6, use)
+                y[:] = everyone[peer]
+                got = handle()
+                assert got is made.setdefault(name, got), "every use writes the first use's result"
+                np.testing.assert_allclose(got, np.mean(everyone, axis=0), err_msg=f"{name} use {use}")
+            elif name == "all_gather":
+                everyone = inputs(world, 3, use)
+                block[:] = everyone[peer]
+                np.testing.assert_array_equal(handle(), np.stack(everyone), err_msg=f"{name} use {use}")
+            elif name == "reduce_scatter":
+                everyone = inputs(world, 2 * world, use)
+                row[:] = everyone[peer]
+                expected = np.sum(everyone, axis=0)[2 * peer : 2 * peer + 2]
+                np.testing.assert_array_equal(handle(), expected, err_msg=f"{name} use {use}")
+            elif name == "broadcast":
+                source[:] = use
+                np.testing.assert_array_equal(handle(), np.full(4, float(use)), err_msg=f"{name} use {use}")
+            else:
+                assert handle() is None
+            checks += 1
+            if between:
+                assert col.all_reduce(peer, np.ones(1))[0] == world, "a normal call between uses"
+    for name, handle in handles.items():
+        say(f"GENERAL {name} 24 {general(handle)}")
+        handle.free()
+    return checks
+
+
+def lost(peer: int, world: int) -> int:
+    """Peer 1's process ends while every use runs in its lane: the others' next use is a
+    PeerLostError naming it (the lane's short spin, then the general wait that watches peers)."""
+    x = np.zeros(4)
+    handle = col.all_reduce_init(peer, x, out=x)
+    for use in range(12):
+        x[:] = peer + use
+        handle()
+    say(f"GENERAL all_reduce 12 {general(handle)}")
+    if peer == 1:
+        say("LEAVING")
+        os._exit(0)  # (no finish: the process ends as a crash ends it)
+    handle()
+    raise AssertionError("a use went on without peer 1")
+
+
+def freed(peer: int, world: int) -> int:
+    """Peer 0 uses a handle whose uses run in its lane while the others free theirs: a
+    MismatchError on every peer naming the free, and the group goes on."""
+    x = np.zeros(3)
+    handle = col.all_reduce_init(peer, x, out=x)
+    for _ in range(12):
+        handle()
+    say(f"GENERAL all_reduce 12 {general(handle)}")
+    try:
+        handle() if peer == 0 else handle.free()
+        raise AssertionError("a use met a free without an error")
+    except col.MismatchError as exc:
+        assert "all_reduce_free" in str(exc), exc
+    assert col.all_reduce(peer, np.ones(2))[0] == world, "the group goes on"
+    return 1
+
+
+def late(peer: int, world: int) -> int:
+    """A use peer 1 makes after the handle's timeout (0.5 s), its earlier uses in their lane: a
+    CollectiveTimeout naming peer 1 on every peer, and the group goes on."""
+    x = np.zeros(3)
+    handle = col.all_reduce_init(peer, x, out=x, timeout=0.5)
+    for _ in range(12):
+        handle()
+    say(f"GENERAL all_reduce 12 {general(handle)}")
+    if peer == 1:
+        time.sleep(1.5)  # (kept: the lateness under test, past the handle's timeout)
+    try:
+        handle()
+        raise AssertionError("a use waited past its timeout")
+    except col.CollectiveTimeout as exc:
+        say(f"TIMEOUT {exc}")
+    assert col.all_reduce(peer, np.ones(1), timeout=20)[0] == world  # (where the late peer catches up)
+    x[:] = 1
+    handle()  # (the next use meets on every peer: the group goes on)
+    assert x[0] == world, x
+    return 1
+
+
+MODES = {"uses": uses, "lost": lost, "freed": freed, "late": late}
+
+
+def main() -> int:
+    (peer,) = col.peer_ids_from_env()
+    config = col.CollectiveConfig.from_env()
+    col.register(peer, "cpu", config)
+    try:
+        checks = MODES[sys.argv[1]](peer, col.world_size())
+    except col.CollectiveError as exc:
+        say(f"ERROR {type(exc).__name__} {exc}")
+        return 3
+    col.finish(peer)
+    say(f"OK {checks}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
