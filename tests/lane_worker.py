@@ -53,9 +53,10 @@ def uses(peer: int, world: int) -> int:
     """Every kind's uses read their input anew and write the same result buffer, whatever lies
     between them: other calls of the group (every use in one of the group's two slots, then in
     the other, then in both by turns), a mean (scaled in its buffer), a result made by the first
-    use (no ``out``). A handle used 24 times runs a handful of general steps: its lane runs the rest."""
+    use (no ``out``), a normal call made again on the same arrays (kept: collective.persistent.kept). A handle used 24 times runs a handful of general steps: its lane runs the rest."""
     checks = 0
     x, block, row, source, y = np.zeros(5), np.zeros(3), np.zeros(2 * world), np.zeros(4), np.zeros(6)
+    z, kept_out = np.zeros(2), np.zeros(2)
     handles = {
         "all_reduce": col.all_reduce_init(peer, x, out=x),
         "mean": col.all_reduce_init(peer, y, op="mean"),
@@ -96,9 +97,16 @@ def uses(peer: int, world: int) -> int:
             checks += 1
             if between:
                 assert col.all_reduce(peer, np.ones(1))[0] == world, "a normal call between uses"
+        everyone = inputs(world, 2, use)  # a normal call on the same arrays: kept, then in its lane
+        z[:] = everyone[peer]
+        assert col.all_reduce(peer, z, out=kept_out) is kept_out
+        np.testing.assert_array_equal(kept_out, np.sum(everyone, axis=0), err_msg=f"kept use {use}")
+        checks += 1
     for name, handle in handles.items():
         say(f"GENERAL {name} 24 {general(handle)}")
         handle.free()
+    (kept,) = [kept for kept in col.default_runtime()._kept_calls.values() if hasattr(kept, "call")]
+    say(f"GENERAL kept 24 {int(kept.lane is not None)} {GENERAL[id(kept.call)]}")
     return checks
 
 

@@ -14,7 +14,7 @@ import pytest
 from tests.processes import Proc, expect_peer_lost, finish_all, node_env
 
 WORKER = str(Path(__file__).with_name("lane_worker.py"))
-KINDS = ["all_reduce", "mean", "all_gather", "reduce_scatter", "broadcast", "barrier"]
+KINDS = ["all_reduce", "mean", "all_gather", "reduce_scatter", "broadcast", "barrier", "kept"]
 
 
 def start(orchestrator: str, job: str, mode: str, world: int = 2, **extra: str) -> list[Proc]:

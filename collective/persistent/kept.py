@@ -37,6 +37,7 @@ import numpy as np
 from collective.algorithms.ops import ReduceOp
 from collective.calls.base import Call
 from collective.groups import Group
+from collective.persistent.handle import LANE_TRIES
 from collective.trace import RECORDER, caller
 
 if TYPE_CHECKING:
@@ -60,6 +61,8 @@ class _Kept:
 
     __slots__ = (
         "call",
+        "lane",
+        "lane_tries",
         "layout",
         "member",
         "out",
@@ -78,6 +81,8 @@ class _Kept:
         self.member, self.rendezvous, self.sequencer, self.seconds = road
         self.layout = None if x is None else (x.shape, x.strides, x.dtype)
         self.out_layout = (out.shape, out.strides, out.dtype)
+        self.lane: Callable[[float], Any] | None = None  # its runs once the first ones found it
+        self.lane_tries = LANE_TRIES
 
     def holds(self, x: np.ndarray | None, out: np.ndarray) -> bool:
         """Whether ``x`` and ``out`` (the kept arrays) are laid out as they were, ``out`` writable
@@ -163,9 +168,16 @@ class KeptCalls:
             if problem is None:
                 call = kept.call
                 call.origin = caller(3) if RECORDER.enabled else None
-                member: Any = kept.member
-                again = kept.rendezvous.again
-                result = kept.sequencer.call(again, call.kind, peer_id, member.device, seconds, call)
+                lane = kept.lane
+                if lane is not None:  # (Rendezvous.lane: the per-use floor)
+                    result = kept.sequencer.call(lane, call.kind, seconds)
+                else:
+                    member: Any = kept.member
+                    again = kept.rendezvous.again
+                    result = kept.sequencer.call(again, call.kind, peer_id, member.device, seconds, call)
+                    if kept.lane_tries:
+                        kept.lane_tries -= 1
+                        kept.lane = kept.rendezvous.lane(call)
                 calls[key] = kept  # (back once it ran: one that failed is made anew next time)
                 return result
         member, (rendezvous, sequencer), seconds, _ = self._road(peer_id, group, None)  # (before: finish
