@@ -53,7 +53,8 @@ def uses(peer: int, world: int) -> int:
     """Every kind's uses read their input anew and write the same result buffer, whatever lies
     between them: other calls of the group (every use in one of the group's two slots, then in
     the other, then in both by turns), a mean (scaled in its buffer), a result made by the first
-    use (no ``out``), a normal call made again on the same arrays (kept: collective.persistent.kept). A handle used 24 times runs a handful of general steps: its lane runs the rest."""
+    use (no ``out``), a normal call made again on the same arrays (kept: collective.persistent.kept).
+    Each handle finds its lane, and uses run in it (the rest: the general step)."""
     checks = 0
     x, block, row, source, y = np.zeros(5), np.zeros(3), np.zeros(2 * world), np.zeros(4), np.zeros(6)
     z, kept_out = np.zeros(2), np.zeros(2)
