@@ -6,6 +6,7 @@ uses, and every failure of a use is still named on every peer."""
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -53,7 +54,8 @@ def test_every_kind_runs_its_uses_in_the_lane_with_the_general_steps_results(
         found = general_steps(proc)
         assert sorted(found) == sorted(KINDS), proc.output()
         assert all(lane for _, lane, _ in found.values()), found
-        assert in_lane(found) > 0, found  # (0 without lanes: every use a general step)
+        if world <= len(os.sched_getaffinity(0)):  # (more processes than CPUs: a lane's short spin
+            assert in_lane(found) > 0, found  # mostly ends in the general wait; 0 without lanes)
 
 
 def test_the_general_step_runs_every_use_without_shared_memory(orchestrator: str) -> None:
