@@ -247,7 +247,7 @@ class ShmGroup:
         channels = self._channels
         if again is None or channels is not again.channels:
             return None
-        ring, group, me, key, agains = self.ring, self, self.rank, self.key, self._agains
+        ring, group, me, agains = self.ring, self, self.rank, self._agains
         spin = SPIN_AGAIN if self.waiting.crowded else 16 * SPIN_AGAIN  # (reads: then the general wait)
         mine, segment = self.mine, self._segment
         heads, progress, bell = mine.slot_heads, mine.progress, segment.bell
@@ -263,12 +263,6 @@ class ShmGroup:
         size = -1 if source is None else source.nbytes
         source_bytes = source.view(np.uint8).data if source is not None and size > 0 else None
         targets = [mine.data[slot][: max(size, 0)] for slot in (0, 1)]
-        theirs = [  # every other member: (rank, its progress, its segment's keys, its channel's index)
-            (rank, channels[rank].progress, self._segments[rank].keys, self._their_index[rank])
-            for rank in again.others
-        ]
-        their_heads = [[self._heads[slot][rank] for rank, *_ in theirs] for slot in (0, 1)]
-        found, published = again.found, again.published
         agreements: list[Any] = [None, None]  # what each slot's use found when last agreed (and so:)
         owns: list[Callable[[], Any] | None] = [None, None]  # its movement.own into dst, bound
 
@@ -296,33 +290,15 @@ class ShmGroup:
                     if asleep[0]:
                         segment.wake()
                         break
-                agreement = found[slot]
-                if agreement is None:  # (not agreed in this slot yet: the general step agrees it)
-                    return slow()
+                agreement = self._arrived_again(s, slot, again, spin)
+                if agreement is None:  # (a member late past the spin, or not as last time; or a slot
+                    return slow()  # not agreed yet: the general step waits, or agrees it)
                 if agreement is not agreements[slot]:  # (its first use in this slot, or agreed anew)
-                    if agreement[2] is None:
-                        return slow()
                     agreements[slot] = agreement
                     _, movement, inputs = agreement
                     owns[slot] = None
                     if dst is not None and inputs is not None:
                         owns[slot] = movement.own_bound(inputs, me, dst)
-                slot_heads, last = their_heads[slot], published[slot]
-                for (rank, their, keys, index), their_head in zip(theirs, slot_heads, strict=True):
-                    value = their[0]
-                    if value < arrived:
-                        for _ in range(spin):
-                            value = their[0]
-                            if value >= arrived:
-                                break
-                        else:
-                            return slow()
-                    if value >= arrived | ABORT and value != arrived | END:  # (gave it up, or is on)
-                        return slow()
-                    if keys[index] != key or their_head[0] != s:
-                        return slow()
-                    if (their_head[3], their_head[2]) != last[rank]:  # (it calls something else now)
-                        return slow()
                 group._met = s
                 own = owns[slot]
                 if own is not None:
@@ -425,7 +401,7 @@ class ShmGroup:
         return found
 
     def _arrived_again(
-        self, s: int, slot: int, again: _Again
+        self, s: int, slot: int, again: _Again, spin: int = SPIN_AGAIN
     ) -> tuple[Signature, Movement, list[np.ndarray | None] | None] | None:
         """``_wait_all`` and ``_agree_again`` in one pass, for the common case of a use: every other
         member is in step ``s`` already (or within a short spin), through the channel read last
@@ -442,7 +418,7 @@ class ShmGroup:
             progress = channels[rank].progress
             value = progress[0]
             if value < arrived:
-                for _ in range(SPIN_AGAIN):
+                for _ in range(spin):
                     value = progress[0]
                     if value >= arrived:
                         break
