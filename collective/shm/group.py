@@ -236,35 +236,29 @@ class ShmGroup:
         return agreed, again.result
 
     def lane(self, task: ShmTask, slow: Callable[[], Array | None]) -> Callable[[int], Array | None] | None:
-        """A repeated task's use (step ``s``) as one function: ``_step_again`` with every view it
-        reads bound once, for the common case alone (this group still holds its channel, every
-        member met the last step, and each one is in step ``s`` within a short spin, through the
-        channel read last time, having published what it published last time in this slot).
-        Anything else is ``slow()``: ``run`` (the general wait with its timeout and watch of lost
-        peers, the agreement that names who calls something else), which publishes the same again.
-        None until a use was agreed as repeated (the lane reads what each slot's found)."""
+        """A repeated task's use (step ``s``) as one function: ``_step_again``'s parts (``_publish``,
+        ``_arrived_again``, the movement's ``own``, bound once per slot, ``_finished``) for the
+        common case alone (this group still holds its channel, ``HostRing.hold``, every member met
+        the last step, and each one is in step ``s`` within a short spin, through the channel read
+        last time, having published what it published last time in this slot). Anything else is
+        ``slow()``: ``run`` (the general wait with its timeout and watch of lost peers, the
+        agreement that names who calls something else), which publishes the same again. None until
+        a use was agreed as repeated (the lane reads what each slot's found)."""
         again = self._agains.get(task)
         channels = self._channels
         if again is None or channels is not again.channels:
             return None
         ring, group, me, agains = self.ring, self, self.rank, self._agains
         spin = SPIN_AGAIN if self.waiting.crowded else 16 * SPIN_AGAIN  # (reads: then the general wait)
-        mine, segment = self.mine, self._segment
-        heads, progress, bell = mine.slot_heads, mine.progress, segment.bell
-        sleepers = [other.sleepers for other in self._others]
-        message, digest, written, result, dst = (
+        message, digest, source, result, dst = (
             again.message,
             again.digest,
-            self._written,
+            again.source,
             again.result,
             again.dst,
         )
-        source = again.source  # (flat: a live view of its bytes, copied into the slot each use)
-        size = -1 if source is None else source.nbytes
-        source_bytes = source.view(np.uint8).data if source is not None and size > 0 else None
-        targets = [mine.data[slot][: max(size, 0)] for slot in (0, 1)]
-        agreements: list[Any] = [None, None]  # what each slot's use found when last agreed (and so:)
-        owns: list[Callable[[], Any] | None] = [None, None]  # its movement.own into dst, bound
+        agreements: list[Any] = [None, None]  # what each slot's use last found agreed
+        owns: list[Callable[[], Any] | None] = [None, None]  # and its movement.own into dst, bound
 
         def use(s: int) -> Array | None:
             if not ring.hold(group):
@@ -274,22 +268,7 @@ class ShmGroup:
                     return slow()  # (after a step that failed, or channels that moved: the general path)
                 group._active = group.last = s
                 slot = s & 1
-                head = heads[slot]
-                if written[slot] is not message:  # (another call used this slot since)
-                    mine.messages[slot][: len(message)] = message
-                    written[slot] = message
-                    head[1], head[3] = len(message), digest
-                if source_bytes is not None:
-                    targets[slot][:] = source_bytes
-                head[2] = size
-                head[0] = s
-                arrived = s << 32 | ARRIVE
-                progress[0] = arrived  # (``post``, inline: a lane posts twice)
-                bell[0] = (bell[0] + 1) & 0x7FFFFFFF  # (RingSegment.bump)
-                for asleep in sleepers:
-                    if asleep[0]:
-                        segment.wake()
-                        break
+                self._publish(s, slot, message, digest, source)
                 agreement = self._arrived_again(s, slot, again, spin)
                 if agreement is None:  # (a member late past the spin, or not as last time; or a slot
                     return slow()  # not agreed yet: the general step waits, or agrees it)
@@ -303,14 +282,7 @@ class ShmGroup:
                 own = owns[slot]
                 if own is not None:
                     own()
-                group._active = None
-                group.ended = (s, None)
-                progress[0] = arrived | END
-                bell[0] = (bell[0] + 1) & 0x7FFFFFFF
-                for asleep in sleepers:
-                    if asleep[0]:
-                        segment.wake()
-                        break
+                self._finished(s)
                 STEPS[agreement[0].kind] += 1
                 return result
             finally:
