@@ -19,7 +19,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-from collective.algorithms.ops import ReduceOp
 from collective.arrays import Device
 from collective.calls import Barrier, rules_of
 from collective.calls.base import Call
@@ -171,7 +170,7 @@ class Rendezvous:
 
     def lane(self, call: Call) -> Callable[[float], Any] | None:
         """``again`` as one function of a use's timeout in seconds, with what stays the same from
-        use to use bound once (the step, its executor's lane, the recorder's fields of its entry):
+        use to use bound once (the step, its executor's lane, how its result is finished):
         a persistent call's per-use floor. None where ``again`` would run anew (its last step is
         not kept) or the executor has no lane (yet). Its outcome is ``again``'s: a use the lane
         does not take runs the executor's ``run``, and a use's error is recorded as ``again``
@@ -184,12 +183,8 @@ class Rendezvous:
         run = executor.lane(step)
         if run is None:
             return None
-        job, peer, members, kind, finish = self.job, step.peer, self.members, call.kind, call.finish
-        agreed, size, path = step.agreed, plan.size, executor.path
-        out = call.out_given if call.out is not None and agreed.op is not ReduceOp.MEAN else None
-        algorithm = call.algorithm or executor.strategy
-        next_, live, record = self._next, self._live, RECORDER.record
-        time_ns, monotonic = time.time_ns, time.monotonic
+        job, peer, finish, agreed, size = self.job, step.peer, call.finish, step.agreed, plan.size
+        next_, live, time_ns, monotonic = self._next, self._live, time.time_ns, time.monotonic
 
         def use(seconds: float) -> Any:
             job.check_member(peer)  # (without the lock: it reads; a finish() racing it fails the step)
@@ -198,36 +193,16 @@ class Rendezvous:
             plan.number = number
             step.deadline, step.timeout = monotonic() + seconds, seconds
             if not RECORDER.enabled:
-                result = run(number)
-                return out if out is not None and result is not None else finish(result, agreed, size)
-            created = time_ns()
+                return finish(run(number), agreed, size)
+            created = call.created = call.started = time_ns()
             live[0] = step
             try:
-                result = run(number)
-                result = out if out is not None and result is not None else finish(result, agreed, size)
+                result = finish(run(number), agreed, size)
             except BaseException as exc:
-                call.created = call.started = created
                 self._failed(0, call, exc)
                 raise
             live[0] = None
-            ended = time_ns()
-            record(
-                (
-                    peer,
-                    members,
-                    number,
-                    kind,
-                    call.origin,
-                    agreed,
-                    path,
-                    algorithm,
-                    "completed",
-                    created,
-                    created,
-                    ended,
-                    None,
-                )
-            )
+            self._completed(step, created)
             return result
 
         return use
