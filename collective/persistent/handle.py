@@ -83,22 +83,9 @@ class Persistent:
 
     def __call__(self, timeout: float | None = None) -> Any:
         """Run once: the result (``out``), or the use's error."""
-        lane = self._lane
-        if lane is not None and timeout is None and self._work is None and not self._freed:
-            for watched in self._watched:
-                if watched.change() is not None:
-                    break
-            else:  # (the common use: the rendezvous's lane, Rendezvous.lane)
-                call = self._call
-                call.origin = caller(2) if RECORDER.enabled else None
-                try:
-                    return self._sequencer.call(lane, call.kind, self._seconds)
-                except MismatchError as exc:
-                    self._met_a_free(exc)
-                    raise
         seconds, call = self._use(timeout)
         result = self._run(call, seconds, caller(2) if RECORDER.enabled else None)
-        if lane is None and call is self._call and self._lane_tries:
+        if self._lane is None and call is self._call and self._lane_tries:
             self._lane_tries -= 1
             self._lane = self._rendezvous.lane(call)
         return result
@@ -182,10 +169,14 @@ class Persistent:
 
     def _run(self, call: Call, seconds: float, origin: Any) -> Any:
         call.origin = origin
-        rendezvous, member = self._rendezvous, self._member
-        run = rendezvous.again if call is self._call else rendezvous.run  # (a use, or not)
+        lane = self._lane
         try:
-            result = self._sequencer.call(run, call.kind, member.peer, member.device, seconds, call)
+            if lane is not None and call is self._call:  # (a use, once its lane was found)
+                result = self._sequencer.call(lane, call.kind, seconds)
+            else:  # (a use, or not: making or freeing the handle, a use refused)
+                rendezvous, member = self._rendezvous, self._member
+                run = rendezvous.again if call is self._call else rendezvous.run
+                result = self._sequencer.call(run, call.kind, member.peer, member.device, seconds, call)
         except MismatchError as exc:
             self._met_a_free(exc)
             raise
