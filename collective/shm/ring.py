@@ -128,17 +128,22 @@ class HostRing:
         """Mark ``group`` busy in the channel it holds (``channel``'s common case, without a step's
         label or deadline: a persistent use's lane); False when it holds none now (then ``channel``)."""
         with self._lock:
-            index = group.index
-            if index is None or self._users[index] is not group:
+            if self._holding(group) is None:
                 return False
             group.busy = True  # (under the lock: no other thread's group takes the channel now)
-            self._used[index] = time.monotonic()
             return True
 
-    def _take(self, group: User) -> int | None:
+    def _holding(self, group: User) -> int | None:
+        """The channel ``group`` holds, marked used now (None: it holds none) (lock held)."""
         index = group.index
-        if index is not None and self._users[index] is group:
-            self._used[index] = time.monotonic()
+        if index is None or self._users[index] is not group:
+            return None
+        self._used[index] = time.monotonic()
+        return index
+
+    def _take(self, group: User) -> int | None:
+        index = self._holding(group)
+        if index is not None:
             return index
         free = [i for i in range(CHANNELS) if self._users[i] is None]
         if not free:
