@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Persistent"]
 
-LANE_TRIES = 4  # uses after which a handle looks for its lane (a shared-memory step's agrees both slots)
+LANE_TRIES = 4  # first uses after each of which a handle looks for its lane (Rendezvous.lane)
 
 
 # The road to the group for a timeout (Runtime._road for the peer and group): the peer, its
