@@ -506,7 +506,7 @@ class Runtime(Persistents, KeptCalls, p2p.PersistentPoints):
         strategy: Strategy | str | None = None,
     ) -> Any:
         """Return once every peer of the group has entered the barrier."""
-        return self._start(peer_id, Barrier(), group, timeout, async_op, strategy)
+        return self._again_or_start(peer_id, Barrier, (), None, group, timeout, async_op, strategy)
 
     def all_reduce_coalesced(
         self,

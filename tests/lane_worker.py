@@ -21,6 +21,7 @@ import numpy as np
 
 import collective as col
 from collective.executors.shm import ShmExecutor
+from collective.shm.group import ShmGroup
 
 GENERAL: Counter[int] = Counter()  # general steps by the id of their call
 _general_run = ShmExecutor.run
@@ -166,7 +167,33 @@ def late(peer: int, world: int) -> int:
     return 1
 
 
-MODES = {"uses": uses, "lost": lost, "freed": freed, "late": late}
+def behind(peer: int, world: int) -> int:
+    """Peer 1 reads the others late in each use, once they may have ended it and arrived at their
+    next use: its uses still run in their lane (a member in a later step counts as one in this
+    step, its slot of this step as it was, unless it gave this step up). Output: "BEHIND <general
+    steps peer 1's uses ran>"."""
+    x = np.zeros(3)
+    handle = col.all_reduce_init(peer, x, out=x)
+    for _ in range(12):
+        handle()
+    before = GENERAL[id(handle._call)]
+    if peer == 1:
+        read = ShmGroup._arrived_again
+
+        def read_late(self: ShmGroup, *args: Any) -> Any:
+            time.sleep(0.02)  # (the case under test, whenever the others got this far by now)
+            return read(self, *args)
+
+        ShmGroup._arrived_again = read_late  # type: ignore[method-assign]
+    for use in range(8):
+        x[:] = peer + use
+        handle()
+        assert x[0] == sum(p + use for p in range(world)), x
+    say(f"BEHIND {GENERAL[id(handle._call)] - before}")
+    return 8
+
+
+MODES = {"uses": uses, "lost": lost, "freed": freed, "late": late, "behind": behind}
 
 
 def main() -> int:

@@ -41,13 +41,14 @@ def test_calls_on_the_same_arrays_run_kept_and_read_their_inputs_each_time() -> 
             rt.all_gather(p, block, out=gathered)
             rt.reduce_scatter(p, row, "max", out=part)
             rt.broadcast(p, source if p == 1 else None, out=sent)
+            assert rt.barrier(p) is None  # (no arrays: kept by its peer and group)
             results = (out.tolist(), biggest.tolist(), gathered.tolist(), part.tolist(), sent.tolist())
             seen.append((summed is out, *results))
             calls.append(_kept(rt, p))
         return [seen, [len(c) for c in calls], all(a is b for a, b in zip(calls[1], calls[-1], strict=True))]
 
     for p, (seen, counts, same) in run_peers(3, body).items():
-        assert counts == [0, 5, 5, 5] and same, (counts, same)  # kept at the second call, then the same
+        assert counts == [0, 6, 6, 6] and same, (counts, same)  # kept at the second call, then the same
         for use, (returned, summed, biggest, gathered, part, sent) in enumerate(seen):
             assert returned and summed == [3.0 * use + 3.0] * 3 and biggest == [use + 2.0] * 3
             assert gathered == [[q * 10 + use] * 2 for q in range(3)]
@@ -94,6 +95,25 @@ def test_a_kept_call_that_meets_another_call_is_a_mismatch_on_every_peer() -> No
         return said
 
     assert run_peers(2, body) == {p: [2.0, 2.0, "MismatchError", 2.0] for p in (0, 1)}
+
+
+def test_a_kept_barrier_that_meets_another_call_is_a_mismatch_on_every_peer() -> None:
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        rt.barrier(p)
+        rt.barrier(p)
+        said: list[Any] = [len(_kept(rt, p))]
+        try:  # peer 0 calls the barrier it kept; peer 1 an all_reduce
+            if p == 0:
+                rt.barrier(p)
+            else:
+                rt.all_reduce(p, np.ones(2))
+        except col.MismatchError as exc:
+            said.append(type(exc).__name__)
+        rt.barrier(p)  # (the group is still in step)
+        said.append(rt.all_reduce(p, np.ones(1))[0])
+        return said
+
+    assert run_peers(2, body) == {p: [1, "MismatchError", 2.0] for p in (0, 1)}
 
 
 def test_calls_are_not_kept_when_turned_off_nor_beyond_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:

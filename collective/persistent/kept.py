@@ -8,7 +8,8 @@ A training or decoding loop calls the same collective on the same buffers step a
 
 A blocking all_reduce, broadcast, all_gather or reduce_scatter given numpy arrays of at most
 KEPT_BYTES (``out`` among them: where every use writes) is kept, by its peer, kind, the identity
-of its arrays, its op and the road to its group (the job and group it ran in). When a call of the
+of its arrays, its op and the road to its group (the job and group it ran in); a blocking
+barrier, which has no arrays, by its peer and group. When a call of the
 same kind comes again on the same arrays, with the same op and group, and the arrays still have
 the shape, strides and dtype they had (``out`` still writable), it runs as a use of a persistent
 call (``Runtime.repeat``): the argument checks, the signature and the agreement of its first run
@@ -36,6 +37,7 @@ import numpy as np
 
 from collective.algorithms.ops import ReduceOp
 from collective.calls.base import Call
+from collective.calls.collectives import Barrier
 from collective.groups import Group
 from collective.persistent.handle import LANE_TRIES
 from collective.trace import RECORDER, caller
@@ -75,20 +77,22 @@ class _Kept:
     member: Any
 
     def __init__(
-        self, call: Call, x: np.ndarray | None, out: np.ndarray, road: tuple[Any, Any, Any, float]
+        self, call: Call, x: np.ndarray | None, out: np.ndarray | None, road: tuple[Any, Any, Any, float]
     ) -> None:
         self.call, self.x, self.out = call, x, out
         self.member, self.rendezvous, self.sequencer, self.seconds = road
         self.layout = None if x is None else (x.shape, x.strides, x.dtype)
-        self.out_layout = (out.shape, out.strides, out.dtype)
+        self.out_layout = None if out is None else (out.shape, out.strides, out.dtype)
         self.lane: Callable[[float], Any] | None = None  # its runs once the first ones found it
         self.lane_tries = LANE_TRIES
 
-    def holds(self, x: np.ndarray | None, out: np.ndarray) -> bool:
-        """Whether ``x`` and ``out`` (the kept arrays) are laid out as they were, ``out`` writable
-        (one expression: this is every kept call's; a dtype set anew, even to an equal one, is a
-        change)."""
-        shape, strides, dtype = self.out_layout
+    def holds(self, x: np.ndarray | None, out: np.ndarray | None) -> bool:
+        """Whether ``x`` and ``out`` (the kept arrays; None for a barrier's) are laid out as they
+        were, ``out`` writable (one expression: this is every kept call's; a dtype set anew, even
+        to an equal one, is a change)."""
+        if out is None:
+            return True  # (a barrier)
+        shape, strides, dtype = self.out_layout  # type: ignore[misc]
         if out.shape != shape or out.strides != strides or out.dtype is not dtype or not out.flags.writeable:
             return False
         if x is None:
@@ -103,7 +107,11 @@ _Seen = tuple[Callable[[], Any], Callable[[], Any]]
 
 
 def _none() -> None:
-    """The weak reference of a call's x that is None."""
+    """The weak reference of a call's x (or a barrier's out) that is None."""
+
+
+def _weak(item: Any) -> Callable[[], Any]:
+    return _none if item is None else weakref.ref(item)
 
 
 class KeptCalls:
@@ -139,17 +147,18 @@ class KeptCalls:
         async_op: bool,
         strategy: Any,
     ) -> Any:
-        """``make(*args, out=out)`` (``args``: x, then op for a reduction) run by ``_start``, or the
-        call kept for these arguments run again (see the module's docstring)."""
-        x = args[0]
+        """``make(*args, out=out)`` (``args``: x, then op for a reduction; none for a barrier, whose
+        ``out`` is None) run by ``_start``, or the call kept for these arguments run again (see the
+        module's docstring)."""
+        x = args[0] if args else None
         op = args[1] if len(args) > 1 else None
         calls = self._kept_calls if self._kept_calls is not None else self._keeping()
         if (
             calls is _OFF
             or async_op
             or strategy is not None
-            or type(out) is not np.ndarray
-            or out.nbytes > KEPT_BYTES
+            or (out is None and make is not Barrier)
+            or (out is not None and (type(out) is not np.ndarray or out.nbytes > KEPT_BYTES))
             or (x is not None and (type(x) is not np.ndarray or x.nbytes > KEPT_BYTES))
             or (op is not None and type(op) is not str and type(op) is not ReduceOp)
             or (group is not None and type(group) is not Group)  # (a list of ids: made anew)
@@ -159,7 +168,7 @@ class KeptCalls:
         kept = calls.pop(key, None)  # (taken while it runs)
         if not isinstance(kept, _Kept):
             if kept is None or kept[1]() is not out or kept[0]() is not x:  # (first seen: made anew)
-                self._keep(key, (_none if x is None else weakref.ref(x), weakref.ref(out)))
+                self._keep(key, (_weak(x), _weak(out)))
                 return self._start(peer_id, make(*args, out=out), group, timeout, False, None)
         elif kept.holds(x, out) and kept.member is self._peers.get(peer_id):
             seconds, problem = kept.seconds, None
@@ -183,7 +192,7 @@ class KeptCalls:
         member, (rendezvous, sequencer), seconds, _ = self._road(peer_id, group, None)  # (before: finish
         call = make(*args, out=out)  # may come while it runs, and the call is kept under its road)
         result = self._start(peer_id, call, group, timeout, False, None)
-        if call.out is not None:  # (it ran: checked and agreed, every later use runs it)
+        if call.out is not None or make is Barrier:  # (it ran: checked and agreed, every later use runs it)
             call.kept = call.signature
             self._keep(key, _Kept(call, x, out, (member, rendezvous, sequencer, seconds)))
         return result

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any, NoReturn, Protocol
@@ -55,6 +57,7 @@ __all__ = ["STEPS", "ShmGroup", "ShmTask"]
 log = logging.getLogger(__name__)
 
 SPIN_AGAIN = 64  # reads of a member's progress a use waits inline before the general wait
+YIELD_AGAIN = 1e-3  # seconds a use waits inline on a crowded host, yielding its CPU between reads
 AGAINS = 16  # repeated tasks a group keeps what their last step found for (then it starts anew)
 
 STEPS: Counter[str] = Counter()  # steps this process ran through shared memory, by kind (for tests)
@@ -94,6 +97,23 @@ class ShmTask(Protocol):
     def target(self, agreed: Signature, movement: Movement) -> Array | None:
         """The buffer of this member's result (None: it gets none)."""
         ...
+
+
+def _spin(progress: Any, target: int, spin: float) -> int:
+    """``progress[0]`` once it reached ``target``, or as it was after ``spin`` more reads (a
+    negative ``spin``: reads for ``-spin`` seconds, with the CPU yielded between them)."""
+    value: int = progress[0]
+    if spin >= 0:
+        for _ in range(int(spin)):
+            value = progress[0]
+            if value >= target:
+                break
+        return value
+    stop = time.monotonic() - spin
+    while value < target and time.monotonic() < stop:
+        os.sched_yield()
+        value = progress[0]
+    return value
 
 
 class ShmGroup:
@@ -249,7 +269,10 @@ class ShmGroup:
         if again is None or channels is not again.channels:
             return None
         ring, group, me, agains = self.ring, self, self.rank, self._agains
-        spin = SPIN_AGAIN if self.waiting.crowded else 16 * SPIN_AGAIN  # (reads: then the general wait)
+        # how long a use waits inline for the others before the general wait: a spin of reads where
+        # each process has a CPU; on a crowded host, reads with the CPU yielded between them (the
+        # members it waits for may be queued behind it), for at most YIELD_AGAIN seconds
+        spin = 16 * SPIN_AGAIN if not self.waiting.crowded else -YIELD_AGAIN
         message, digest, source, result, dst = (
             again.message,
             again.digest,
@@ -373,12 +396,16 @@ class ShmGroup:
         return found
 
     def _arrived_again(
-        self, s: int, slot: int, again: _Again, spin: int = SPIN_AGAIN
+        self, s: int, slot: int, again: _Again, spin: float = SPIN_AGAIN
     ) -> tuple[Signature, Movement, list[np.ndarray | None] | None] | None:
         """``_wait_all`` and ``_agree_again`` in one pass, for the common case of a use: every other
-        member is in step ``s`` already (or within a short spin), through the channel read last
-        time, having published what it published last time in this slot: what was agreed then.
-        None for anything else (nothing was changed: the general path reads it all again)."""
+        member is in step ``s`` already (or within ``spin`` more reads of its progress; a negative
+        ``spin``: within ``-spin`` seconds of reads with the CPU yielded between them), through
+        the channel read last time, having published what it published last time in this slot:
+        what was agreed then. A member already in a later step counts as one in ``s`` unless it
+        recorded giving ``s`` up (it may have ended ``s`` before this process looked: its slot of
+        ``s`` stays as it was until this process arrives at ``s + 1``). None for anything else
+        (nothing was changed: the general path reads it all again)."""
         found = again.found[slot]
         channels = self._channels
         if found is None or channels is not again.channels:
@@ -390,14 +417,11 @@ class ShmGroup:
             progress = channels[rank].progress
             value = progress[0]
             if value < arrived:
-                for _ in range(spin):
-                    value = progress[0]
-                    if value >= arrived:
-                        break
-                else:
+                value = _spin(progress, arrived, spin)
+                if value < arrived:
                     return None
-            if value >= arrived | ABORT and value != end:  # (gave it up, or in a later step: see _still_in)
-                return None
+            if value >= arrived | ABORT and value != end and (value < end or channels[rank].record(s)):
+                return None  # (it gave step s up)
             if segments[rank].keys[indices[rank]] != self.key:
                 return None
             head, (digest, size) = heads[rank], published[rank]
