@@ -22,6 +22,7 @@ import numpy as np
 import collective as col
 from collective.executors.shm import ShmExecutor
 from collective.shm.group import ShmGroup
+from collective.trace import RECORDER
 
 GENERAL: Counter[int] = Counter()  # general steps by the id of their call
 _general_run = ShmExecutor.run
@@ -187,10 +188,32 @@ def behind(peer: int, world: int) -> int:
         ShmGroup._arrived_again = read_late  # type: ignore[method-assign]
     for use in range(8):
         x[:] = peer + use
-        handle()
+        handle()  # (the line each use is recorded as called from)
         assert x[0] == sum(p + use for p in range(world)), x
     say(f"BEHIND {GENERAL[id(handle._call)] - before}")
-    return 8
+    return 8 + recorded(peer, world)
+
+
+def recorded(peer: int, world: int) -> int:
+    """The flight recorder's entries of a handle's uses in its lane are a call's: numbered in
+    turn in the group, completed, with the call's kind, shapes, path and the caller's line."""
+    x = np.zeros(3, np.float32)
+    handle = col.all_reduce_init(peer, x, out=x)
+    for _ in range(12):
+        handle()
+    assert handle._lane is not None, "its uses run in the lane"
+    line = sys._getframe().f_lineno + 2
+    for _ in range(4):
+        handle()
+    entries = [e for e in RECORDER.document("test")["entries"] if e["peer"] == peer][-4:]
+    numbers = [e["collective_seq_id"] for e in entries]
+    assert numbers == list(range(numbers[0], numbers[0] + 4)), numbers
+    for entry in entries:
+        assert entry["kind"] == "all_reduce" and entry["state"] == "completed", entry
+        assert entry["input_sizes"] == [[3]] and entry["input_dtypes"] == ["float32"], entry
+        assert entry["path"] == "shm" and entry["ranks"] == list(range(world)), entry
+        assert entry["frames"][0]["line"] == line and entry["duration_ms"] >= 0, entry
+    return 1
 
 
 MODES = {"uses": uses, "lost": lost, "freed": freed, "late": late, "behind": behind}

@@ -185,6 +185,9 @@ class Rendezvous:
             return None
         job, peer, finish, agreed, size = self.job, step.peer, call.finish, step.agreed, plan.size
         next_, live, time_ns, monotonic = self._next, self._live, time.time_ns, time.monotonic
+        completed = RECORDER.completions(  # (``_completed``'s entry, its fields bound once)
+            peer, self.members, call.kind, agreed, executor.path, call.algorithm or executor.strategy
+        )
 
         def use(seconds: float) -> Any:
             job.check_member(peer)  # (without the lock: it reads; a finish() racing it fails the step)
@@ -202,7 +205,7 @@ class Rendezvous:
                 self._failed(0, call, exc)
                 raise
             live[0] = None
-            self._completed(step, created)
+            completed(number, call.origin, created)
             return result
 
         return use
