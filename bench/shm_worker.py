@@ -61,7 +61,8 @@ class Ours(System):
         if op == "all_reduce":
             return lambda: col.all_reduce(peer, x, out=out)
         if op == "all_gather":
-            return lambda: col.all_gather(peer, x, out=out.reshape(self.world, -1))
+            gathered = out.reshape(self.world, -1)  # (one view: the same out each call, as a loop holds it)
+            return lambda: col.all_gather(peer, x, out=gathered)
         if op == "reduce_scatter":
             return lambda: col.reduce_scatter(peer, x, out=out)
         root = peer == 0  # the root broadcasts from x in place, as gloo and MPI do
