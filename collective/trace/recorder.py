@@ -30,7 +30,7 @@ import threading
 import time
 import types
 import weakref
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -273,8 +273,7 @@ class Stats:
         ]
 
 
-_KEY = operator.itemgetter(GROUP, KIND, ALGORITHM, PATH)
-_SIGNATURE = operator.itemgetter(SIGNATURE)
+_STATIC = operator.itemgetter(GROUP, KIND, SIGNATURE, PATH, ALGORITHM)  # what a call's runs share
 _SIZED = operator.attrgetter("shape", "dtype", "parts")  # what a call's bytes are worked out of
 _UNSIZED = types.SimpleNamespace(shape=None, dtype=None, parts=())  # (a call that failed unprepared)
 _ENDED, _CREATED, _ERROR = (
@@ -290,29 +289,39 @@ def _row() -> list[Any]:
 
 
 def _tally(entries: Sequence[Sequence[Any]], rows: dict[tuple[Any, ...], list[Any]]) -> None:
-    """Add ended ``entries`` to ``rows``: keys gathered and numbered in C (itemgetter, map, dict),
-    durations and histogram bins counted in numpy (a batch costs a few C passes, not a Python
-    statement an entry)."""
+    """Add ended ``entries`` to ``rows``. The ring holds runs of entries of one call (a loop's
+    calls share their agreed signature, group and path objects), so entries are grouped in runs of
+    the same static fields (``groupby`` compares them by identity first, in C) and each run is
+    keyed once; durations and histogram bins are counted in numpy (a batch costs a few C passes
+    and a Python statement a run, not an entry)."""
     size = len(entries)
     if not size:
         return
-    signatures = list(map(_SIGNATURE, entries))
-    if None in signatures:
-        signatures = [_UNSIZED if signature is None else signature for signature in signatures]
-    keys = zip(map(_KEY, entries), map(_SIZED, signatures), strict=True)
-    index: defaultdict[tuple[Any, ...], int] = defaultdict(itertools.count().__next__)  # key -> its code
-    codes = np.fromiter(map(index.__getitem__, keys), np.int64, size)
+    codes_of: dict[tuple[Any, ...], int] = {}  # the identities of a run's static fields -> its code
+    keys: list[tuple[Any, ...]] = []  # code -> its row's key
+    run_codes: list[int] = []
+    lengths: list[int] = []
+    for static, run in itertools.groupby(entries, _STATIC):
+        group, kind, signature, path, algorithm = static
+        identity = (id(group), kind, id(signature), path, id(algorithm))
+        code = codes_of.get(identity)
+        if code is None:
+            code = codes_of[identity] = len(keys)
+            sized = _SIZED(_UNSIZED if signature is None else signature)
+            keys.append((group, kind, str(algorithm or path or "-"), sized))
+        run_codes.append(code)
+        lengths.append(len(list(run)))
+    codes = np.repeat(np.array(run_codes, np.int64), lengths)
     ended = np.fromiter(map(_ENDED, entries), np.int64, size)
     nanoseconds = np.maximum(ended - np.fromiter(map(_CREATED, entries), np.int64, size), 0)
     bins = np.minimum(np.frexp(nanoseconds.astype(np.float64))[1], BINS - 1)  # (frexp: the bit length)
-    count = len(index)
+    count = len(keys)
     calls = np.bincount(codes, minlength=count)
     total = np.bincount(codes, weights=nanoseconds, minlength=count)
     histogram = np.bincount(codes * BINS + bins, minlength=count * BINS).reshape(count, BINS)
     errors = list(map(_ERROR, entries))
     failed = Counter(codes[[error is not None for error in errors]].tolist()) if any(errors) else Counter()
-    for ((group, kind, algorithm, path), sized), code in index.items():
-        key = (group, kind, str(algorithm or path or "-"), sized)
+    for code, key in enumerate(keys):
         row = rows.setdefault(key, _row())
         row[0] += int(calls[code])
         row[1] += failed.get(code, 0)
