@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 import collective as col
+import collective.shm.group as group_module
 from collective.executors.shm import ShmExecutor
 from collective.shm.group import ShmGroup
 from collective.trace import RECORDER
@@ -194,6 +195,31 @@ def behind(peer: int, world: int) -> int:
     return 8 + recorded(peer, world)
 
 
+def evicted(peer: int, world: int) -> int:
+    """More repeated calls than a group keeps what their last step found for (AGAINS, 4 here):
+    a handle whose step the group let go finds its lane again after a few general steps (the
+    first finds the step anew, the next its slots). Output: "EVICTED <general steps of its 16
+    uses after>"."""
+    group_module.AGAINS = 4
+    x = np.zeros(3)
+    handle = col.all_reduce_init(peer, x, out=x)
+    for _ in range(12):
+        handle()
+    assert handle._lane is not None, "its uses run in the lane"
+    for size in range(6):  # (each one's step is kept in its place: the oldest goes)
+        y = np.zeros(size + 1)
+        with col.all_reduce_init(peer, y, out=y) as other:
+            for _ in range(4):
+                other()
+    before = GENERAL[id(handle._call)]
+    for use in range(16):
+        x[:] = peer + use
+        handle()
+        assert x[0] == sum(p + use for p in range(world)), x
+    say(f"EVICTED {GENERAL[id(handle._call)] - before}")
+    return 16
+
+
 def recorded(peer: int, world: int) -> int:
     """The flight recorder's entries of a handle's uses in its lane are a call's: numbered in
     turn in the group, completed, with the call's kind, shapes, path and the caller's line."""
@@ -216,7 +242,7 @@ def recorded(peer: int, world: int) -> int:
     return 1
 
 
-MODES = {"uses": uses, "lost": lost, "freed": freed, "late": late, "behind": behind}
+MODES = {"uses": uses, "lost": lost, "freed": freed, "late": late, "behind": behind, "evicted": evicted}
 
 
 def main() -> int:

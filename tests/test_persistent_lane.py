@@ -63,6 +63,17 @@ def test_a_use_that_reads_the_others_after_they_went_on_stays_in_its_lane(orches
     assert line == "BEHIND 0", procs[1].output()  # (peer 0's uses wait for peer 1's: general waits)
 
 
+def test_a_use_whose_step_the_group_let_go_finds_its_lane_again(orchestrator: str) -> None:
+    """A group keeps what the last step of a bounded number of repeated calls found: past that,
+    the handle whose step it let go runs a few general steps and then its lane again (not the
+    general step for every use from then on)."""
+    procs = start(orchestrator, "lane-evicted", "evicted", 2)
+    assert finish_all(procs, 60) == [0, 0], [proc.output() for proc in procs]
+    for proc in procs:
+        _, line = proc.wait_for("EVICTED", 5)
+        assert int(line.split()[1]) <= 8, proc.output()  # (16 before: its lane bound the step let go)
+
+
 def test_the_general_step_runs_every_use_without_shared_memory(orchestrator: str) -> None:
     """Between nodes (COLLECTIVE_SHM=0) no use has a lane; the same uses give the same results."""
     procs = start(orchestrator, "lane-noshm", "uses", 2, shm="0")

@@ -185,9 +185,10 @@ class Rendezvous:
             return None
         job, peer, finish, agreed, size = self.job, step.peer, call.finish, step.agreed, plan.size
         next_, live, time_ns, monotonic = self._next, self._live, time.time_ns, time.monotonic
-        completed = RECORDER.completions(  # (``_completed``'s entry, its fields bound once)
-            peer, self.members, call.kind, agreed, executor.path, call.algorithm or executor.strategy
-        )
+        # what ``_completed``'s entry holds that stays the same from use to use, bound once: a use
+        # appends one tuple to the recorder's ring (which folds in place: the list stays the ring)
+        recorder, members, kind, path = RECORDER, self.members, call.kind, executor.path
+        ring, algorithm = recorder.ring, call.algorithm or executor.strategy
 
         def use(seconds: float) -> Any:
             job.check_member(peer)  # (without the lock: it reads; a finish() racing it fails the step)
@@ -195,7 +196,7 @@ class Rendezvous:
             next_[0] = number + 1
             plan.number = number
             step.deadline, step.timeout = monotonic() + seconds, seconds
-            if not RECORDER.enabled:
+            if not recorder.enabled:
                 return finish(run(number), agreed, size)
             created = call.created = call.started = time_ns()
             live[0] = step
@@ -205,7 +206,25 @@ class Rendezvous:
                 self._failed(0, call, exc)
                 raise
             live[0] = None
-            completed(number, call.origin, created)
+            ring.append(
+                (
+                    peer,
+                    members,
+                    number,
+                    kind,
+                    call.origin,
+                    agreed,
+                    path,
+                    algorithm,
+                    "completed",
+                    created,
+                    created,
+                    time_ns(),
+                    None,
+                )
+            )
+            if len(ring) >= recorder.limit:
+                recorder.fold()
             return result
 
         return use

@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 SPIN_AGAIN = 64  # reads of a member's progress a use waits inline before the general wait
 YIELD_AGAIN = 1e-3  # seconds a use waits inline on a crowded host, yielding its CPU between reads
-AGAINS = 16  # repeated tasks a group keeps what their last step found for (then it starts anew)
+AGAINS = 64  # repeated tasks a group keeps what their last step found for (then lets the longest kept go)
 
 STEPS: Counter[str] = Counter()  # steps this process ran through shared memory, by kind (for tests)
 
@@ -227,8 +227,8 @@ class ShmGroup:
         STEPS[agreed.kind] += 1
         if task.repeated and inputs is not None and host and (source is None or source is inline):
             others = [rank for rank in range(self.n) if rank != self.rank]
-            if len(self._agains) >= AGAINS:
-                self._agains.clear()
+            if len(self._agains) >= AGAINS and task not in self._agains:  # (the longest kept goes)
+                del self._agains[next(iter(self._agains))]
             self._agains[task] = _Again(task, message, digest, inline, result, dst, others)
         return agreed, result
 
@@ -265,29 +265,39 @@ class ShmGroup:
         agreement that names who calls something else), which publishes the same again. None until
         a use was agreed as repeated (the lane reads what each slot's found)."""
         again = self._agains.get(task)
-        channels = self._channels
-        if again is None or channels is not again.channels:
+        if again is None or self._channels is not again.channels:
             return None
         ring, group, me, agains = self.ring, self, self.rank, self._agains
         # how long a use waits inline for the others before the general wait: a spin of reads where
         # each process has a CPU; on a crowded host, reads with the CPU yielded between them (the
         # members it waits for may be queued behind it), for at most YIELD_AGAIN seconds
         spin = 16 * SPIN_AGAIN if not self.waiting.crowded else -YIELD_AGAIN
-        message, digest, source, result, dst = (
-            again.message,
-            again.digest,
-            again.source,
-            again.result,
-            again.dst,
-        )
         agreements: list[Any] = [None, None]  # what each slot's use last found agreed
         owns: list[Callable[[], Any] | None] = [None, None]  # and its movement.own into dst, bound
+        channels, message, digest, source, result, dst = [], b"", 0, None, None, None
+
+        def bind(found: _Again) -> None:
+            """Read what the task's last step found (again after a general step found it anew:
+            made again once the group let it go, or for other channels)."""
+            nonlocal again, channels, message, digest, source, result, dst
+            again, channels = found, found.channels
+            message, digest, source = found.message, found.digest, found.source
+            result, dst = found.result, found.dst
+            agreements[:] = [None, None]
+            owns[:] = [None, None]
+
+        bind(again)
 
         def use(s: int) -> Array | None:
             if not ring.hold(group):
                 return slow()
             try:
-                if group._met != s - 1 or group._channels is not channels or agains.get(task) is not again:
+                found = agains.get(task)
+                if found is not again:  # (the group let it go, and a general step found it anew)
+                    if found is None or found.channels is not group._channels:
+                        return slow()
+                    bind(found)
+                if group._met != s - 1 or group._channels is not channels:
                     return slow()  # (after a step that failed, or channels that moved: the general path)
                 group._active = group.last = s
                 slot = s & 1

@@ -435,38 +435,6 @@ class Recorder:
         if len(ring) >= self.limit:
             self.fold()
 
-    def completions(
-        self, peer: int, group: tuple[int, ...], kind: str, signature: Any, path: str | None, algorithm: Any
-    ) -> Callable[[int, Where | None, int], None]:
-        """``completed(seq, frame, created)``: put in the ring the entry of a call of these (the same
-        call each time: a persistent use's lane), numbered ``seq`` in its group, called from
-        ``frame``, made and started at ``created`` and ended now. Its fields bound once, it is one
-        tuple made per call."""
-        ring, now = self.ring, time.time_ns
-
-        def completed(seq: int, frame: Where | None, created: int) -> None:
-            ring.append(
-                (
-                    peer,
-                    group,
-                    seq,
-                    kind,
-                    frame,
-                    signature,
-                    path,
-                    algorithm,
-                    "completed",
-                    created,
-                    created,
-                    now(),
-                    None,
-                )
-            )
-            if len(ring) >= self.limit:
-                self.fold()
-
-        return completed
-
     @staticmethod
     def closed(entry: list[Any], error: BaseException | None = None) -> list[Any]:
         """``entry``, ended now (``error``: failed)."""
