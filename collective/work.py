@@ -13,7 +13,9 @@ until ``wait()`` has returned.
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -82,12 +84,18 @@ class Work:
 class Sequencer:
     """Runs the calls of one peer on one group one at a time, in the order they were issued.
 
-    One party at a time is *active*: the caller's thread running a blocking call inline, or the
-    worker thread draining the queue. When the worker has drained the queue it parks for up to
-    LINGER seconds before it ends: waking a parked thread costs ~20 us here, starting one ~110 us,
-    and a training step hands the worker a bucket every few milliseconds. It parks on a bell of
-    its own, rung after the lock is released (a Condition would make it wake to a lock its waker
-    still holds, and sleep again).
+    One party at a time holds the *turn* (a lock taken without waiting): the caller's thread
+    running a blocking call, or the worker thread draining the queue. A blocking call that finds
+    the turn free and nothing queued runs at once (a lock taken and let go: the per-call cost);
+    otherwise it queues its place (a ``_Baton``), where the worker passes the turn to its thread.
+    A party that lets the turn go looks at the queue again after, and a party that queues a job
+    takes the turn if it is free, so a job is never left queued with nobody to run it. The party
+    that takes the turn for queued jobs hands it to the worker.
+
+    When the worker has drained the queue it parks for up to LINGER seconds before it ends:
+    waking a parked thread costs ~20 us here, starting one ~110 us, and a training step hands the
+    worker a bucket every few milliseconds. It parks on a bell of its own, rung by the party that
+    hands it the turn.
 
     A call made on the worker thread while it runs a call (a callback run as a torch work
     completes, as DDP's PowerSGD hook makes them) runs there at once, ``submit`` and ``call``
@@ -99,23 +107,29 @@ class Sequencer:
 
     def __init__(self, name: str) -> None:
         self._name = name
-        self._lock = threading.Lock()  # guards every field below (a plain lock: blocking calls take it)
-        self._idle = threading.Condition(self._lock)  # notified when no call runs or waits
-        self._idle_waiters = 0  # (a notify costs ~1 us: only when finish() waits)
+        self._turn = threading.Lock()  # held by the party running calls
         self._queue: deque[Callable[[], None]] = deque()  # jobs that hand their outcome on
-        self._active = False  # a call is running (in its caller's thread or the worker)
+        self._lock = threading.Lock()  # guards the worker's parking (the two fields below, batons' flags)
         self._parked = False  # the worker thread exists and waits for a hand-off (which clears this)
+        self._worker: threading.Thread | None = None
         self._bell = threading.Lock()  # released once per hand-off to the parked worker
         self._bell.acquire()
-        self._worker: threading.Thread | None = None
+        _SEQUENCERS.add(self)
+
+    def _forked(self) -> None:
+        """In a child process just forked: no thread of the parent's runs here (its turn, the
+        calls it queued and its worker stay the parent's)."""
+        self._turn, self._lock, self._bell = threading.Lock(), threading.Lock(), threading.Lock()
+        self._bell.acquire()
+        self._queue.clear()
+        self._parked, self._worker = False, None
 
     @property
     def pending(self) -> int:
         """Calls issued and not ended yet: the one running (if any) and those queued behind it (for
-        tests and diagnostics). 0 is exact (idle); while the worker thread passes from one call to
-        the next, the count may include one call too many for a moment."""
-        with self._lock:
-            return len(self._queue) + self._active
+        tests and diagnostics). 0 is exact (idle); while the turn passes from one party to the
+        next, the count may include one call too many for a moment."""
+        return len(self._queue) + self._turn.locked()
 
     def submit(self, call: Callable[[], Any], label: str) -> Work:
         """Queue ``call``; its Work completes when it has run after every earlier call."""
@@ -126,77 +140,138 @@ class Sequencer:
     def enqueue(self, job: Callable[[], None]) -> None:
         """Queue ``job``, which hands its outcome on itself (a torch work's ``run`` does), to run
         after every earlier call."""
-        if self._worker is not None and threading.get_ident() == self._worker.ident:  # made by the call
+        worker = self._worker
+        if worker is not None and threading.get_ident() == worker.ident:  # made by the call
             job()  # the worker runs
             return
-        with self._lock:
-            self._queue.append(job)
-            ring = not self._active and self._hand_to_worker()
-        if ring:
-            self._bell.release()
+        self._queue.append(job)
+        if self._turn.acquire(False):  # (else the party holding it finds the job as it lets go)
+            self._hand_to_worker()
 
     def call(self, call: Callable[..., Any], label: str, *args: Any) -> Any:
-        """Run ``call(*args)`` now in this thread when nothing is queued, else after the queued ones."""
-        if self._worker is not None and threading.get_ident() == self._worker.ident:  # made by the call
+        """Run ``call(*args)`` in this thread, once the calls issued before it have run."""
+        worker = self._worker
+        if worker is not None and threading.get_ident() == worker.ident:  # made by the call
             return call(*args)  # the worker runs
-        with self._lock:
-            inline = not self._active
-            self._active = True
-        if not inline:
-            return self.submit(partial(call, *args), label).wait()
+        turn = self._turn
+        if turn.acquire(False):
+            if not self._queue:
+                try:
+                    return call(*args)
+                finally:
+                    turn.release()
+                    if self._queue:  # (queued while this ran: its party left it to this one)
+                        self._resume()
+            self._hand_to_worker()  # (queued by a party as the turn was let go: before this call)
+        baton = _Baton()  # this call's place in the queue: there the turn passes to this thread
+        self.enqueue(baton)
+        try:
+            baton.passed.acquire()  # (no timeout: each call before this one ends by its own at the latest)
+        except BaseException:  # (interrupted: a KeyboardInterrupt in a notebook, which goes on)
+            with self._lock:
+                given, baton.abandoned = baton.given, not baton.given  # (not given: the worker skips it)
+            if given:
+                turn.release()
+                if self._queue:
+                    self._resume()
+            raise
         try:
             return call(*args)
         finally:
-            with self._lock:
-                ring = bool(self._queue) and self._hand_to_worker()
-                if not self._queue:
-                    self._active = False
-                    if self._idle_waiters:
-                        self._idle.notify_all()
-            if ring:
-                self._bell.release()
+            turn.release()
+            if self._queue:
+                self._resume()
 
     def wait_idle(self) -> None:
         """Wait until every call issued so far has ended (each is bounded by its own timeout)."""
-        with self._lock:
-            self._idle_waiters += 1
-            try:
-                self._idle.wait_for(lambda: not self._active and not self._queue)
-            finally:
-                self._idle_waiters -= 1
+        while True:
+            self._turn.acquire()
+            if not self._queue:
+                self._turn.release()
+                if self._queue:
+                    self._resume()
+                return
+            self._hand_to_worker()
 
-    def _hand_to_worker(self) -> bool:
-        """Make the worker the active party (lock held): start one, or claim the parked one and
-        return True: the caller rings the bell once it has released the lock."""
-        self._active = True
-        parked, self._parked = self._parked, False
-        if parked and self._worker is not None and self._worker.is_alive():  # (not after a fork)
-            return True
-        self._worker = threading.Thread(target=self._drain, name=f"collective-{self._name}", daemon=True)
-        self._worker.start()
-        return False
+    def _resume(self) -> None:
+        """Jobs were queued while the turn was held and it was let go: take it for them, unless
+        another party did."""
+        if self._turn.acquire(False):
+            self._hand_to_worker()
+
+    def _hand_to_worker(self) -> None:
+        """Give the turn (held by the caller) to the worker: the parked one, or a new one."""
+        with self._lock:
+            parked, self._parked = self._parked, False
+            worker = self._worker
+            if not (parked and worker is not None and worker.is_alive()):  # (not after a fork)
+                worker = self._worker = threading.Thread(
+                    target=self._drain, name=f"collective-{self._name}", daemon=True
+                )
+                worker.start()
+                return
+        self._bell.release()
 
     def _drain(self) -> None:
+        """The worker: run queued jobs while it holds the turn; park once none is left, or once it
+        passed the turn to a blocking call's thread (``_Baton``)."""
+        queue, turn = self._queue, self._turn
         while True:
-            with self._lock:
-                job = self._queue.popleft() if self._queue else None
-                if job is None:
-                    self._active = False
-                    if self._idle_waiters:
-                        self._idle.notify_all()
-                    self._parked = True
-            if job is not None:
+            passed = False
+            while queue and not passed:
+                job = queue.popleft()
+                if type(job) is _Baton:  # (parked before the turn passes: the next to take it claims this)
+                    with self._lock:
+                        if job.abandoned:
+                            continue
+                        job.given = self._parked = passed = True
                 job()
-            elif not self._handed():
+            if not passed:
+                with self._lock:
+                    self._parked = True  # (before the turn is let go, as above)
+                turn.release()
+                if queue and turn.acquire(False):  # (queued as it let go, by a party that left it to this)
+                    with self._lock:  # (nobody claimed it: the turn was free)
+                        self._parked = False
+                    continue
+            if not self._handed():
                 return
 
     def _handed(self) -> bool:
-        """Parked: True once a hand-off rang the bell, False after LINGER seconds without one."""
+        """Parked: True once a hand-off rang the bell (the turn is this thread's), False after
+        LINGER seconds without one."""
         if self._bell.acquire(timeout=self.LINGER):
             return True
         with self._lock:
-            if self._parked:  # nobody claimed it: the thread ends
-                self._parked = False
+            if self._parked:  # nobody claimed it: the thread ends (its id may be another's next)
+                self._parked, self._worker = False, None
                 return False
         self._bell.acquire()  # claimed just as the wait timed out: its ring is on the way
         return True
+
+
+_SEQUENCERS: weakref.WeakSet[Sequencer] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    for sequencer in list(_SEQUENCERS):
+        sequencer._forked()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
+class _Baton:
+    """A blocking call queued behind others: the worker that reaches it passes the turn to the
+    call's thread (a blocking call always runs in its caller's thread)."""
+
+    __slots__ = ("abandoned", "given", "passed")
+
+    def __init__(self) -> None:
+        self.passed = threading.Lock()
+        self.passed.acquire()
+        self.given = self.abandoned = False  # (set under the sequencer's lock)
+
+    def __call__(self) -> None:
+        self.passed.release()

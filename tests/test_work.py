@@ -40,6 +40,70 @@ def test_calls_run_in_issue_order_whoever_runs_them() -> None:
     assert ran == [0, 1, 2, 3, 4, 5]
 
 
+def test_a_blocking_call_queued_behind_others_runs_in_its_own_thread() -> None:
+    """The worker passes the turn to the blocking call's thread (thread-local state, such as
+    torch's grad mode, is the caller's), then takes up what was queued after it."""
+    sequencer = Sequencer("baton")
+    gate, started = threading.Event(), threading.Event()
+    ran: list[tuple[str, threading.Thread]] = []
+    first = sequencer.submit(lambda: (started.set(), gate.wait(WAIT)), "first")
+    assert started.wait(WAIT)
+    caller = threading.Thread(
+        target=lambda: sequencer.call(lambda: ran.append(("blocking", threading.current_thread())), "b")
+    )
+    caller.start()
+    wait_until(lambda: sequencer.pending == 2, WAIT, "the blocking call queued behind the first")
+    after = sequencer.submit(lambda: ran.append(("after", threading.current_thread())), "after")
+    gate.set()
+    caller.join(WAIT)
+    first.wait(WAIT)
+    after.wait(WAIT)
+    assert [name for name, _ in ran] == ["blocking", "after"]
+    assert ran[0][1] is caller and ran[1][1] is not caller
+
+
+def test_a_blocking_call_interrupted_in_the_queue_leaves_the_others_running(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A KeyboardInterrupt while a blocking call waits its turn (in a notebook, which goes on):
+    the worker skips its place, and later calls run."""
+    import collective.work as work
+
+    class Interrupted(work._Baton):
+        __slots__ = ()
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.passed = _Raising(self.passed)
+
+    class _Raising:
+        def __init__(self, lock: Any) -> None:
+            self.lock = lock
+
+        def acquire(self) -> bool:
+            raise KeyboardInterrupt
+
+        def release(self) -> None:
+            self.lock.release()
+
+    sequencer = Sequencer("interrupted")
+    gate, started = threading.Event(), threading.Event()
+    first = sequencer.submit(lambda: (started.set(), gate.wait(WAIT)), "first")
+    assert started.wait(WAIT)
+    monkeypatch.setattr(work, "_Baton", Interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        sequencer.call(lambda: 1, "interrupted")
+    monkeypatch.undo()
+    gate.set()
+    first.wait(WAIT)
+    done = threading.Event()
+    runner = threading.Thread(target=lambda: sequencer.call(lambda: 5, "later") == 5 and done.set())
+    runner.start()
+    runner.join(WAIT)
+    assert done.is_set(), "a call after the interrupted one never ran"
+    assert sequencer.pending == 0
+
+
 def test_a_parked_worker_is_reused_then_ends_after_linger(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Sequencer, "LINGER", 0.3)
     sequencer = Sequencer("linger")
@@ -112,3 +176,33 @@ def test_a_forked_child_starts_its_own_worker_instead_of_waking_the_parents() ->
     finally:
         os.waitpid(pid, 0)
     assert answer == b"1", "the child's call never ran"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX-only")
+def test_a_child_forked_while_the_parent_runs_a_call_runs_its_own() -> None:
+    """The parent's call holds its turn as the child is forked: the child has no such call."""
+    sequencer = Sequencer("fork-busy")
+    gate, started = threading.Event(), threading.Event()
+    running = sequencer.submit(lambda: (started.set(), gate.wait(WAIT)), "running")
+    assert started.wait(WAIT)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            ok = (
+                sequencer.submit(lambda: 2, "in the child").wait(5) == 2
+                and sequencer.call(lambda: 3, "c") == 3
+            )
+        except BaseException:
+            ok = False
+        os.write(write, b"1" if ok else b"0")
+        os._exit(0)
+    os.close(write)
+    try:
+        with os.fdopen(read, "rb") as pipe:
+            answer = pipe.read(1)
+    finally:
+        os.waitpid(pid, 0)
+        gate.set()
+        running.wait(WAIT)
+    assert answer == b"1", "the child's calls never ran"
