@@ -26,7 +26,7 @@ from collective.calls.signature import Signature, agree, describe_peers, unanimo
 from collective.errors import CollectiveError, CollectiveTimeout, MismatchError, PeerLostError
 from collective.executors import choose
 from collective.executors.step import Executor, Plan, Site, Step
-from collective.trace import RECORDER, SEQ
+from collective.trace import CLOCK, RECORDER, SEQ
 from collective.transport.inproc import Doorbell, claim_armed, clone_error, ring_claimed
 
 
@@ -120,12 +120,12 @@ class Rendezvous:
         # reads (in_flight); once ended, one tuple in the recorder's ring.
         live = self._live
         call.number = self._next[index]  # (the step this call meets the others at: a peer's calls go in turn)
-        created = call.created = time.time_ns()
+        created = call.created = CLOCK()  # (the deadline's clock: one read for both)
         live[index] = call
         try:
             call.prepare(device, self.members, self._ranks[index])
-            step = self.step(peer, index, call, time.monotonic() + timeout, timeout)
-            call.started = time.time_ns()
+            step = self.step(peer, index, call, created * 1e-9 + timeout, timeout)
+            call.started = CLOCK()
             live[index] = step
             result = step.run()
         except BaseException as exc:
@@ -153,10 +153,12 @@ class Rendezvous:
             number = self._next[0]
             self._next[0] = number + 1
         plan.number = number
-        step.deadline, step.timeout = time.monotonic() + timeout, timeout
+        step.timeout = timeout
         if not RECORDER.enabled:
+            step.deadline = time.monotonic() + timeout
             return step.run()
-        created = call.created = call.started = time.time_ns()
+        created = call.created = call.started = CLOCK()  # (the deadline's clock: one read for both)
+        step.deadline = created * 1e-9 + timeout
         live = self._live
         live[0] = step
         try:
@@ -184,7 +186,7 @@ class Rendezvous:
         if run is None:
             return None
         job, peer, finish, agreed, size = self.job, step.peer, call.finish, step.agreed, plan.size
-        next_, live, time_ns, monotonic = self._next, self._live, time.time_ns, time.monotonic
+        next_, live, clock, monotonic = self._next, self._live, CLOCK, time.monotonic
         # what ``_completed``'s entry holds that stays the same from use to use, bound once: a use
         # appends one tuple to the recorder's ring (which folds in place: the list stays the ring)
         recorder, members, kind, path = RECORDER, self.members, call.kind, executor.path
@@ -195,10 +197,12 @@ class Rendezvous:
             number = next_[0]  # (only this peer's steps number this group: it is alone here)
             next_[0] = number + 1
             plan.number = number
-            step.deadline, step.timeout = monotonic() + seconds, seconds
+            step.timeout = seconds
             if not recorder.enabled:
+                step.deadline = monotonic() + seconds
                 return finish(run(number), agreed, size)
-            created = call.created = call.started = time_ns()
+            created = call.created = call.started = clock()  # (the deadline's clock: one read for both)
+            step.deadline = created * 1e-9 + seconds
             live[0] = step
             try:
                 result = finish(run(number), agreed, size)
@@ -219,7 +223,7 @@ class Rendezvous:
                     "completed",
                     created,
                     created,
-                    time_ns(),
+                    clock(),
                     None,
                 )
             )
@@ -246,7 +250,7 @@ class Rendezvous:
                 "completed",
                 created,
                 call.started,
-                time.time_ns(),
+                CLOCK(),
                 None,
             )
         )

@@ -498,7 +498,8 @@ class ShmGroup:
         """Raise this process's progress in the group to ``value`` and wake members that sleep."""
         self.mine.progress[0] = value
         segment = self._segment
-        segment.bump()
+        bell = segment.bell  # (``segment.bump()``, inline: twice a step)
+        bell[0] = (bell[0] + 1) & 0x7FFFFFFF
         for other in self._others:
             if other.sleepers[0]:
                 segment.wake()

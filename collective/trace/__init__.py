@@ -17,6 +17,7 @@ from typing import Any
 
 from collective.trace.recorder import (
     ALGORITHM,
+    CLOCK,
     ENDED,
     PATH,
     SEQ,
@@ -31,6 +32,7 @@ from collective.trace.recorder import (
 
 __all__ = [
     "ALGORITHM",
+    "CLOCK",
     "ENDED",
     "PATH",
     "RECORDER",

@@ -5,9 +5,10 @@ entered the call), ``started`` (its step is agreed: the call as agreed, the path
 takes), ``completed`` or ``failed`` (with the error). While a call is open its rendezvous holds it
 and a dump reads it from there (``Recorder.watch``); once it ends, the rendezvous appends one tuple
 to the ring. What the call was (op, shapes, bytes) is read from its Signature only when dumped, so
-a call pays for a tuple and three clock reads; ``Stats`` tallies the ring in batches (counts and
-time histograms of every call since the process started, whatever the ring dropped). The ring
-keeps the newest COLLECTIVE_TRACE_SIZE entries (default 2000; 0 turns the recorder off).
+a call pays for a tuple and two clock reads (``CLOCK``: the monotonic clock, which a call reads for
+its deadline anyway; a dump turns its times into the wall clock's). ``Stats`` tallies the ring in
+batches (counts and time histograms of every call since the process started, whatever the ring
+dropped). The ring keeps the newest COLLECTIVE_TRACE_SIZE entries (default 2000; 0 turns the recorder off).
 
 A dump is one JSON document per process (``dump``): what the process is (pid, host, job, its
 peers) and its entries, oldest first, with torch's Flight Recorder field names where they fit
@@ -38,6 +39,7 @@ import numpy as np
 
 __all__ = [
     "ALGORITHM",
+    "CLOCK",
     "ENDED",
     "DEFAULT_SIZE",
     "FORMAT",
@@ -63,6 +65,7 @@ DEFAULT_SIZE = 2000
 SIZE_VARIABLE = "COLLECTIVE_TRACE_SIZE"
 DIR_VARIABLE = "COLLECTIVE_TRACE_DIR"
 EVERY_JOB_VARIABLE = "COLLECTIVE_TRACE_EVERY_JOB"  # 1: dump each job's calls as it ends, and at exit
+CLOCK = time.monotonic_ns  # entries' times (the clock of the deadlines: one read serves both)
 CALLER_DEPTH = 16  # frames walked up to find the caller outside this package
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # collective/
 _ROOT = os.path.dirname(_OURS.rstrip(os.sep)) + os.sep
@@ -86,14 +89,19 @@ Where = tuple[Any, int]  # (code object, byte offset of its instruction) of a ca
 # id(code object) -> (it, whether it is this package's), checked once each; by id, as a code
 # object hashes its whole body every time, and held, so that its id stays its own
 _OURS_CODE: dict[int, tuple[Any, bool]] = {}
+_last: list[Any] = [None]  # the code of the last caller found where the walk started (not ours)
 
 
 def caller(depth: int = 2) -> Where | None:
     """Where the first frame outside this package is, ``depth`` frames up to start (None: none
     within a few frames): its code and instruction, read as a line when dumped (``frame_of``).
-    Per call: a dict lookup a frame walked; ``sys._getframe(depth)`` makes no frame object of
+    Per call: a dict lookup a frame walked (none where the walk starts in the last call's
+    caller); ``sys._getframe(depth)`` makes no frame object of
     the frames it skips, so callers start it at their caller's depth."""
     frame: Any = sys._getframe(depth)
+    code = frame.f_code
+    if code is _last[0]:  # (the caller of the last call: a loop's)
+        return (code, frame.f_lasti)
     ours = _OURS_CODE
     walked = 0
     while True:  # (a caller is a few frames up: past CALLER_DEPTH, the caller is ours too)
@@ -104,6 +112,8 @@ def caller(depth: int = 2) -> Where | None:
                 ours.clear()
             found = ours[id(code)] = (code, _ours(code.co_filename))
         if not found[1]:
+            if walked == 0:
+                _last[0] = code
             return (code, frame.f_lasti)
         frame = frame.f_back
         walked += 1
@@ -176,10 +186,16 @@ def _nbytes(shape: tuple[int, ...] | None, dtype: Any, parts: tuple[Any, ...]) -
     return 0 if shape is None or dtype is None else math.prod(shape) * np.dtype(dtype).itemsize
 
 
-def as_dict(entry: Sequence[Any], record_id: int, world: tuple[int, ...]) -> dict[str, Any]:
-    """An entry as a dump holds it (torch's Flight Recorder field names where they fit)."""
+def wall_offset() -> int:
+    """What turns a ``CLOCK`` time into the wall clock's (ns since the epoch) now."""
+    return time.time_ns() - CLOCK()
+
+
+def as_dict(entry: Sequence[Any], record_id: int, world: tuple[int, ...], offset: int) -> dict[str, Any]:
+    """An entry as a dump holds it (torch's Flight Recorder field names where they fit), its
+    times on the wall clock (``offset``: ``wall_offset()``)."""
     op, root, shapes, dtypes, nbytes = described(entry[SIGNATURE])
-    ended, created = entry[ENDED], entry[CREATED]
+    ended, created, started = entry[ENDED], entry[CREATED], entry[STARTED]
     p2p = entry[PATH] == "p2p"
     group = entry[GROUP][:2] if p2p else entry[GROUP]  # (a send or receive's: source, destination, tag)
     document = {
@@ -199,9 +215,9 @@ def as_dict(entry: Sequence[Any], record_id: int, world: tuple[int, ...]) -> dic
         "path": entry[PATH],
         "algorithm": str(entry[ALGORITHM]) if entry[ALGORITHM] else "",
         "state": entry[STATE],
-        "time_created_ns": created,
-        "time_discovered_started_ns": entry[STARTED] or None,
-        "time_discovered_completed_ns": ended or None,
+        "time_created_ns": created + offset,
+        "time_discovered_started_ns": started + offset if started else None,
+        "time_discovered_completed_ns": ended + offset if ended else None,
         "duration_ms": (ended - created) / 1e6 if ended else None,
         "error": entry[ERROR],
         "frames": [frame_of(entry[FRAME])],
@@ -422,7 +438,7 @@ class Recorder:
         started and never waited for: none of them can end any more) (lock held)."""
         for entry in itertools.chain(self._open, self.ring):
             if not entry[ENDED] and type(entry) is list:
-                entry[ERROR], entry[STATE], entry[ENDED] = why, "failed", time.time_ns()
+                entry[ERROR], entry[STATE], entry[ENDED] = why, "failed", CLOCK()
 
     def watch(self, group: Any) -> None:
         """Read ``group.in_flight()`` (the entries of its open calls) into every dump."""
@@ -443,7 +459,7 @@ class Recorder:
             entry[STATE] = "failed"
         else:
             entry[STATE] = "completed"
-        entry[ENDED] = time.time_ns()
+        entry[ENDED] = CLOCK()
         return entry
 
     def open_p2p(self, peer: int, src: int, dst: int, tag: int, kind: str, frame: Where | None) -> list[Any]:
@@ -464,7 +480,7 @@ class Recorder:
             "p2p",
             None,
             "started",
-            time.time_ns(),
+            CLOCK(),
             0,
             0,
             None,
@@ -507,6 +523,7 @@ class Recorder:
         return self.stats.snapshot(self.world, ended)
 
     def document(self, reason: str) -> dict[str, Any]:
+        offset = wall_offset()
         return {
             "schema": FORMAT,
             "version": VERSION,
@@ -519,7 +536,7 @@ class Recorder:
             "peers": list(self.peers),
             "dumped_ns": time.time_ns(),
             "trace_size": self.size,
-            "entries": [as_dict(entry, i, self.world) for i, entry in enumerate(self.entries())],
+            "entries": [as_dict(entry, i, self.world, offset) for i, entry in enumerate(self.entries())],
         }
 
     def dump(self, path: str | None = None, reason: str = "dump_trace") -> str:
@@ -565,7 +582,7 @@ class Recorder:
         wanted = set(peers) & set(self.peers)
         if not wanted or not self.enabled:
             return {}
-        now = time.time_ns()
+        now = CLOCK()
         found: dict[int, str] = {}
         flying = sorted(self._flying(), key=_CREATED, reverse=True)
         for entry in itertools.chain(flying, reversed(self.ring), reversed(self._open)):  # (newest first)
