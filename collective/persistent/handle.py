@@ -83,6 +83,21 @@ class Persistent:
 
     def __call__(self, timeout: float | None = None) -> Any:
         """Run once: the result (``out``), or the use's error."""
+        lane = self._lane
+        if lane is not None and timeout is None and self._work is None and not self._freed:
+            # the common use, once its lane was found: ``_use``, ``_run`` and ``_kept`` inline (the
+            # result buffer was made by then)
+            call = self._call
+            for watched in self._watched:
+                if watched.change() is not None:
+                    break  # (refused by ``_use`` below, on every peer)
+            else:
+                call.origin = caller(2) if RECORDER.enabled else None
+                try:
+                    return self._sequencer.call(lane, call.kind, self._seconds)
+                except MismatchError as exc:
+                    self._met_a_free(exc)
+                    raise
         seconds, call = self._use(timeout)
         result = self._run(call, seconds, caller(2) if RECORDER.enabled else None)
         if self._lane is None and call is self._call and self._lane_tries:

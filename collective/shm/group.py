@@ -272,6 +272,7 @@ class ShmGroup:
         # each process has a CPU; on a crowded host, reads with the CPU yielded between them (the
         # members it waits for may be queued behind it), for at most YIELD_AGAIN seconds
         spin = 16 * SPIN_AGAIN if not self.waiting.crowded else -YIELD_AGAIN
+        kind = task.signature.kind  # (its steps, counted as the step agreed counts them)
         agreements: list[Any] = [None, None]  # what each slot's use last found agreed
         owns: list[Callable[[], Any] | None] = [None, None]  # and its movement.own into dst, bound
         channels, message, digest, source, result, dst = [], b"", 0, None, None, None
@@ -315,8 +316,9 @@ class ShmGroup:
                 own = owns[slot]
                 if own is not None:
                     own()
-                self._finished(s)
-                STEPS[agreement[0].kind] += 1
+                group._active, group.ended = None, (s, None)  # (``_finished``, inline)
+                group.post(s << 32 | END)
+                STEPS[kind] += 1
                 return result
             finally:
                 group.busy = False
