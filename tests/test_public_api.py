@@ -126,3 +126,12 @@ def test_init_is_the_function_whatever_is_imported() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_module_level_collectives_are_the_default_runtimes_methods() -> None:
+    """No function of the module's own between a caller and the runtime: each call would make a
+    frame, and the flight recorder walk past it, to find the caller's line."""
+    runtime = collective.default_runtime()
+    for name in ("all_reduce", "broadcast", "barrier", "send", "recv", "all_reduce_init", "finish"):
+        method = getattr(collective, name)
+        assert method.__self__ is runtime and method.__func__ is getattr(type(runtime), name), name
