@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 from collective.groups import Group
 from collective.groups import new_group as _new_group
-from collective.runtime import Runtime
+from collective.runtime import Runtime, default
 
 __all__ = [
     "all_gather",
@@ -46,7 +46,7 @@ __all__ = [
     "world_size",
 ]
 
-_default = Runtime()
+_default = default()
 
 
 def default_runtime() -> Runtime:

@@ -64,7 +64,7 @@ from collective.tuning.overrides import pinned
 from collective.tuning.probe import intent
 from collective.work import Sequencer
 
-__all__ = ["Runtime"]
+__all__ = ["Runtime", "default"]
 
 Op = ReduceOp | str
 
@@ -653,6 +653,13 @@ class Runtime(Persistents, KeptCalls, p2p.PersistentPoints):
             raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
         return job
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """The default runtime pickles as the default runtime of the process that loads it (the
+        module's functions are its bound methods: they travel as Ray sends a task's); no other."""
+        if _DEFAULT and self is _DEFAULT[0]:
+            return (default, ())
+        raise TypeError("a Runtime holds its job's threads and sockets: only default_runtime() pickles")
+
     def _peer(self, peer_id: int) -> _Peer:
         member = self._peers.get(peer_id)
         if member is None:
@@ -661,6 +668,16 @@ class Runtime(Persistents, KeptCalls, p2p.PersistentPoints):
                 job.check_member(peer_id)  # raises the precise RegistrationError
             raise RegistrationError(f"peer {peer_id!r} is not registered: call register() first")
         return member
+
+
+_DEFAULT: list[Runtime] = []  # this process's default runtime, once made (``default``)
+
+
+def default() -> Runtime:
+    """This process's default Runtime: the module-level API's (made on first use)."""
+    if not _DEFAULT:
+        _DEFAULT.append(Runtime())
+    return _DEFAULT[0]
 
 
 def _name_strategy(call: Call, strategy: Any) -> str | None:

@@ -135,3 +135,21 @@ def test_the_module_level_collectives_are_the_default_runtimes_methods() -> None
     for name in ("all_reduce", "broadcast", "barrier", "send", "recv", "all_reduce_init", "finish"):
         method = getattr(collective, name)
         assert method.__self__ is runtime and method.__func__ is getattr(type(runtime), name), name
+
+
+def test_the_module_level_functions_pickle_as_the_loading_processs_own() -> None:
+    """As Ray sends a task that calls them: by reference, to the default runtime of the process
+    that loads them (another Runtime, holding threads and sockets, does not pickle)."""
+    import pickle
+
+    sent = pickle.dumps([collective.all_reduce, collective.barrier_init])
+    code = (
+        "import pickle, sys, collective\n"
+        "got = pickle.loads(sys.stdin.buffer.read())\n"
+        "assert all(f.__self__ is collective.default_runtime() for f in got), got\n"
+        "print('same', [f.__name__ for f in got])\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], input=sent, capture_output=True, timeout=60)
+    assert done.returncode == 0 and b"same ['all_reduce', 'barrier_init']" in done.stdout, done.stderr
+    with pytest.raises(TypeError, match="only default_runtime"):
+        pickle.dumps(collective.Runtime())
