@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -156,15 +157,13 @@ def test_a_call_made_by_the_call_the_worker_runs_runs_there_at_once() -> None:
     assert ran == ["callback", "submitted by it", "callback done", "queued after it"]
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX-only")
-def test_a_forked_child_starts_its_own_worker_instead_of_waking_the_parents() -> None:
-    sequencer = Sequencer("fork")
-    assert sequencer.submit(lambda: 1, "warm").wait(WAIT) == 1  # the parent's worker is now parked
+def _in_a_forked_child(check: Callable[[], bool]) -> bool:
+    """Whether ``check()`` came true in a child forked now (False if it raised)."""
     read, write = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child: the parked worker did not come along
+    if pid == 0:
         try:
-            ok = sequencer.submit(lambda: 2, "in the child").wait(5) == 2
+            ok = check()
         except BaseException:
             ok = False
         os.write(write, b"1" if ok else b"0")
@@ -172,10 +171,18 @@ def test_a_forked_child_starts_its_own_worker_instead_of_waking_the_parents() ->
     os.close(write)
     try:
         with os.fdopen(read, "rb") as pipe:
-            answer = pipe.read(1)
+            return pipe.read(1) == b"1"
     finally:
         os.waitpid(pid, 0)
-    assert answer == b"1", "the child's call never ran"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX-only")
+def test_a_forked_child_starts_its_own_worker_instead_of_waking_the_parents() -> None:
+    sequencer = Sequencer("fork")
+    assert sequencer.submit(lambda: 1, "warm").wait(WAIT) == 1  # the parent's worker is now parked
+    # the child: the parked worker did not come along
+    ran = _in_a_forked_child(lambda: sequencer.submit(lambda: 2, "in the child").wait(5) == 2)
+    assert ran, "the child's call never ran"
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() is POSIX-only")
@@ -185,24 +192,14 @@ def test_a_child_forked_while_the_parent_runs_a_call_runs_its_own() -> None:
     gate, started = threading.Event(), threading.Event()
     running = sequencer.submit(lambda: (started.set(), gate.wait(WAIT)), "running")
     assert started.wait(WAIT)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            ok = (
-                sequencer.submit(lambda: 2, "in the child").wait(5) == 2
-                and sequencer.call(lambda: 3, "c") == 3
-            )
-        except BaseException:
-            ok = False
-        os.write(write, b"1" if ok else b"0")
-        os._exit(0)
-    os.close(write)
     try:
-        with os.fdopen(read, "rb") as pipe:
-            answer = pipe.read(1)
+        ran = _in_a_forked_child(
+            lambda: (
+                sequencer.submit(lambda: 2, "in the child").wait(5) == 2
+                and sequencer.call(lambda: 3, "called in the child") == 3
+            )
+        )
     finally:
-        os.waitpid(pid, 0)
         gate.set()
         running.wait(WAIT)
-    assert answer == b"1", "the child's calls never ran"
+    assert ran, "the child's calls never ran"
