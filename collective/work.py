@@ -121,7 +121,7 @@ class Sequencer:
         calls it queued and its worker stay the parent's)."""
         self._turn, self._lock, self._bell = threading.Lock(), threading.Lock(), threading.Lock()
         self._bell.acquire()
-        self._queue.clear()
+        self._queue = deque()  # (a worker forked along keeps the old one)
         self._parked, self._worker = False, None
 
     @property
@@ -164,8 +164,8 @@ class Sequencer:
                         self._resume()
             self._hand_to_worker()  # (queued by a party as the turn was let go: before this call)
         baton = _Baton()  # this call's place in the queue: there the turn passes to this thread
-        self.enqueue(baton)
         try:
+            self.enqueue(baton)
             baton.passed.acquire()  # (no timeout: each call before this one ends by its own at the latest)
         except BaseException:  # (interrupted: a KeyboardInterrupt in a notebook, which goes on)
             with self._lock:

@@ -198,7 +198,7 @@ def behind(peer: int, world: int) -> int:
 def evicted(peer: int, world: int) -> int:
     """More repeated calls than a group keeps what their last step found for (AGAINS, 4 here):
     a handle whose step the group let go finds its lane again after a few general steps (the
-    first finds the step anew, the next its slots). Output: "EVICTED <general steps of its 16
+    first finds the step anew, the next its slots). Output: "EVICTED <general steps of its 32
     uses after>"."""
     group_module.AGAINS = 4
     x = np.zeros(3)
@@ -212,12 +212,12 @@ def evicted(peer: int, world: int) -> int:
             for _ in range(4):
                 other()
     before = GENERAL[id(handle._call)]
-    for use in range(16):
+    for use in range(32):
         x[:] = peer + use
         handle()
         assert x[0] == sum(p + use for p in range(world)), x
     say(f"EVICTED {GENERAL[id(handle._call)] - before}")
-    return 16
+    return 32
 
 
 def recorded(peer: int, world: int) -> int:

@@ -193,7 +193,8 @@ class Rendezvous:
         recorder, members, kind, path = RECORDER, self.members, call.kind, executor.path
         ring, algorithm = recorder.ring, call.algorithm or executor.strategy
         # ``finish``'s common case, bound: a result in the caller's ``out``, nothing to scale
-        given = call.out_given if call.out is not None and agreed.op is not ReduceOp.MEAN else None
+        plain = type(call).finish is Call.finish and call.out is not None and agreed.op is not ReduceOp.MEAN
+        given = call.out_given if plain else None
 
         def use(seconds: float) -> Any:
             job.check_member(peer)  # (without the lock: it reads; a finish() racing it fails the step)

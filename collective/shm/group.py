@@ -294,7 +294,8 @@ class ShmGroup:
                 return slow()
             try:
                 found = agains.get(task)
-                if found is not again:  # (the group let it go, and a general step found it anew)
+                if found is not again or found.channels is not channels:  # (let go and found anew,
+                    # or read again through channels that moved)
                     if found is None or found.channels is not group._channels:
                         return slow()
                     bind(found)
