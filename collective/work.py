@@ -107,6 +107,13 @@ class Sequencer:
 
     def __init__(self, name: str) -> None:
         self._name = name
+        self._fresh()
+        _SEQUENCERS.add(self)
+
+    def _fresh(self) -> None:
+        """No call run or queued, no worker: as made, and in a child process just forked (no thread
+        of the parent's runs there: its turn, the calls it queued and its worker stay the parent's;
+        a worker forked along keeps the old queue)."""
         self._turn = threading.Lock()  # held by the party running calls
         self._queue: deque[Callable[[], None]] = deque()  # jobs that hand their outcome on
         self._lock = threading.Lock()  # guards the worker's parking (the two fields below, batons' flags)
@@ -114,15 +121,6 @@ class Sequencer:
         self._worker: threading.Thread | None = None
         self._bell = threading.Lock()  # released once per hand-off to the parked worker
         self._bell.acquire()
-        _SEQUENCERS.add(self)
-
-    def _forked(self) -> None:
-        """In a child process just forked: no thread of the parent's runs here (its turn, the
-        calls it queued and its worker stay the parent's)."""
-        self._turn, self._lock, self._bell = threading.Lock(), threading.Lock(), threading.Lock()
-        self._bell.acquire()
-        self._queue = deque()  # (a worker forked along keeps the old one)
-        self._parked, self._worker = False, None
 
     @property
     def pending(self) -> int:
@@ -171,27 +169,28 @@ class Sequencer:
             with self._lock:
                 given, baton.abandoned = baton.given, not baton.given  # (not given: the worker skips it)
             if given:
-                turn.release()
-                if self._queue:
-                    self._resume()
+                self._let_go()
             raise
         try:
             return call(*args)
         finally:
-            turn.release()
-            if self._queue:
-                self._resume()
+            self._let_go()
 
     def wait_idle(self) -> None:
         """Wait until every call issued so far has ended (each is bounded by its own timeout)."""
         while True:
             self._turn.acquire()
             if not self._queue:
-                self._turn.release()
-                if self._queue:
-                    self._resume()
+                self._let_go()
                 return
             self._hand_to_worker()
+
+    def _let_go(self) -> None:
+        """Let the turn go, and take it again for jobs queued meanwhile (``call``'s first way does
+        the same inline)."""
+        self._turn.release()
+        if self._queue:
+            self._resume()
 
     def _resume(self) -> None:
         """Jobs were queued while the turn was held and it was let go: take it for them, unless
@@ -255,7 +254,7 @@ _SEQUENCERS: weakref.WeakSet[Sequencer] = weakref.WeakSet()
 
 def _forked() -> None:
     for sequencer in list(_SEQUENCERS):
-        sequencer._forked()
+        sequencer._fresh()
 
 
 if hasattr(os, "register_at_fork"):

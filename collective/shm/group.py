@@ -317,8 +317,7 @@ class ShmGroup:
                 own = owns[slot]
                 if own is not None:
                     own()
-                group._active, group.ended = None, (s, None)  # (``_finished``, inline)
-                group.post(s << 32 | END)
+                self._finished(s)
                 STEPS[kind] += 1
                 return result
             finally:
@@ -501,8 +500,7 @@ class ShmGroup:
         """Raise this process's progress in the group to ``value`` and wake members that sleep."""
         self.mine.progress[0] = value
         segment = self._segment
-        bell = segment.bell  # (``segment.bump()``, inline: twice a step)
-        bell[0] = (bell[0] + 1) & 0x7FFFFFFF
+        segment.bump()
         for other in self._others:
             if other.sleepers[0]:
                 segment.wake()

@@ -127,11 +127,9 @@ class HostRing:
     def hold(self, group: User) -> bool:
         """Mark ``group`` busy in the channel it holds (``channel``'s common case, without a step's
         label or deadline: a persistent use's lane); False when it holds none now (then ``channel``)."""
-        with self._lock:  # (``_holding``, inline: a use's every step passes here)
-            index = group.index
-            if index is None or self._users[index] is not group:
+        with self._lock:
+            if self._holding(group) is None:
                 return False
-            self._used[index] = time.monotonic()
             group.busy = True  # (under the lock: no other thread's group takes the channel now)
             return True
 
