@@ -542,6 +542,28 @@ def test_keeping_study_times_calls_on_the_same_and_on_new_arrays(capsys: pytest.
     assert all(float(row[2]) > 0 and float(row[4]) > 0 for row in rows.values()), out
 
 
+def test_trace_overhead_study_times_the_recorder_on_off_and_its_least(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from collective.bench.studies import trace_overhead
+    from collective.trace import RECORDER
+
+    size = RECORDER.size
+    assert trace_overhead.main(["--rounds", "1", "--calls", "30"]) == 0
+    assert RECORDER.size == size  # (switched back on as it was)
+    out = capsys.readouterr().out
+    rows = {
+        line.split(":")[0].split("B")[1].strip(): line.split()
+        for line in out.splitlines()
+        if "on/off" in line
+    }
+    assert set(rows) == {"4 threads", "2 processes"}, out
+    for row in rows.values():
+        figures = dict(zip(row[-10::2], row[-9::2], strict=True))
+        assert {"on", "off", "least", "on/off", "least/off"} == set(figures), out
+        assert all(float(value) > 0 for value in figures.values()), out
+
+
 def test_thread_floor_bench_times_the_floor_the_baseline_and_ours(capsys: pytest.CaptureFixture[str]) -> None:
     from collective.bench import thread_floor
 
@@ -550,10 +572,10 @@ def test_thread_floor_bench_times_the_floor_the_baseline_and_ours(capsys: pytest
     rows = {
         line.split()[0]: line.split()[1:]
         for line in out.splitlines()
-        if line.split()[:1] in (["floor"], ["trivial"], ["ours"])
+        if line.split()[:1] in (["floor"], ["recorded"], ["trivial"], ["ours"])
     }
-    assert set(rows) == {"floor", "trivial", "ours"}, out
-    assert all(float(wall) > 0 and float(cpu) > 0 for wall, cpu, _ in rows.values()), out
+    assert set(rows) == {"floor", "recorded", "trivial", "ours"}, out
+    assert all(float(wall) > 0 and float(cpu) > 0 for wall, cpu, _, _ in rows.values()), out
 
 
 def test_a_zero_minimum_size_sweeps_once_from_empty() -> None:
