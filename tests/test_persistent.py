@@ -274,6 +274,61 @@ def test_a_repeated_call_runs_kept_and_one_without_out_is_never_kept() -> None:
         assert all(seen[2 * use + 1] == [3.0, 3.0] for seen in found.values()), found
 
 
+def test_thread_peers_fuse_their_kept_calls_again_without_agreeing_or_choosing_anew(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Among thread peers, a step of the same kept calls as a step fused before (two handles used in
+    turn, as a layer's two all_reduces are) computes the results without the agreement and the
+    executor's choice (``choose`` runs for none of the later uses); each use reads its inputs then,
+    and a use met by another handle is still a mismatch on every peer, after which both go on."""
+    import collective.executors.rendezvous as rendezvous
+
+    chosen: list[str] = []
+    real_choose = rendezvous.choose
+
+    def counted(*args: Any) -> Any:
+        chosen.append(args[-1])  # (the step's label)
+        return real_choose(*args)
+
+    monkeypatch.setattr(rendezvous, "choose", counted)
+    counts: dict[int, int] = {}
+
+    def body(rt: col.Runtime, p: int) -> list[Any]:
+        x, y = np.zeros(2, np.float32), np.zeros(3, np.int64)
+        first, second = rt.all_reduce_init(p, x, out=x), rt.all_reduce_init(p, y, op="max", out=y)
+        seen = []
+        for use in range(8):
+            if use == 1:
+                rt.barrier(p)
+                if p == 0:
+                    counts[0] = len(chosen)
+                rt.barrier(p)
+            x[:] = p + use
+            y[:] = p * 10 + use
+            seen.append((first().tolist(), second().tolist()))
+        rt.barrier(p)
+        if p == 0:
+            counts[1] = len(chosen)
+        try:
+            (first if p == 0 else second)()
+        except col.MismatchError as exc:
+            seen.append(type(exc).__name__)
+        x[:], y[:] = 1, p
+        seen.append((first().tolist(), second().tolist()))
+        first.free()
+        second.free()
+        return seen
+
+    found = run_peers(4, body)
+    for p, seen in found.items():
+        assert not isinstance(seen, Exception), found
+        for use in range(8):
+            assert seen[use] == ([6.0 + 4 * use] * 2, [30 + use] * 3), (p, seen)
+        assert seen[8:] == ["MismatchError", ([4.0] * 2, [3] * 3)], (p, seen)
+    # the uses after the first chose nothing (the barriers between them chose their own step)
+    assert [label for label in chosen[counts[0] : counts[1]] if "barrier" not in label] == []
+
+
 def test_an_out_made_read_only_fails_the_use_on_every_peer() -> None:
     """Each use would write through the view made when the handle was: a read-only ``out`` now is
     a changed buffer (the result is not written), on every peer; the group goes on."""

@@ -70,6 +70,7 @@ class Call:
         "back",
         "created",
         "device",
+        "fused_with",
         "kept",
         "last",
         "number",
@@ -130,6 +131,9 @@ class Call:
         # A persistent call's signature, kept once agreed (collective.persistent): its uses skip prepare.
         self.kept: Signature | None = None
         self.last: Any = None  # its last use's Step, where a use may run again as it (Rendezvous.again)
+        # A kept call of the first local peer, fused with the other local peers' kept calls: (their
+        # calls, the signature agreed, the movement), which a step of the same calls fuses again.
+        self.fused_with: tuple[tuple[Call, ...], Signature, Movement] | None = None
 
     # -- before the rendezvous: this peer's own checks ------------------------------------------
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import operator
 import os
 import threading
 import time
@@ -25,7 +26,7 @@ from collective.calls import Barrier, rules_of
 from collective.calls.base import Call
 from collective.calls.signature import Signature, agree, describe_peers, unanimous
 from collective.errors import CollectiveError, CollectiveTimeout, MismatchError, PeerLostError
-from collective.executors import choose
+from collective.executors import Fused, choose
 from collective.executors.step import Executor, Plan, Site, Step
 from collective.trace import CLOCK, RECORDER, SEQ
 from collective.transport.inproc import Doorbell, claim_armed, clone_error, ring_claimed
@@ -466,6 +467,12 @@ class Rendezvous:
 
     def _decide(self, slot: _Slot) -> Plan | CollectiveError:
         calls = [slot.calls[i] for i in range(len(self.local))]
+        again = calls[0].fused_with
+        if again is not None and all(map(operator.is_, calls[1:], again[0])):  # kept calls fused before
+            self._steps += 1
+            kept, movement = again[1], again[2]
+            fused = Fused(kept, calls, movement.fuse([call.source() for call in calls]))
+            return Plan(slot.number, kept, calls, self.members, fused)
         agreed = unanimous([call.signature for call in calls], calls[0].rules)
         if agreed is None:
             ranks = self._ranks
@@ -485,6 +492,11 @@ class Rendezvous:
         except CollectiveError as exc:  # found in the agreed call (its movement): every peer's verdict
             return exc
         self._steps += 1
+        # Kept calls (persistent, or kept by the runtime) are checked and agreed once and cannot
+        # change: met again, all of them, they agree as now and choose the same way (their arrays,
+        # sizes and devices are the same), so their next step skips to the fused results.
+        if type(executor) is Fused and all(call.kept is not None for call in calls):
+            calls[0].fused_with = (tuple(calls[1:]), agreed, calls[0].movement(agreed, len(self.members)))
         return Plan(slot.number, agreed, calls, self.members, executor)
 
     def _who(self, ranks: list[int]) -> str:
