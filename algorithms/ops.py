@@ -120,7 +120,8 @@ _TORCH_KERNELS = {ReduceOp.SUM: "add", ReduceOp.MEAN: "add", ReduceOp.PROD: "mul
 
 
 def elementwise(op: ReduceOp, like: np.ndarray) -> Callable[..., Any]:
-    """What computes ``op`` elementwise on numpy arrays like ``like``, called ``(a, b, out=out)``.
+    """What computes ``op`` elementwise on numpy arrays like ``like``, called ``(a, b, out)``
+    (``out`` by position or by keyword).
 
     numpy's ufunc, but for large float16 sums and products when torch is already imported (the
     torch backend's processes, any torch user's): numpy works on half precision one element at a

@@ -96,9 +96,9 @@ def reduce_all(op: ReduceOp, inputs: Sequence[Any], out: Array | None = None) ->
     if type(first) is np.ndarray:  # the ufunc itself: this runs on every small step
         ufunc = elementwise(op, first)  # (numpy's ufunc; a large half-precision one: torch's kernel)
         result = out if out is not None else np.empty(first.shape, first.dtype)  # (the inputs' dtype:
-        ufunc(first, inputs[1], out=result)  # a ufunc's own result of '>f4' inputs is '<f4')
-        for other in inputs[2:]:
-            ufunc(result, other, out=result)
+        ufunc(first, inputs[1], result)  # a ufunc's own result of '>f4' inputs is '<f4'; out given
+        for other in inputs[2:]:  # by position: a keyword costs a small call a tenth more)
+            ufunc(result, other, result)
         return result
     result = out if out is not None else array_module(first).empty(first.shape, first.dtype)
     ufunc = getattr(array_module(result), op.ufunc_name)
@@ -310,7 +310,7 @@ class Reduction(Movement):
     def own_bound(self, inputs: list[Any], rank: int, dst: Array) -> Callable[[], Any]:
         first = inputs[0]
         if len(inputs) == 2 and type(first) is np.ndarray and type(dst) is np.ndarray:  # (reduce_all's
-            return partial(elementwise(self.op, first), first, inputs[1], out=dst)  # ufunc, bound)
+            return partial(elementwise(self.op, first), first, inputs[1], dst)  # ufunc, bound)
         return super().own_bound(inputs, rank, dst)
 
     def shared(self, inputs: list[Any]) -> Any:
