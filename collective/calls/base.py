@@ -132,8 +132,9 @@ class Call:
         self.kept: Signature | None = None
         self.last: Any = None  # its last use's Step, where a use may run again as it (Rendezvous.again)
         # A kept call of the first local peer, fused with the other local peers' kept calls: (their
-        # calls, the signature agreed, the movement), which a step of the same calls fuses again.
-        self.fused_with: tuple[tuple[Call, ...], Signature, Movement] | None = None
+        # calls, the signature agreed, the movement, every call's out and its flat view where the
+        # results go there), which a step of the same calls fuses again.
+        self.fused_with: tuple[tuple[Call, ...], Signature, Movement, Outs | None] | None = None
 
     # -- before the rendezvous: this peer's own checks ------------------------------------------
 
@@ -259,3 +260,4 @@ class Call:
 
 
 _MOVEMENTS: dict[tuple[Signature, int], Movement] = {}
+Outs = tuple[list[Any], list[Any]]  # every local peer's out, and its flat view (Call.fused_with)

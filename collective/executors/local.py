@@ -86,6 +86,17 @@ class Fused:
                     result.reshape(-1)[...] = value  # results are C-contiguous numpy arrays
             self.results.append(result)
 
+    @classmethod
+    def into(cls, outs: list[Array], flats: list[Array], fused: list[Array | None]) -> Fused:
+        """Fused results of calls that each write theirs into their own ``out`` (C-contiguous numpy
+        arrays, ``flats`` their flat views), as ``__init__`` writes them: a step of the same calls
+        again (collective.executors.rendezvous)."""
+        for target, value in zip(flats, fused, strict=True):
+            target[...] = value
+        executor = cls.__new__(cls)
+        executor.results = list(outs)
+        return executor
+
     def run(self, step: Step) -> Array | None:
         return self.results[step.rank]
 

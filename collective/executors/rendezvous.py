@@ -20,6 +20,8 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
+import numpy as np
+
 from collective.algorithms.ops import ReduceOp
 from collective.arrays import Device
 from collective.calls import Barrier, rules_of
@@ -470,8 +472,9 @@ class Rendezvous:
         again = calls[0].fused_with
         if again is not None and all(map(operator.is_, calls[1:], again[0])):  # kept calls fused before
             self._steps += 1
-            kept, movement = again[1], again[2]
-            fused = Fused(kept, calls, movement.fuse([call.source() for call in calls]))
+            _, kept, movement, outs = again
+            values = movement.fuse([call.source() for call in calls])
+            fused = Fused(kept, calls, values) if outs is None else Fused.into(outs[0], outs[1], values)
             return Plan(slot.number, kept, calls, self.members, fused)
         agreed = unanimous([call.signature for call in calls], calls[0].rules)
         if agreed is None:
@@ -496,11 +499,23 @@ class Rendezvous:
         # change: met again, all of them, they agree as now and choose the same way (their arrays,
         # sizes and devices are the same), so their next step skips to the fused results.
         if type(executor) is Fused and all(call.kept is not None for call in calls):
-            calls[0].fused_with = (tuple(calls[1:]), agreed, calls[0].movement(agreed, len(self.members)))
+            movement = calls[0].movement(agreed, len(self.members))
+            calls[0].fused_with = (tuple(calls[1:]), agreed, movement, _outs(executor.results, calls))
         return Plan(slot.number, agreed, calls, self.members, executor)
 
     def _who(self, ranks: list[int]) -> str:
         return describe_peers([self.members[rank] for rank in ranks])
+
+
+def _outs(results: list[Any], calls: list[Call]) -> tuple[list[Any], list[Any]] | None:
+    """(every call's ``out``, its flat view) where a fused step wrote every result into its call's
+    ``out``, a C-contiguous numpy array; else None."""
+    for result, call in zip(results, calls, strict=True):
+        if result is None or result is not call.out or type(result) is not np.ndarray:
+            return None
+        if not result.flags.c_contiguous:
+            return None
+    return results, [result.reshape(-1) for result in results]
 
 
 DUMPED_ON = (CollectiveTimeout, PeerLostError, MismatchError)  # a peer's failure: the dump says whose
