@@ -565,7 +565,7 @@ def test_trace_overhead_study_times_the_recorder_on_off_and_its_least(
 
 
 def test_thread_floor_bench_times_the_floor_the_baseline_and_ours(capsys: pytest.CaptureFixture[str]) -> None:
-    from collective.bench import thread_floor
+    from collective.bench.studies import thread_floor
 
     assert thread_floor.main(["--peers", "2", "--calls", "50", "--rounds", "1"]) == 0
     out = capsys.readouterr().out

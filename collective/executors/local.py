@@ -16,7 +16,7 @@ import numpy as np
 from collective.algorithms.ops import Array, array_module, copy_into
 from collective.algorithms.strategies import Strategy
 from collective.arrays import CPU, flat
-from collective.calls.base import Call
+from collective.calls.base import Call, Outs
 from collective.calls.movement import Movement
 from collective.calls.signature import Signature
 from collective.errors import CollectiveError
@@ -85,6 +85,18 @@ class Fused:
                 if result is not None:
                     result.reshape(-1)[...] = value  # results are C-contiguous numpy arrays
             self.results.append(result)
+
+    def outs(self, calls: list[Call]) -> Outs | None:
+        """(every call's ``out``, its flat view) where this step wrote each result into its call's
+        ``out``, a C-contiguous numpy array (``into`` writes a step of the same calls so); else None."""
+        outs: list[Array] = []
+        for result, call in zip(self.results, calls, strict=True):
+            if result is None or result is not call.out or type(result) is not np.ndarray:
+                return None
+            if not result.flags.c_contiguous:
+                return None
+            outs.append(result)
+        return outs, [out.reshape(-1) for out in outs]
 
     @classmethod
     def into(cls, outs: list[Array], flats: list[Array], fused: list[Array | None]) -> Fused:

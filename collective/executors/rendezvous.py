@@ -20,8 +20,6 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
 
-import numpy as np
-
 from collective.algorithms.ops import ReduceOp
 from collective.arrays import Device
 from collective.calls import Barrier, rules_of
@@ -500,22 +498,11 @@ class Rendezvous:
         # sizes and devices are the same), so their next step skips to the fused results.
         if type(executor) is Fused and all(call.kept is not None for call in calls):
             movement = calls[0].movement(agreed, len(self.members))
-            calls[0].fused_with = (tuple(calls[1:]), agreed, movement, _outs(executor.results, calls))
+            calls[0].fused_with = (tuple(calls[1:]), agreed, movement, executor.outs(calls))
         return Plan(slot.number, agreed, calls, self.members, executor)
 
     def _who(self, ranks: list[int]) -> str:
         return describe_peers([self.members[rank] for rank in ranks])
-
-
-def _outs(results: list[Any], calls: list[Call]) -> tuple[list[Any], list[Any]] | None:
-    """(every call's ``out``, its flat view) where a fused step wrote every result into its call's
-    ``out``, a C-contiguous numpy array; else None."""
-    for result, call in zip(results, calls, strict=True):
-        if result is None or result is not call.out or type(result) is not np.ndarray:
-            return None
-        if not result.flags.c_contiguous:
-            return None
-    return results, [result.reshape(-1) for result in results]
 
 
 DUMPED_ON = (CollectiveTimeout, PeerLostError, MismatchError)  # a peer's failure: the dump says whose

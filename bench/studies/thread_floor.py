@@ -1,6 +1,6 @@
 """What a small collective among thread peers costs here, against the least any could cost.
 
-    python -m collective.bench.thread_floor [--peers 4] [--calls 3000] [--rounds 3]
+    python -m collective.bench.studies.thread_floor [--peers 4] [--calls 3000] [--rounds 3]
 
 ``--peers`` threads of this process call an 8 B float32 all_reduce back to back, three ways, and
 each reports wall and CPU time (``time.thread_time``) per call, the slowest peer's:
@@ -71,8 +71,8 @@ def floor(peers: int, calls: int, recorded: bool = False) -> tuple[float, float]
     inputs = [np.ones(2, np.float32) for _ in range(peers)]
     outputs = [np.empty(2, np.float32) for _ in range(peers)]
     results: list[np.ndarray] = [inputs[0]] * peers
-    ring: list[tuple[Any, ...]] = []
-    members = tuple(range(peers))
+    ring: list[tuple[Any, ...]] = []  # (the recorder's entries)
+    members, kind, path, state = tuple(range(peers)), "all_reduce", "fused", "completed"
 
     def use(rank: int) -> None:
         wait = -1.0  # (no deadline)
@@ -99,21 +99,7 @@ def floor(peers: int, calls: int, recorded: bool = False) -> tuple[float, float]
         if recorded:
             done = CLOCK()
             ring.append(
-                (
-                    rank,
-                    members,
-                    0,
-                    "all_reduce",
-                    origin,
-                    None,
-                    "fused",
-                    None,
-                    "completed",
-                    created,
-                    created,
-                    done,
-                    None,
-                )
+                (rank, members, 0, kind, origin, None, path, None, state, created, created, done, None)
             )
             if len(ring) >= 4000:
                 del ring[:2000]
