@@ -40,12 +40,13 @@ from collective.trace import CLOCK, caller
 __all__ = ["main", "measure"]
 
 Loop = Callable[[int], None]
+WAIT = 300.0  # seconds any peer waits for the others at a barrier of its own (then BrokenBarrierError)
 
 
 def _timed(peers: int, loop: Loop, setup: Loop | None = None) -> tuple[float, float]:
     """(wall, CPU) seconds of the slowest peer's ``loop(rank)``, after every ``setup(rank)``."""
     times: dict[int, tuple[float, float]] = {}
-    start = threading.Barrier(peers)
+    start = threading.Barrier(peers, timeout=WAIT)
 
     def run(rank: int) -> None:
         if setup is not None:
@@ -113,7 +114,7 @@ def floor(peers: int, calls: int, recorded: bool = False) -> tuple[float, float]
 
 
 def trivial(peers: int, calls: int) -> tuple[float, float]:
-    barrier = threading.Barrier(peers)
+    barrier = threading.Barrier(peers)  # (as the reference baseline waits: no timeout)
     inputs = [np.ones(2, np.float32) for _ in range(peers)]
     outputs = [np.empty(2, np.float32) for _ in range(peers)]
     result = np.empty(2, np.float32)

@@ -42,6 +42,7 @@ from collective.trace.recorder import DEFAULT_SIZE
 __all__ = ["WAYS", "main"]
 
 WAYS = ("off", "on", "least")
+WAIT = 600.0  # seconds a peer waits for the others at a round's barrier (then BrokenBarrierError)
 ON = RECORDER.size or DEFAULT_SIZE  # the ring's size when on (COLLECTIVE_TRACE_SIZE's, else the default)
 
 
@@ -92,7 +93,7 @@ def threads(rounds: int, calls: int, nbytes: int) -> dict[str, float]:
     size = RECORDER.size
     with Runtime() as runtime:
         config = CollectiveConfig(num_devices=4)
-        start, done = threading.Barrier(5), threading.Barrier(5)
+        start, done = threading.Barrier(5, timeout=WAIT), threading.Barrier(5, timeout=WAIT)
         way = ""
 
         def peer(p: int) -> None:
@@ -144,7 +145,10 @@ def processes(rounds: int, calls: int, nbytes: int) -> dict[str, float]:
         lines = collect_lines(workers, "trace_overhead worker", 600)
     finally:
         stop_processes([*workers, orchestrator])
-    found: dict[str, float] = json.loads(next(line for line in lines if line.startswith("{")))
+    medians = next((line for line in lines if line.startswith("{")), None)
+    if medians is None:
+        raise RuntimeError(f"trace_overhead: the first worker printed no medians: {lines[-5:]}")
+    found: dict[str, float] = json.loads(medians)
     return found
 
 
