@@ -2,8 +2,8 @@
 
     python -m collective.bench.studies.thread_floor [--peers 4] [--calls 3000] [--rounds 3]
 
-``--peers`` threads of this process call an 8 B float32 all_reduce back to back, three ways, and
-each reports wall and CPU time (``time.thread_time``) per call, the slowest peer's:
+``--peers`` threads of this process call an 8 B float32 all_reduce back to back, each of these
+ways, and each reports wall and CPU time (``time.thread_time``) per call, the slowest peer's:
 
 * ``floor``: the least a one-wake-up collective can do in Python: a counter under a lock; the
   last peer to arrive sums the inputs and releases one lock per waiting peer (one wake-up each);

@@ -9,9 +9,10 @@ per-call time of ``--calls`` back-to-back all_reduces with ``out=``, the slowest
 * ``off``: COLLECTIVE_TRACE_SIZE=0;
 * ``on``: the recorder as it always runs (its entries tallied into ``stats()`` in batches);
 * ``least``: the recorder off, and around each call, in the caller's loop, the least that any
-  recorder of the issue's fields does: the caller's frame looked up (``trace.caller``), two clock
-  reads, one entry appended to a ring (dropped in batches, never tallied). ``least / off`` is the
-  floor of the recorder's overhead in this interpreter: no recorder goes under it.
+  recorder of every call's caller, times and entry does: the caller's frame looked up
+  (``trace.caller``), two clock reads, one entry appended to a ring (dropped in batches, never
+  tallied). ``least / off`` is the floor of the recorder's overhead in this interpreter: no
+  recorder goes under it.
 
 Peers: 4 threads of this process, and 2 processes (one peer each, meeting through an orchestrator;
 this module is their worker with ``--worker``).
