@@ -54,31 +54,15 @@ def _calls(use: Callable[[], Any], calls: int, least: bool, rank: int) -> float:
         for _ in range(calls):
             use()
         return time.perf_counter() - began
-    ring: list[tuple[Any, ...]] = []
-    members = (rank,)
+    ring: list[tuple[Any, ...]] = []  # (the recorder's entries)
+    members, kind, path, state = (rank,), "all_reduce", "-", "completed"
     began = time.perf_counter()
     for _ in range(calls):
         origin = caller(1)
         created = CLOCK()
         use()
         done = CLOCK()
-        ring.append(
-            (
-                rank,
-                members,
-                0,
-                "all_reduce",
-                origin,
-                None,
-                "-",
-                None,
-                "completed",
-                created,
-                created,
-                done,
-                None,
-            )
-        )
+        ring.append((rank, members, 0, kind, origin, None, path, None, state, created, created, done, None))
         if len(ring) >= 2 * ON:
             del ring[:ON]
     return time.perf_counter() - began
