@@ -70,9 +70,16 @@ class Fused:
     strategy = None  # (no schedule: one exchange)
     runs_again = False  # (the results are computed when it is chosen)
 
-    def __init__(self, agreed: Signature, calls: list[Call], fused: list[Array | None]) -> None:
-        size = len(calls)
+    def __init__(
+        self, agreed: Signature, calls: list[Call], fused: list[Array | None], outs: Outs | None = None
+    ) -> None:
         self.results: list[Array | None] = []
+        if outs is not None:  # (every call's out and its flat view, as ``outs()`` found them last time)
+            for target, value in zip(outs[1], fused, strict=True):
+                target[...] = value
+            self.results.extend(outs[0])
+            return
+        size = len(calls)
         for rank, call in enumerate(calls):
             value = fused[rank]
             if call.out is None and value is not None and value.dtype == agreed.dtype:  # a new result:
@@ -88,7 +95,8 @@ class Fused:
 
     def outs(self, calls: list[Call]) -> Outs | None:
         """(every call's ``out``, its flat view) where this step wrote each result into its call's
-        ``out``, a C-contiguous numpy array (``into`` writes a step of the same calls so); else None."""
+        ``out``, a C-contiguous numpy array (a step of the same calls is then made with them, and
+        writes its results through the flat views); else None."""
         outs: list[Array] = []
         for result, call in zip(self.results, calls, strict=True):
             if result is None or result is not call.out or type(result) is not np.ndarray:
@@ -97,17 +105,6 @@ class Fused:
                 return None
             outs.append(result)
         return outs, [out.reshape(-1) for out in outs]
-
-    @classmethod
-    def into(cls, outs: list[Array], flats: list[Array], fused: list[Array | None]) -> Fused:
-        """Fused results of calls that each write theirs into their own ``out`` (C-contiguous numpy
-        arrays, ``flats`` their flat views), as ``__init__`` writes them: a step of the same calls
-        again (collective.executors.rendezvous)."""
-        for target, value in zip(flats, fused, strict=True):
-            target[...] = value
-        executor = cls.__new__(cls)
-        executor.results = list(outs)
-        return executor
 
     def run(self, step: Step) -> Array | None:
         return self.results[step.rank]

@@ -472,8 +472,7 @@ class Rendezvous:
             self._steps += 1
             _, kept, movement, outs = again
             values = movement.fuse([call.source() for call in calls])
-            fused = Fused(kept, calls, values) if outs is None else Fused.into(outs[0], outs[1], values)
-            return Plan(slot.number, kept, calls, self.members, fused)
+            return Plan(slot.number, kept, calls, self.members, Fused(kept, calls, values, outs))
         agreed = unanimous([call.signature for call in calls], calls[0].rules)
         if agreed is None:
             ranks = self._ranks
